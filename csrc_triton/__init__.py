@@ -1,0 +1,1 @@
+"""Triton kernels and device helpers of dsv4_ops (installed as ``dsv4_ops.csrc_triton``)."""
