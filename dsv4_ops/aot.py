@@ -74,7 +74,8 @@ def _ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        res = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", path, "-o", os.devnull],
+        target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+        res = subprocess.run([ptxas, f"-arch={target.group(1) if target else f'sm_{arch}'}", "-v", path, "-o", os.devnull],
                              capture_output=True, text=True, check=True)
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
