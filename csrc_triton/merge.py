@@ -51,7 +51,7 @@ def _merge_splits_kernel(
 
 def merge_config(n_splits: int, head_dim: int = 512) -> dict:
     """Launch config for S splits, as plain data: BLOCK_S = next_pow2(S), BLOCK_D such that a
-    program holds at most 8192 fp32 values of o_part (no spills at 4 warps)."""
+    program holds at most 4096 fp32 values of o_part (no spills at 4 warps)."""
     block_s = triton.next_power_of_2(max(int(n_splits), 1))
-    block_d = max(64, min(head_dim, 8192 // block_s))
+    block_d = max(32, min(head_dim, 4096 // block_s))
     return {"BLOCK_S": block_s, "BLOCK_D": block_d, "num_warps": 4, "num_stages": 1}

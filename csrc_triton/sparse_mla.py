@@ -93,3 +93,34 @@ SPLIT_CONFIG = {
     "portable": {"BLOCK_H": 16, "BLOCK_N": PARTITION_N, "num_warps": 4, "num_stages": 2},
     "native": {"BLOCK_H": 16, "BLOCK_N": PARTITION_N, "num_warps": 4, "num_stages": 2},
 }
+
+
+@triton.jit
+def _dsv4_decode_indices_kernel(
+    topk_slots_ptr, topk_length_ptr, swa_slots_ptr, indices_ptr,
+    T, K1, K2, cap_c, cap_w, stride_topk_t, stride_swa_t,
+    BLOCK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr,
+):
+    """Grid (T, cdiv(K1 + K2, BLOCK)): indices of the DSv4 decode workspace for one token.
+
+    Workspace rows: [0, T*K1) the compressed top-k rows token-major, [T*K1, T*(K1+K2)) the
+    window rows. indices[t, j] = t*K1 + j (j < K1) or T*K1 + t*K2 + j - K1, and -1 where the
+    slot is invalid (< 0 or >= the cache's capacity) or j >= topk_length[t] (j < K1 only):
+    the gather wrote a zero row there, which must not be attended.
+    """
+    pid_t = tl.program_id(0).to(tl.int64)
+    o_j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_c = o_j < K1
+    m_w = (o_j >= K1) & (o_j < K1 + K2)
+    b_sc = tl.load(topk_slots_ptr + pid_t * stride_topk_t + o_j, mask=m_c, other=-1).to(tl.int64)
+    b_sw = tl.load(swa_slots_ptr + pid_t * stride_swa_t + (o_j - K1), mask=m_w, other=-1).to(tl.int64)
+    ok_c = m_c & (b_sc >= 0) & (b_sc < cap_c)
+    if HAS_TOPK_LENGTH:
+        ok_c = ok_c & (o_j < tl.load(topk_length_ptr + pid_t))
+    ok_w = m_w & (b_sw >= 0) & (b_sw < cap_w)
+    b_row = tl.where(m_c, pid_t * K1 + o_j, T * K1 + pid_t * K2 + (o_j - K1))
+    b_idx = tl.where(ok_c | ok_w, b_row, -1)
+    tl.store(indices_ptr + pid_t * (K1 + K2) + o_j, b_idx.to(tl.int32), mask=o_j < K1 + K2)
+
+
+INDICES_CONFIG = {"BLOCK": 1024, "num_warps": 4}

@@ -55,3 +55,104 @@ def ref_e4m3_encode(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
     code = torch.where(nan, torch.full_like(code, E4M3_NAN_CODE if exact else E4M3_MAX_CODE), code)
     code = torch.where(neg, code | 0x80, code)
     return code.to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------
+# Sparse MLA decode with attention sink (ops sparse_mla_split, merge_splits,
+# sparse_mla_decode). Shapes: q [T, H, D], kv [N, D], indices [T, K], D = 512.
+# ---------------------------------------------------------------------------------------
+
+ATTN_PARTITION_N = 16  # key-block granularity of the split partition (csrc_triton.sparse_mla)
+
+
+def _ref_attn_valid(indices: torch.Tensor, topk_length, n_rows: int) -> torch.Tensor:
+    """bool [T, K]: 0 <= indices < N and j < topk_length[t]."""
+    valid = (indices >= 0) & (indices < n_rows)
+    if topk_length is not None:
+        j = torch.arange(indices.shape[1], device=indices.device)
+        valid = valid & (j[None, :] < topk_length.to(torch.int64)[:, None])
+    return valid
+
+
+def _ref_attn_scores(q, kv, indices, valid, sm_scale, dtype):
+    """(scores [T, H, K] with -inf where invalid, gathered kv [T, K, D]), in ``dtype``."""
+    rows = torch.where(valid, indices.to(torch.int64), torch.zeros_like(indices, dtype=torch.int64))
+    kv_g = kv.to(dtype)[rows]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q.to(dtype), kv_g) * sm_scale
+    return s.masked_fill(~valid[:, None, :], float("-inf")), kv_g
+
+
+def ref_sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length,
+                          sink, sm_scale: float, out_dtype: torch.dtype = torch.bfloat16):
+    """Sparse MLA with sink (DESIGN.md, "Attention semantics"), computed in float64.
+
+    q [T, H, D]; kv [N, D]; indices int [T, K]; topk_length int [T] or None; sink float [H] or
+    None. Returns out [T, H, D] in ``out_dtype`` (bf16, the op's dtype) and lse float32 [T, H].
+    """
+    T, H = q.shape[0], q.shape[1]
+    valid = _ref_attn_valid(indices, topk_length, kv.shape[0])
+    s, kv_g = _ref_attn_scores(q, kv, indices, valid, sm_scale, torch.float64)  # [T, H, K]
+    sk = (torch.full((H,), float("-inf"), dtype=torch.float64, device=q.device) if sink is None
+          else sink.to(torch.float64))
+    m = torch.maximum(s.amax(dim=-1) if s.shape[-1] else torch.full((T, H), float("-inf"), dtype=torch.float64,
+                                                                     device=q.device), sk[None, :])
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe[..., None])  # [T, H, K]; 0 where invalid
+    den = p.sum(-1) + torch.exp(sk[None, :] - m_safe)
+    den_safe = torch.where(den > 0, den, torch.ones_like(den))
+    out = torch.einsum("thk,tkd->thd", p / den_safe[..., None], kv_g)
+    lse = torch.where(den > 0, m_safe + torch.log(den_safe), torch.full_like(den, float("-inf")))
+    return out.to(out_dtype), lse.to(torch.float32)
+
+
+def ref_split_bounds(indices: torch.Tensor, topk_length, num_splits: int):
+    """int64 [T, S] start and end key positions of every split (the kernel's partition)."""
+    T, K = indices.shape
+    k_len = torch.full((T,), K, dtype=torch.int64, device=indices.device)
+    if topk_length is not None:
+        k_len = topk_length.to(torch.int64).clamp(0, K)
+    nb = (k_len + ATTN_PARTITION_N - 1) // ATTN_PARTITION_N  # [T]
+    s = torch.arange(num_splits + 1, dtype=torch.int64, device=indices.device)
+    edges = (s[None, :] * nb[:, None]) // num_splits * ATTN_PARTITION_N  # [T, S + 1]
+    return edges[:, :-1], edges[:, 1:]
+
+
+def ref_sparse_mla_split(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length,
+                         sm_scale: float, num_splits: int):
+    """Per-split partials in the kernel's layout, computed in float64.
+
+    Returns o_part float32 [T, H, S, D] (normalised per split) and lse_part float32 [T, H, S];
+    an empty split has o = 0, lse = -inf.
+    """
+    T, H, D = q.shape
+    valid = _ref_attn_valid(indices, topk_length, kv.shape[0])
+    lo, hi = ref_split_bounds(indices, topk_length, num_splits)
+    j = torch.arange(indices.shape[1], device=indices.device)
+    o_part = torch.zeros((T, H, num_splits, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.full((T, H, num_splits), float("-inf"), dtype=torch.float32, device=q.device)
+    for sp in range(num_splits):
+        in_split = valid & (j[None, :] >= lo[:, sp:sp + 1]) & (j[None, :] < hi[:, sp:sp + 1])
+        # A split is plain attention over its keys with no sink.
+        o, lse = ref_sparse_mla_decode(q, kv, torch.where(in_split, indices.to(torch.int64), -1),
+                                       None, None, sm_scale, out_dtype=torch.float32)
+        o_part[:, :, sp] = o
+        lse_part[:, :, sp] = lse
+    return o_part, lse_part
+
+
+def ref_merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, sink, out_dtype: torch.dtype = torch.bfloat16):
+    """LSE merge with sink, in float64: out [T, H, D] (``out_dtype``), lse float32 [T, H]."""
+    lse = lse_part.to(torch.float64)  # [T, H, S]
+    H = lse.shape[1]
+    sk = (torch.full((H,), float("-inf"), dtype=torch.float64, device=lse.device) if sink is None
+          else sink.to(torch.float64))
+    m = torch.maximum(lse.amax(dim=-1), sk[None, :])  # [T, H]
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe[..., None])  # [T, H, S]
+    den = w.sum(-1) + torch.exp(sk[None, :] - m_safe)
+    den_safe = torch.where(den > 0, den, torch.ones_like(den))
+    o = torch.where(w[..., None] > 0, o_part.to(torch.float64), torch.zeros((), dtype=torch.float64,
+                                                                             device=lse.device))
+    out = (o * (w / den_safe[..., None])[..., None]).sum(2)
+    lse_out = torch.where(den > 0, m_safe + torch.log(den_safe), torch.full_like(den, float("-inf")))
+    return out.to(out_dtype), lse_out.to(torch.float32)
