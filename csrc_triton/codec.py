@@ -6,8 +6,12 @@ Decode
             The NaN codes 0x7F/0xFF come out as +-480 (e4b15 has no NaN).
   native    bitcast to fp8e4nv (sm_89+).
 Encode (input fp32; callers upcast bf16/fp16, which is exact)
-  ENCODE_EXACT   round half to even with integer bit operations only; no fp8 dtype.
+  ENCODE_EXACT   round half to even by one IEEE fp32 add: |x| + 2**(E+20) (E the exponent of
+                 |x|, at least -6) leaves exactly the E4M3 ulp 2**(E-3) as the sum's ulp, so
+                 the adder's own RNE rounds; the rest is integer bit work. No fp8 dtype.
                  |x| >= 448 and +-inf give +-448 (0x7E), NaN gives 0x7F | sign.
+  ENCODE_EXACT_INT  the same result with integer operations only (variable-shift RNE);
+                 kept for comparison: about 3x the instructions (benchmarks/results/codec.md).
   ENCODE_FAST    the seed's trick: clamp to +-448, times 2**-8, cvt to fp8e4b15. Rounds
                  half away from zero at exact midpoints; NaN saturates.
   ENCODE_NATIVE  clamp to +-448 (NaN kept), cvt to fp8e4nv (sm_89+).
@@ -19,6 +23,7 @@ import triton.language as tl
 ENCODE_EXACT = 0
 ENCODE_FAST = 1
 ENCODE_NATIVE = 2
+ENCODE_EXACT_INT = 3
 
 E4M3_MAX = 448.0
 
@@ -59,16 +64,34 @@ def _f32_to_e4m3_rne_bits(b_x):
 
 
 @triton.jit
+def _f32_to_e4m3_rne_add(b_x):
+    """float32 block -> uint8 E4M3 codes, round half to even through one fp32 add."""
+    b_bits = b_x.to(tl.uint32, bitcast=True)
+    b_abs = b_bits & 0x7FFFFFFF
+    # Biased exponent, clamped at 2**-6: E4M3 subnormals share the ulp 2**-9 of that binade.
+    b_eb = tl.maximum(b_abs >> 23, 121)
+    b_cbits = (b_eb + 20) << 23  # C = 2**(E + 20): the ulp of |x| + C is 2**(E - 3)
+    b_sum = b_abs.to(tl.float32, bitcast=True) + b_cbits.to(tl.float32, bitcast=True)
+    # |x| + C = C + k * ulp with k in [0, 16] after rounding; code = (E + 6) * 8 + k.
+    b_code = ((b_eb - 121) << 3) + (b_sum.to(tl.uint32, bitcast=True) - b_cbits)
+    b_code = tl.where(b_abs >= 0x43E00000, 0x7E, b_code)  # |x| >= 448, inf: saturate
+    b_code = tl.where(b_abs > 0x7F800000, 0x7F, b_code)  # NaN
+    return (b_code | ((b_bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
 def f32_to_e4m3(b_x, MODE: tl.constexpr):
-    """float32 block -> uint8 E4M3 codes; MODE is ENCODE_EXACT, ENCODE_FAST or ENCODE_NATIVE."""
-    if MODE == 2:
+    """float32 block -> uint8 E4M3 codes; MODE is one of the ENCODE_* constants."""
+    if MODE == 3:
+        b_out = _f32_to_e4m3_rne_bits(b_x)
+    elif MODE == 2:
         b_c = tl.clamp(b_x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         b_out = b_c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif MODE == 1:
         b_c = tl.minimum(tl.maximum(b_x, -448.0), 448.0)
         b_out = (b_c * 0.00390625).to(tl.float8e4b15).to(tl.uint8, bitcast=True)
     else:
-        b_out = _f32_to_e4m3_rne_bits(b_x)
+        b_out = _f32_to_e4m3_rne_add(b_x)
     return b_out
 
 
