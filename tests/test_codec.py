@@ -190,3 +190,13 @@ def test_gpu_modes_agree_off_midpoints():
     assert torch.equal(exact, codec.e4m3_encode(x, mode=kcodec.ENCODE_EXACT_INT))
     if torch.cuda.get_device_capability() >= (8, 9):
         assert torch.equal(exact, codec.e4m3_encode(x, mode=kcodec.ENCODE_NATIVE))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_codec_ops_trace_under_torch_compile_fullgraph(device):
+    def roundtrip(x):
+        return torch.ops.dsv4_ampere.e4m3_decode(torch.ops.dsv4_ampere.e4m3_encode(x, True)) * 2
+
+    x = (torch.randn(64, 32) * 50).to(device)
+    compiled = torch.compile(roundtrip, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), roundtrip(x))
