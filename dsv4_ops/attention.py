@@ -24,7 +24,7 @@ import torch
 from ._checks import check_last_dim, check_tensor
 from .csrc_triton import merge as _mk
 from .csrc_triton import sparse_mla as _sk
-from .split_heuristic import max_splits, num_splits as heuristic_splits
+from .split_heuristic import max_splits, num_splits as heuristic_splits  # noqa: F401
 from .variant import variant_for
 
 HEAD_DIM = _sk.HEAD_DIM
@@ -194,4 +194,17 @@ def aot_specs():
                     _mk._merge_splits_kernel, sig, consts, variant,
                     num_warps=mcfg["num_warps"], num_stages=mcfg["num_stages"]))
             s *= 2
+        icfg = _sk.INDICES_CONFIG
+        for slot_ty in ("i32", "i64"):
+            for has_len in (False, True):
+                sig = {"topk_slots_ptr": f"*{slot_ty}", "topk_length_ptr": "*i32" if has_len else "constexpr",
+                       "swa_slots_ptr": f"*{slot_ty}", "indices_ptr": "*i32", "T": "i32", "K1": "i32",
+                       "K2": "i32", "cap_c": "i64", "cap_w": "i64", "stride_topk_t": "i32",
+                       "stride_swa_t": "i32", "BLOCK": "constexpr", "HAS_TOPK_LENGTH": "constexpr"}
+                consts = {"BLOCK": icfg["BLOCK"], "HAS_TOPK_LENGTH": has_len}
+                if not has_len:
+                    consts["topk_length_ptr"] = None
+                specs.append(KernelSpec(
+                    "dsv4_decode_indices", f"indices[{variant},{slot_ty},{'len' if has_len else 'nolen'}]",
+                    _sk._dsv4_decode_indices_kernel, sig, consts, variant, num_warps=icfg["num_warps"]))
     return specs

@@ -28,9 +28,11 @@ OPS = (
     "e4m3_encode",
     "kv_cache_insert",
     "kv_cache_gather",
+    "kv_cache_gather_into",
     "sparse_mla_split",
     "merge_splits",
     "sparse_mla_decode",
+    "dsv4_decode_indices",
 )
 
 # (major, minor) -> variant. Looked up exactly first, then by the rules in table_variant().

@@ -156,3 +156,77 @@ def ref_merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, sink, out_dty
     out = (o * (w / den_safe[..., None])[..., None]).sum(2)
     lse_out = torch.where(den > 0, m_safe + torch.log(den_safe), torch.full_like(den, float("-inf")))
     return out.to(out_dtype), lse_out.to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Paged fp8 KV cache (ops kv_cache_insert, kv_cache_gather): records of dsv4_ops.layout
+# ---------------------------------------------------------------------------------------
+
+from . import layout as _kvl  # noqa: E402
+
+
+def ref_ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int64 UE8M0 exponents e = ceil(log2(max(amax, 1e-4) / 448)), in float64 (exact)."""
+    a = amax.to(torch.float64).clamp(min=_kvl.AMAX_FLOOR)
+    return torch.ceil(torch.log2(a / _kvl.E4M3_MAX)).to(torch.int64)
+
+
+def ref_pack_records(kv: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, 512] -> uint8 [M, 584]: each row's 576-byte data row then its 8-byte scale row."""
+    m = kv.shape[0]
+    nope = kv[:, :_kvl.NOPE_DIM].to(torch.float64).reshape(m, _kvl.NUM_SCALES, _kvl.QUANT_GROUP)
+    e = ref_ue8m0_exponent(nope.abs().amax(dim=-1))  # [M, 7]
+    q = (nope / torch.exp2(e.to(torch.float64))[..., None]).clamp(-_kvl.E4M3_MAX, _kvl.E4M3_MAX)
+    codes = ref_e4m3_encode(q).reshape(m, _kvl.NOPE_DIM)
+    rope = kv[:, _kvl.NOPE_DIM:].contiguous().view(torch.uint8)  # [M, 128], little-endian bf16
+    scales = torch.cat([(e + _kvl.UE8M0_BIAS).to(torch.uint8),
+                        torch.full((m, 1), _kvl.PAD_BYTE, dtype=torch.uint8, device=kv.device)], dim=1)
+    return torch.cat([codes, rope, scales], dim=1)
+
+
+def ref_unpack_records(records: torch.Tensor) -> torch.Tensor:
+    """uint8 [M, 584] -> bf16 [M, 512]: codes * 2**(scale - 127) in float32, RoPE dims raw."""
+    m = records.shape[0]
+    codes = records[:, :_kvl.NOPE_DIM]
+    sbytes = records[:, _kvl.DATA_BYTES:_kvl.DATA_BYTES + _kvl.NUM_SCALES]
+    scale = torch.exp2(sbytes.to(torch.float32) - _kvl.UE8M0_BIAS)  # [M, 7]
+    vals = ref_e4m3_decode(codes).reshape(m, _kvl.NUM_SCALES, _kvl.QUANT_GROUP) * scale[..., None]
+    rope = records[:, _kvl.NOPE_DIM:_kvl.DATA_BYTES].contiguous().view(torch.bfloat16)  # [M, 64]
+    return torch.cat([vals.reshape(m, _kvl.NOPE_DIM).to(torch.bfloat16), rope], dim=1)
+
+
+def _ref_record_columns(slots: torch.Tensor, block_size: int):
+    """Block index [S, 1] and the 576 data + 8 scale byte columns [S, 584] of each slot."""
+    blk = torch.div(slots, block_size, rounding_mode="floor")
+    pos = slots - blk * block_size
+    ar_d = torch.arange(_kvl.DATA_BYTES, device=slots.device)
+    ar_s = torch.arange(_kvl.SCALE_BYTES, device=slots.device)
+    cols = torch.cat([(pos * _kvl.DATA_BYTES)[:, None] + ar_d,
+                      (block_size * _kvl.DATA_BYTES + pos * _kvl.SCALE_BYTES)[:, None] + ar_s], dim=1)
+    return blk[:, None], cols
+
+
+def ref_kv_cache_insert(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_size: int) -> None:
+    """Write the 584-byte record of kv[i] (bf16 [N, 512]) at slot slot_mapping[i] ([M], M <= N)
+    of cache (uint8 [num_blocks, page_bytes]), in place; slots outside
+    [0, num_blocks * block_size) are skipped. Record: dsv4_ops.layout."""
+    slots = slot_mapping.to(torch.int64)
+    keep = (slots >= 0) & (slots < _kvl.capacity(cache, block_size))
+    if not bool(keep.any()):
+        return
+    records = ref_pack_records(kv[:slots.shape[0]][keep])
+    blk, cols = _ref_record_columns(slots[keep], block_size)
+    cache[blk, cols] = records
+
+
+def ref_kv_cache_gather(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bf16 slots.shape + (512,): the dequantized record of each slot (any shape, int32/int64);
+    a slot outside [0, num_blocks * block_size) gives a zero row."""
+    flat = slots.reshape(-1).to(torch.int64)
+    out = torch.zeros((flat.numel(), _kvl.HEAD_DIM), dtype=torch.bfloat16, device=cache.device)
+    valid = (flat >= 0) & (flat < _kvl.capacity(cache, block_size))
+    if bool(valid.any()):
+        blk, cols = _ref_record_columns(flat[valid], block_size)
+        out[valid] = ref_unpack_records(cache[blk, cols])
+    return out.view(tuple(slots.shape) + (_kvl.HEAD_DIM,))

@@ -1,0 +1,165 @@
+"""Paged fp8 KV cache (584-byte ``fp8_ds_mla`` records): quantize-and-insert, gather+dequantize.
+
+The record layout comes from ``dsv4_ops.layout`` (data rows of a block, then its scale rows).
+Both kernels do all block/slot/page arithmetic in int64 and mask every slot outside
+``[0, capacity)`` inside the kernel: such a slot loads nothing and writes nothing (insert) or
+writes a zero row (gather).
+"""
+
+import triton
+import triton.language as tl
+
+from dsv4_ops import layout as _L
+
+from .codec import e4m3_to_f32, f32_to_e4m3
+
+# Layout constants as Triton globals (taken from dsv4_ops.layout, never retyped here).
+NOPE_DIM = tl.constexpr(_L.NOPE_DIM)
+ROPE_DIM = tl.constexpr(_L.ROPE_DIM)
+HEAD_DIM = tl.constexpr(_L.HEAD_DIM)
+QUANT_GROUP = tl.constexpr(_L.QUANT_GROUP)
+NUM_SCALES = tl.constexpr(_L.NUM_SCALES)
+GROUPS = tl.constexpr(_L.HEAD_DIM // _L.QUANT_GROUP)  # 8: 7 NoPE groups + the RoPE group
+DATA_BYTES = tl.constexpr(_L.DATA_BYTES)
+SCALE_BYTES = tl.constexpr(_L.SCALE_BYTES)
+UE8M0_BIAS = tl.constexpr(_L.UE8M0_BIAS)
+UE8M0_MIN_EXP = tl.constexpr(_L.UE8M0_MIN_EXP)
+
+assert _L.SCALE_BYTES == _L.HEAD_DIM // _L.QUANT_GROUP  # the scale row is one byte per group
+
+
+@triton.jit
+def ue8m0_exponent(b_amax):
+    """float32 block of group amax values (>= 0) -> int32 block of UE8M0 exponents.
+
+    e = ceil(log2(max(amax, 1e-4) / 448)), exactly, with integer operations: for
+    amax = m * 2**E (m in [1, 2)), amax <= 448 * 2**e = 1.75 * 2**(e + 8) holds first at
+    e = E - 8 when m <= 1.75 and at e = E - 7 otherwise; the 1e-4 floor is e >= -22.
+    (1.75 is mantissa field 0x600000.) Zero and fp32 subnormals give <= -22, so the floor.
+    """
+    b_bits = b_amax.to(tl.int32, bitcast=True)
+    b_exp = ((b_bits >> 23) & 0xFF) - 127
+    b_e = b_exp - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(b_e, UE8M0_MIN_EXP)
+
+
+@triton.jit
+def ue8m0_to_f32(b_byte):
+    """uint8 block of UE8M0 bytes -> float32 2**(byte - 127), exact for all 256 bytes.
+
+    Built from bits: byte b >= 1 is the fp32 exponent field; byte 0 is 2**-127 (an fp32
+    subnormal, 0x00400000); byte 255 is +inf. The writer only produces bytes in [105, 247].
+    """
+    b_b = b_byte.to(tl.int32)
+    b_bits = tl.where(b_b == 0, 0x00400000, b_b << 23)
+    return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kv_cache_insert_kernel(
+    kv_ptr,  # bf16 [N, 512], row stride stride_kv_0, dims contiguous
+    cache_ptr,  # uint8 [num_blocks, page_bytes]
+    slot_ptr,  # int64 or int32 [n_tokens]
+    n_tokens,
+    stride_kv_0,
+    page_bytes,
+    block_size,
+    capacity,  # num_blocks * block_size
+    MODE: tl.constexpr,  # csrc_triton.codec.ENCODE_EXACT (portable) or ENCODE_NATIVE
+    TOKENS: tl.constexpr,  # tokens per program
+):
+    """Grid (cdiv(n_tokens, TOKENS),): each program quantizes TOKENS kv rows into their records.
+
+    A token whose slot is outside [0, capacity) (slot < 0: padding) loads and stores nothing.
+    """
+    pid = tl.program_id(0)
+    o_t = pid.to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
+    m_t = o_t < n_tokens
+    b_slot = tl.load(slot_ptr + o_t, mask=m_t, other=-1).to(tl.int64)  # [TOKENS]
+    m_valid = m_t & (b_slot >= 0) & (b_slot < capacity)
+    b_slot = tl.where(m_valid, b_slot, 0)
+    b_blk = b_slot // block_size
+    b_pos = b_slot % block_size
+    o_data = b_blk * page_bytes + b_pos * DATA_BYTES  # [TOKENS] int64
+    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES  # [TOKENS] int64
+
+    o_g = tl.arange(0, GROUPS)  # [8]
+    o_d = tl.arange(0, QUANT_GROUP)  # [64]
+    o_dim = o_g[:, None] * QUANT_GROUP + o_d[None, :]  # [8, 64]: dims 0..511
+    m_v3 = m_valid[:, None, None]
+    m_nope = m_v3 & (o_g[None, :, None] < NUM_SCALES)  # [TOKENS, 8, 1]
+
+    # NoPE: [TOKENS, 8, 64] with group 7 (the RoPE dims) masked off.
+    p_kv = kv_ptr + (o_t * stride_kv_0)[:, None, None] + o_dim[None, :, :]
+    b_x = tl.load(p_kv, mask=m_nope, other=0.0).to(tl.float32)  # [TOKENS, 8, 64]
+    b_amax = tl.max(tl.abs(b_x), axis=2)  # [TOKENS, 8]
+    b_e = ue8m0_exponent(b_amax)  # [TOKENS, 8] int32
+    b_inv = ((127 - b_e) << 23).to(tl.float32, bitcast=True)  # 2**-e, e in [-22, 121]
+    b_codes = f32_to_e4m3(b_x * b_inv[:, :, None], MODE)  # exact: power-of-two scale
+    tl.store(cache_ptr + o_data[:, None, None] + o_dim[None, :, :], b_codes, mask=m_nope)
+
+    # Scale row: bytes e + 127 for groups 0..6, the pad byte 0 at 7. [TOKENS, 8]
+    b_sbyte = tl.where(o_g[None, :] < NUM_SCALES, b_e + UE8M0_BIAS, 0).to(tl.uint8)
+    tl.store(cache_ptr + o_scale[:, None] + o_g[None, :], b_sbyte, mask=m_valid[:, None])
+
+    # RoPE: 64 bf16 values copied as 16-bit words to data bytes 448..575. [TOKENS, 64]
+    o_r = tl.arange(0, ROPE_DIM)
+    p_src = kv_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + (o_t * stride_kv_0 + NOPE_DIM)[:, None] + o_r[None, :]
+    b_rope = tl.load(p_src, mask=m_valid[:, None], other=0)
+    p_dst = (cache_ptr + o_data + NOPE_DIM).to(tl.pointer_type(tl.uint16), bitcast=True)
+    tl.store(p_dst[:, None] + o_r[None, :], b_rope, mask=m_valid[:, None])
+
+
+@triton.jit
+def _kv_cache_gather_kernel(
+    cache_ptr,  # uint8 [num_blocks, page_bytes]
+    slot_ptr,  # int64 or int32 [n], any order, repeats allowed
+    out_ptr,  # bf16 [n, 512], row stride stride_out_0, dims contiguous
+    n,
+    stride_out_0,
+    page_bytes,
+    block_size,
+    capacity,  # num_blocks * block_size
+    NATIVE: tl.constexpr,  # E4M3 decode through fp8e4nv (sm_89+) instead of fp8e4b15
+    ROWS: tl.constexpr,  # output rows per program
+):
+    """Grid (cdiv(n, ROWS),): each program dequantizes the records of ROWS slots into bf16 rows.
+
+    Row i is e4m3(code[d]) * 2**(scale[d // 64] - 127) for d < 448, then the raw bf16 RoPE
+    dims; a slot outside [0, capacity) reads nothing and gives a zero row.
+    """
+    pid = tl.program_id(0)
+    o_i = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    m_i = o_i < n
+    b_slot = tl.load(slot_ptr + o_i, mask=m_i, other=-1).to(tl.int64)  # [ROWS]
+    m_valid = m_i & (b_slot >= 0) & (b_slot < capacity)
+    b_slot = tl.where(m_valid, b_slot, 0)
+    b_blk = b_slot // block_size
+    b_pos = b_slot % block_size
+    o_data = b_blk * page_bytes + b_pos * DATA_BYTES  # [ROWS] int64
+    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES  # [ROWS] int64
+    o_row = o_i * stride_out_0  # [ROWS] int64
+
+    o_g = tl.arange(0, GROUPS)[None, :, None]  # [1, 8, 1]
+    o_d = tl.arange(0, QUANT_GROUP)[None, None, :]  # [1, 1, 64]
+    m_nope = m_valid[:, None, None] & (o_g < NUM_SCALES)  # [ROWS, 8, 1]
+    m_out = m_i[:, None, None] & (o_g < NUM_SCALES)
+
+    # NoPE: [ROWS, 8, 64] codes (group 7 masked), one scale per [row, group].
+    b_codes = tl.load(cache_ptr + o_data[:, None, None] + o_g * QUANT_GROUP + o_d, mask=m_nope, other=0)
+    b_sbyte = tl.load(cache_ptr + o_scale[:, None, None] + o_g, mask=m_nope, other=0)  # [ROWS, 8, 1]
+    b_val = e4m3_to_f32(b_codes, NATIVE) * ue8m0_to_f32(b_sbyte)  # [ROWS, 8, 64] fp32, exact
+    b_val = tl.where(m_nope, b_val, 0.0)
+    tl.store(out_ptr + o_row[:, None, None] + o_g * QUANT_GROUP + o_d, b_val.to(tl.bfloat16), mask=m_out)
+
+    # RoPE: 64 bf16 values copied as 16-bit words. [ROWS, 64]
+    o_r = tl.arange(0, ROPE_DIM)[None, :]
+    p_src = (cache_ptr + o_data + NOPE_DIM).to(tl.pointer_type(tl.uint16), bitcast=True)
+    b_rope = tl.load(p_src[:, None] + o_r, mask=m_valid[:, None], other=0)
+    p_dst = out_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + (o_row + NOPE_DIM)[:, None] + o_r
+    tl.store(p_dst, b_rope, mask=m_i[:, None])
+
+
+# Launch configs as plain data (same on sm_80/86 and newer): memory-bound, small tiles.
+INSERT_CONFIG = {"TOKENS": 4, "num_warps": 4}
+GATHER_CONFIG = {"ROWS": 4, "num_warps": 4}

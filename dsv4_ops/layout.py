@@ -1,0 +1,117 @@
+"""The paged fp8 KV-cache record of DeepSeek-V4 (``fp8_ds_mla``): the only place it is written down.
+
+One token is a 584-byte record: a 576-byte data row and an 8-byte scale row.
+
+    data row (576 B)                                        scale row (8 B)
+    +-------------------------------+-------------------+   +----+----+-...-+----+-----+
+    | 448 x E4M3 (NoPE dims 0..447) | 64 x bf16 (RoPE   |   | s0 | s1 | ... | s6 | pad |
+    | byte d = dim d                | dims 448..511),   |   +----+----+-...-+----+-----+
+    |                               | little-endian     |    UE8M0 scale of dims 64g..64g+63
+    +-------------------------------+-------------------+    pad byte = 0
+
+A page (one row of ``cache``, uint8 ``[num_blocks, page_bytes]``) holds ``block_size``
+tokens: all data rows of the block first, then all scale rows, then unused bytes up to
+``page_bytes = cache.stride(0)`` (vLLM rounds it up to a multiple of 576):
+
+    byte 0                      block_size*576               block_size*584     page_bytes
+    | data[0] | data[1] | ... | data[bs-1] | sc[0] | sc[1] | ... | sc[bs-1] | (unused) |
+
+Slot ``s`` lives in block ``b = s // block_size`` at position ``p = s % block_size``:
+    data row  at ``b * page_bytes + p * DATA_BYTES``
+    scale row at ``b * page_bytes + block_size * DATA_BYTES + p * SCALE_BYTES``
+All of this is int64 arithmetic: ``b * page_bytes`` passes 2**31 near block 2065 of a real
+cache (page_bytes 1 MiB: block 2048).
+
+UE8M0 (per 64-dim group of NoPE dims): ``e = ceil(log2(max(amax, 1e-4) / 448))``, byte
+``e + 127``, value ``2**(byte - 127)``; stored codes ``e4m3(clamp(x / 2**e, -448, 448))``.
+For bf16 input, ``e`` lies in [UE8M0_MIN_EXP, 120], so bytes lie in [105, 247].
+
+This is vLLM 0.33.0's record, byte for byte (see dsv4_ops/kv_cache.py for the line-by-line
+comparison with ``quantize_and_insert_k_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HEAD_DIM = 512  # latent K/V dims of one token
+NOPE_DIM = 448  # dims 0..447: E4M3 with UE8M0 scales
+ROPE_DIM = 64  # dims 448..511: bf16, stored raw
+QUANT_GROUP = 64  # dims per UE8M0 scale
+NUM_SCALES = NOPE_DIM // QUANT_GROUP  # 7
+ROPE_BYTES = ROPE_DIM * 2  # 128
+DATA_BYTES = NOPE_DIM + ROPE_BYTES  # 576: one data row
+SCALE_BYTES = NUM_SCALES + 1  # 8: 7 scales + 1 zero pad byte
+RECORD_BYTES = DATA_BYTES + SCALE_BYTES  # 584
+PAD_BYTE = 0
+PAGE_ALIGN = DATA_BYTES  # vLLM rounds a page up to a multiple of this
+
+E4M3_MAX = 448.0
+UE8M0_BIAS = 127
+AMAX_FLOOR = 1e-4
+# ceil(log2(1e-4 / 448)) = ceil(-22.09) = -22: the exponent of an all-zero (or tiny) group.
+UE8M0_MIN_EXP = -22
+
+assert NUM_SCALES * QUANT_GROUP == NOPE_DIM and NOPE_DIM + ROPE_DIM == HEAD_DIM
+
+
+def min_page_bytes(block_size: int) -> int:
+    """Smallest page that holds ``block_size`` records: ``block_size * 584``."""
+    return int(block_size) * RECORD_BYTES
+
+
+def vllm_page_bytes(block_size: int) -> int:
+    """The page vLLM allocates: ``block_size * 584`` rounded up to a multiple of 576."""
+    return -(-min_page_bytes(block_size) // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def page_bytes(cache: torch.Tensor) -> int:
+    """Bytes from one block to the next: ``cache.stride(0)``."""
+    return int(cache.stride(0))
+
+
+def capacity(cache: torch.Tensor, block_size: int) -> int:
+    """Number of slots: ``num_blocks * block_size``; valid slots are ``0 <= s < capacity``."""
+    return int(cache.shape[0]) * int(block_size)
+
+
+def data_offset(slot: int, block_size: int, page: int) -> int:
+    """Byte offset (from the cache's first byte) of slot's 576-byte data row."""
+    return (slot // block_size) * page + (slot % block_size) * DATA_BYTES
+
+
+def scale_offset(slot: int, block_size: int, page: int) -> int:
+    """Byte offset (from the cache's first byte) of slot's 8-byte scale row."""
+    return (slot // block_size) * page + block_size * DATA_BYTES + (slot % block_size) * SCALE_BYTES
+
+
+def check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if min_page_bytes(block_size) >= 2**31:
+        raise ValueError(f"block_size: {block_size} * {RECORD_BYTES} bytes does not fit an int32 page offset")
+
+
+def check_cache(cache, block_size) -> None:
+    """ValueError unless ``cache`` is a uint8 ``[num_blocks, page_bytes]`` paged cache whose
+    rows hold ``block_size`` records (``cache.shape[1] >= block_size * 584``), with
+    contiguous bytes in a row (``stride(1) == 1``), rows that do not overlap, and an even
+    page stride and start (the bf16 RoPE dims are read and written as 2-byte words)."""
+    check_block_size(block_size)
+    if not isinstance(cache, torch.Tensor):
+        raise ValueError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype != torch.uint8:
+        raise ValueError(f"cache: expected dtype uint8, got {str(cache.dtype).replace('torch.', '')}")
+    if cache.dim() != 2:
+        raise ValueError(f"cache: expected 2 dims [num_blocks, page_bytes], got shape {tuple(cache.shape)}")
+    num_blocks, row_bytes = cache.shape
+    if row_bytes > 1 and cache.stride(1) != 1:
+        raise ValueError(f"cache: expected stride(1) == 1 (bytes of a page contiguous), got strides {cache.stride()}")
+    if row_bytes < min_page_bytes(block_size):
+        raise ValueError(f"cache: pages of {row_bytes} bytes are too small for block_size {block_size} "
+                         f"(need >= {block_size} * {RECORD_BYTES} = {min_page_bytes(block_size)})")
+    if num_blocks > 1 and cache.stride(0) < row_bytes:
+        raise ValueError(f"cache: rows overlap (stride(0) {cache.stride(0)} < shape[1] {row_bytes})")
+    if (num_blocks > 1 and cache.stride(0) % 2) or cache.storage_offset() % 2:
+        raise ValueError(f"cache: page_bytes (stride(0) {cache.stride(0)}) and the storage offset "
+                         f"({cache.storage_offset()}) must be even: RoPE dims are 2-byte bf16 values")
