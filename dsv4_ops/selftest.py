@@ -74,6 +74,89 @@ def _codec():
     return codec
 
 
+def _kv_inputs(device, n=96, block_size=16, num_blocks=12):
+    from . import layout
+
+    kv = (torch.randn(n, layout.HEAD_DIM, device=device) * torch.rand(n, 1, device=device) * 30).bfloat16()
+    cache = torch.zeros((num_blocks, layout.vllm_page_bytes(block_size)), dtype=torch.uint8, device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:n]
+    return kv, cache, slots, block_size
+
+
+@check("kv_cache: reference insert + gather == unpack(pack(kv)), error within UE8M0/E4M3 rounding", "cpu")
+def _ref_kv_roundtrip(device):
+    kv, cache, slots, bs = _kv_inputs("cpu")
+    reference.ref_kv_cache_insert(kv, cache, slots, bs)
+    got = reference.ref_kv_cache_gather(cache, slots, bs)
+    exact = torch.equal(got, reference.ref_unpack_records(reference.ref_pack_records(kv)))
+    rel = float((got.float() - kv.float()).norm() / kv.float().norm())
+    return exact and rel < 0.05, f"bit-exact to pack/unpack, rel. error {rel:.2e} vs the bf16 input"
+
+
+@check("kv_cache insert + gather kernels == reference, bit for bit (adversarial slots)", "kernel")
+def _kernel_kv(device):
+    from . import kv_cache
+
+    kv, cache, slots, bs = _kv_inputs(device)
+    ref_cache = cache.cpu().clone()
+    reference.ref_kv_cache_insert(kv.cpu(), ref_cache, slots.cpu(), bs)
+    if device == "cuda":
+        torch.ops.dsv4_ampere.kv_cache_insert(kv, cache, slots, bs)
+    else:
+        kv_cache.kv_cache_insert(kv, cache, slots, bs)
+    probe = torch.cat([slots, torch.tensor([-5, cache.shape[0] * bs, 2 ** 40], device=device)])
+    got = (torch.ops.dsv4_ampere.kv_cache_gather(cache, probe, bs) if device == "cuda"
+           else kv_cache.kv_cache_gather(cache, probe, bs))
+    ok = torch.equal(cache.cpu(), ref_cache) and torch.equal(got.cpu(), reference.ref_kv_cache_gather(ref_cache, probe.cpu(), bs))
+    return ok, "cache bytes and gathered rows identical; invalid slots give zero rows"
+
+
+def _attn_inputs(device, T=3, H=8, K=100, N=300):
+    q = torch.randn(T, H, 512, device=device).bfloat16()
+    kv = torch.randn(N, 512, device=device).bfloat16()
+    idx = torch.randint(-2, N + 2, (T, K), device=device, dtype=torch.int32)
+    topk_length = torch.randint(0, K + 1, (T,), device=device, dtype=torch.int32)
+    sink = torch.randn(H, device=device)
+    return q, kv, idx, topk_length, sink, 512 ** -0.5
+
+
+@check("sparse_mla: reference split (S=5) + merge == unsplit reference with sink", "cpu")
+def _ref_attention(device):
+    q, kv, idx, tl_, sink, scale = _attn_inputs("cpu")
+    o_p, l_p = reference.ref_sparse_mla_split(q, kv, idx, tl_, scale, 5)
+    out, lse = reference.ref_merge_splits(o_p, l_p, sink, out_dtype=torch.float32)
+    want, want_lse = reference.ref_sparse_mla_decode(q, kv, idx, tl_, sink, scale, out_dtype=torch.float32)
+    err = float((out - want).norm() / want.norm())
+    return err < 1e-5 and torch.allclose(lse, want_lse, atol=1e-5), f"rel. error {err:.1e}"
+
+
+@check("merge_splits kernel == float64 reference (S=7, sink, an empty row)", "kernel")
+def _kernel_merge(device):
+    from . import attention
+
+    o_p = torch.randn(2, 8, 7, 512, device=device)
+    l_p = torch.randn(2, 8, 7, device=device) * 3
+    l_p[0, 0] = float("-inf")
+    sink = torch.randn(8, device=device)
+    out, lse = (torch.ops.dsv4_ampere.merge_splits(o_p, l_p, sink) if device == "cuda"
+                else attention.merge_splits(o_p, l_p, sink))
+    want, want_lse = reference.ref_merge_splits(o_p.cpu(), l_p.cpu(), sink.cpu(), out_dtype=torch.float32)
+    err = float((out.cpu().float() - want).norm() / want.norm())
+    ok = err < 5e-3 and torch.allclose(lse.cpu(), want_lse, atol=1e-4) and not torch.isnan(out).any()
+    return ok, f"rel. error {err:.1e}"
+
+
+@check("sparse_mla_decode kernels == float64 reference (T=3, H=8, K=100, invalid indices, sink)", "gpu")
+def _gpu_attention(device):
+    q, kv, idx, tl_, sink, scale = _attn_inputs(device)
+    out, lse = torch.ops.dsv4_ampere.sparse_mla_decode(q, kv, idx, tl_, sink, scale, 0)
+    want, want_lse = reference.ref_sparse_mla_decode(q.cpu(), kv.cpu(), idx.cpu(), tl_.cpu(), sink.cpu(), scale,
+                                                     out_dtype=torch.float32)
+    err = float((out.cpu().float() - want).norm() / want.norm())
+    lse_err = float((lse.cpu() - want_lse).abs().max())
+    return err <= 5e-3 and lse_err <= 1e-3, f"out rel. error {err:.1e}, lse abs. error {lse_err:.1e}"
+
+
 def run_checks(device: str, kinds) -> List[Dict[str, object]]:
     rows = []
     for name, (fn, where) in CHECKS.items():
