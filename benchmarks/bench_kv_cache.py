@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parse_args, time_graph_us, time_us, write_results  # noqa: E402
 
 from dsv4_ops import kv_cache, layout  # noqa: E402
+from dsv4_ops.csrc_triton import kv_cache as kernels  # noqa: E402
 
 BYTES_PER_ROW = layout.RECORD_BYTES + 2 * layout.HEAD_DIM  # 1608
 BLOCK_SIZE = 64
@@ -81,9 +82,35 @@ def main() -> None:
                 row = {"op": op, "variant": variant, "rows": n, "us": us, "GB/s": gbs,
                        "copy us": c_us, "copy GB/s": c_gbs, "vs copy": gbs / c_gbs}
                 if n <= 640:
-                    row["graph us"] = time_graph_us(fn)
+                    row["graph us"] = time_graph_us(fn)  # in-graph cost: what a decode step pays
                 rows.append(row)
                 print(row, flush=True)
+
+    # Launch-config sweep (portable, the largest row count): the data behind INSERT_CONFIG and
+    # GATHER_CONFIG. The launchers read those dicts at every call, so patching them here is enough.
+    n = row_counts[-1]
+    total = n * BYTES_PER_ROW
+    slots = torch.randint(0, cap, (n,), device="cuda")
+    uniq = torch.randperm(cap, device="cuda")[:n]
+    kv = torch.randn(n, layout.HEAD_DIM, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n, layout.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    cfg_rows = []
+    for op, table, key in (("gather", kernels.GATHER_CONFIG, "ROWS"), ("insert", kernels.INSERT_CONFIG, "TOKENS")):
+        saved = dict(table)
+        for per_prog in (1, 2, 4, 8, 16):
+            for warps in (2, 4, 8):
+                table.update({key: per_prog, "num_warps": warps})
+                fn = ((lambda: kv_cache.kv_cache_gather(cache, slots, BLOCK_SIZE, out=out, variant="portable"))
+                      if op == "gather" else (lambda: kv_cache.kv_cache_insert(kv, cache, uniq, BLOCK_SIZE,
+                                                                               variant="portable")))
+                us = time_us(fn)
+                cfg_rows.append({"op": op, "rows": n, key.lower() + " per program": per_prog, "num_warps": warps,
+                                 "us": us, "GB/s": total / us / 1e3})
+        table.clear()
+        table.update(saved)
+    write_results("kv_cache_configs", args.out, cfg_rows,
+                  ["op", "rows", "rows per program", "tokens per program", "num_warps", "us", "GB/s"],
+                  "Portable variant; launch-config sweep behind csrc_triton/kv_cache.py's configs.")
 
     notes = (f"Cache: {num_blocks} blocks x {page} B (block_size {BLOCK_SIZE}, {cap} slots, "
              f"{num_blocks * page / 1e9:.2f} GB); random slots (gather: with repeats; insert: unique). "

@@ -19,7 +19,9 @@ from dsv4_ops.csrc_triton import codec as k  # noqa: E402
 def main():
     args = common.parse_args(__doc__)
     rows = []
-    encoders = [("portable", "exact (integer RNE)", k.ENCODE_EXACT), ("portable", "fast (e4b15)", k.ENCODE_FAST)]
+    encoders = [("portable", "exact (fp32-add RNE, the default)", k.ENCODE_EXACT),
+                ("portable", "exact, integer only", k.ENCODE_EXACT_INT),
+                ("portable", "fast (e4b15)", k.ENCODE_FAST)]
     if torch.cuda.get_device_capability() >= (8, 9):
         encoders.append(("native", "exact (fp8e4nv cvt)", k.ENCODE_NATIVE))
     for variant, label, mode in encoders:

@@ -68,13 +68,13 @@ def _f32_to_e4m3_rne_add(b_x):
     """float32 block -> uint8 E4M3 codes, round half to even through one fp32 add."""
     b_bits = b_x.to(tl.uint32, bitcast=True)
     b_abs = b_bits & 0x7FFFFFFF
+    b_sat = tl.minimum(b_abs, 0x43E00000)  # |x| >= 448 and inf saturate to 448 (NaN: below)
     # Biased exponent, clamped at 2**-6: E4M3 subnormals share the ulp 2**-9 of that binade.
-    b_eb = tl.maximum(b_abs >> 23, 121)
+    b_eb = tl.maximum(b_sat >> 23, 121)
     b_cbits = (b_eb + 20) << 23  # C = 2**(E + 20): the ulp of |x| + C is 2**(E - 3)
-    b_sum = b_abs.to(tl.float32, bitcast=True) + b_cbits.to(tl.float32, bitcast=True)
+    b_sum = b_sat.to(tl.float32, bitcast=True) + b_cbits.to(tl.float32, bitcast=True)
     # |x| + C = C + k * ulp with k in [0, 16] after rounding; code = (E + 6) * 8 + k.
     b_code = ((b_eb - 121) << 3) + (b_sum.to(tl.uint32, bitcast=True) - b_cbits)
-    b_code = tl.where(b_abs >= 0x43E00000, 0x7E, b_code)  # |x| >= 448, inf: saturate
     b_code = tl.where(b_abs > 0x7F800000, 0x7F, b_code)  # NaN
     return (b_code | ((b_bits >> 24) & 0x80)).to(tl.uint8)
 

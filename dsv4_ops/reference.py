@@ -76,8 +76,10 @@ def _ref_attn_valid(indices: torch.Tensor, topk_length, n_rows: int) -> torch.Te
 
 def _ref_attn_scores(q, kv, indices, valid, sm_scale, dtype):
     """(scores [T, H, K] with -inf where invalid, gathered kv [T, K, D]), in ``dtype``."""
-    rows = torch.where(valid, indices.to(torch.int64), torch.zeros_like(indices, dtype=torch.int64))
-    kv_g = kv.to(dtype)[rows]  # [T, K, D]
+    # Invalid positions read an appended zero row (kv may have no rows at all).
+    kv_z = torch.cat([kv.to(dtype), kv.new_zeros((1, kv.shape[1]), dtype=dtype)])
+    rows = torch.where(valid, indices.to(torch.int64), torch.full_like(indices, kv.shape[0], dtype=torch.int64))
+    kv_g = kv_z[rows]  # [T, K, D]
     s = torch.einsum("thd,tkd->thk", q.to(dtype), kv_g) * sm_scale
     return s.masked_fill(~valid[:, None, :], float("-inf")), kv_g
 
@@ -166,9 +168,14 @@ from . import layout as _kvl  # noqa: E402
 
 
 def ref_ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """int64 UE8M0 exponents e = ceil(log2(max(amax, 1e-4) / 448)), in float64 (exact)."""
-    a = amax.to(torch.float64).clamp(min=_kvl.AMAX_FLOOR)
-    return torch.ceil(torch.log2(a / _kvl.E4M3_MAX)).to(torch.int64)
+    """int64 UE8M0 exponents e = ceil(log2(max(amax, 1e-4) / 448)), exact on every device.
+
+    Through frexp, not log2: CUDA's float64 log2 is off by an ulp at some powers of two
+    (log2(2**-13) > -13 was seen on an H200), which moves the ceiling by one.
+    """
+    a = amax.to(torch.float64).clamp(min=_kvl.AMAX_FLOOR) / _kvl.E4M3_MAX  # exact: a power of two times 1.75
+    mant, exp = torch.frexp(a)  # a = mant * 2**exp, mant in [0.5, 1)
+    return (exp - (mant == 0.5).to(exp.dtype)).to(torch.int64)
 
 
 def ref_pack_records(kv: torch.Tensor) -> torch.Tensor:

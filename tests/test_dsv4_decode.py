@@ -78,8 +78,9 @@ def composite_inputs(T=3, H=8, K1=40, K2=16, block_c=16, block_w=8, nblk_c=4, nb
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
     sink = torch.randn(H, generator=g)
-    topk[T - 1] = -1  # a token with no compressed key ...
-    swa[T - 1] = -1  # ... and no window key
+    if T > 1:  # keep at least one token with keys
+        topk[T - 1] = -1  # a token with no compressed key ...
+        swa[T - 1] = -1  # ... and no window key
     return dict(q=q.to(device), compressed_cache=cc, topk_slots=topk.to(device), swa_cache=cw,
                 swa_slots=swa.to(device), sink=sink.to(device), sm_scale=SM_SCALE,
                 compressed_block_size=block_c, swa_block_size=block_w, topk_length=tl.to(device))

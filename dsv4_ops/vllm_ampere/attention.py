@@ -1,0 +1,237 @@
+"""DeepSeek-V4 / V4.1 sparse-MLA attention for vLLM 0.33.0 on sm_8x, through torch.ops.dsv4_ampere.
+
+Three pieces, each testable without vLLM:
+- ``ampere_decode``: one decode step. The compressed top-k rows and the sliding-window rows
+  are gathered from their two fp8_ds_mla caches into one bf16 workspace, then split-KV
+  sparse attention and the LSE merge with the per-head sink
+  (``dsv4_ops.dsv4_decode.dsv4_decode_attention``). Replaces FlashMLA's
+  ``flash_mla_with_kvcache`` (sm_90a/sm_100 cubins only).
+- ``dequantize_and_gather_k_cache_ampere``: the prefill gather, same arguments as vLLM's
+  ``dequantize_and_gather_k_cache`` (whose CUDA path is CuTeDSL, sm_89+ PTX).
+- ``flash_mla_sparse_fwd_ampere``: prefill attention over the gathered workspace, same
+  arguments as FlashMLA's ``flash_mla_sparse_fwd`` (sm_90a/sm_100 only).
+
+``make_ampere_attention_cls(base)`` builds, once per vLLM FlashMLA class (V4, V4.1), a
+subclass that keeps the real per-rank head count (no padding to 64), decodes through
+``ampere_decode``, and projects through the bf16 o_proj (``o_proj.ampere_o_proj``). Its
+prefill is the base class's own ``_forward_prefill`` (chunk plan, index combination), whose
+two FlashMLA/CuTeDSL calls the plugin's patch table redirects to the functions above.
+
+Graph safety: everything is static-shape torch and dsv4_ampere ops (no host sync); every
+function that vLLM calls inside ``eager_break_during_capture`` writes into the buffers it is
+given (``output`` / ``out``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .. import layout
+from ..dsv4_decode import dsv4_decode_attention
+from .compressed_cache import as_paged_2d
+from .o_proj import ampere_o_proj, install_wo_a_bf16_hook, wo_a_weight_bf16
+
+
+def _as_2d_slots(idx: torch.Tensor, T: int) -> torch.Tensor:
+    """[T, 1, K] or [T, K] int slot tensor -> [T, K] (a view)."""
+    return idx.reshape(idx.shape[0], -1)[:T]
+
+
+def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
+                  swa_lens: Optional[torch.Tensor], swa_block_size: int,
+                  compressed_cache: Optional[torch.Tensor], topk_indices: Optional[torch.Tensor],
+                  topk_lens: Optional[torch.Tensor], compressed_block_size: int,
+                  attn_sink: Optional[torch.Tensor], scale: float, num_splits: int = 0) -> None:
+    """One DSv4 decode attention step, written into ``output``.
+
+    q bf16 [T, H, 512] (H = the rank's real heads); output bf16 [T, H, 512], written in place.
+    swa_cache uint8 [num_blocks, swa_block_size, 584] (or its 2-D page view); swa_indices int
+    [T, 1, W] or [T, W]: global slots of the window (-1: none); swa_lens int [T] or None:
+    entries j >= swa_lens[t] are ignored. compressed_cache uint8 [num_blocks,
+    compressed_block_size, 584] or None (SWA-only layer); topk_indices int [T, 1, K] / [T, K]
+    global compressed slots (-1: none) or None; topk_lens int [T] or None. attn_sink float32
+    [H] (a logit in the softmax denominator, no value; -inf: none); scale = 512 ** -0.5.
+    Semantics: FlashMLA's ``flash_mla_with_kvcache`` with ``indices`` / ``extra_indices``:
+    one softmax over the union of window and compressed keys.
+    """
+    T = q.shape[0]
+    swa2d = as_paged_2d(swa_cache, "swa kv_cache")
+    swa_slots = _as_2d_slots(swa_indices, T)
+    if swa_lens is not None:
+        j = torch.arange(swa_slots.shape[1], device=swa_slots.device)
+        swa_slots = torch.where(j[None, :] < swa_lens[:T, None], swa_slots, torch.full_like(swa_slots, -1))
+    if compressed_cache is None or topk_indices is None:
+        comp2d, comp_bs = swa2d, swa_block_size  # never read: zero top-k columns
+        topk_slots = swa_slots.new_empty((T, 0))
+        topk_lens = None
+    else:
+        comp2d, comp_bs = as_paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
+        topk_slots = _as_2d_slots(topk_indices, T)
+        topk_lens = None if topk_lens is None else topk_lens[:T]
+    out, _ = dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
+                                   swa_block_size, topk_length=topk_lens, num_splits=num_splits)
+    output.copy_(out)
+
+
+def dequantize_and_gather_k_cache_ampere(
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    offset: int,
+    use_fnuz: bool = False,
+    max_gather_len: Optional[int] = None,
+) -> None:
+    """Drop-in for vLLM's ``dequantize_and_gather_k_cache`` (V4 and V4.1 signatures).
+
+    out bf16 [R, M, 512] (may be strided in dims 0-1); k_cache uint8 [num_blocks,
+    block_size, 584]; seq_lens int [R]; gather_lens int [R] or None (= seq_lens);
+    block_table int [R, max_blocks]. For request b and i < gather_len[b]:
+    ``out[b, offset + i] = record(block_table[b, p // bs] * bs + p % bs)`` with
+    ``p = seq_lens[b] - gather_len[b] + i``. Rows past gather_len keep their contents (as in
+    vLLM, which does not write them). Static shapes, no host sync.
+    """
+    if use_fnuz:
+        raise NotImplementedError("dsv4_ops: FNUZ fp8 caches are ROCm-only; the sm_8x gather reads OCP E4M3")
+    R, M = out.shape[0], out.shape[1]
+    L = M - offset if max_gather_len is None else min(M - offset, int(max_gather_len))
+    if R == 0 or L <= 0:
+        return
+    cache2d = as_paged_2d(k_cache, "k_cache")
+    dev = out.device
+    seq = seq_lens[:R].to(torch.int64)[:, None]
+    gl = seq if gather_lens is None else gather_lens[:R].to(torch.int64)[:, None]
+    i = torch.arange(L, device=dev, dtype=torch.int64)[None, :]
+    pos = seq - gl + i  # [R, L]
+    valid = (i < gl) & (pos >= 0)
+    pc = pos.clamp(min=0)
+    bidx = torch.div(pc, block_size, rounding_mode="floor").clamp(max=block_table.shape[1] - 1)
+    phys = block_table[:R].to(torch.int64).gather(1, bidx)
+    slots = torch.where(valid, phys * block_size + torch.remainder(pc, block_size), torch.full_like(pc, -1))
+    rows = torch.ops.dsv4_ampere.kv_cache_gather(cache2d, slots, block_size)  # [R, L, 512]
+    dst = out[:, offset:offset + L]
+    dst.copy_(torch.where(valid[:, :, None], rows, dst))
+
+
+def flash_mla_sparse_fwd_ampere(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, None, torch.Tensor]:
+    """Drop-in for FlashMLA's ``flash_mla_sparse_fwd`` (sparse prefill), same arguments.
+
+    q bf16 [s_q, h_q, 512]; kv bf16 [s_kv, 1, 512]; indices int32 [s_q, 1, topk] (-1 or
+    >= s_kv: invalid); topk_length int32 [s_q] or None; attn_sink float32 [h_q] or None;
+    out bf16 [s_q, h_q, 512] or None. Returns (out, None, lse). Differences from FlashMLA,
+    both unused by vLLM's DSv4 callers: max_logits is not computed (None), and lse
+    includes the sink.
+    """
+    if d_v != layout.HEAD_DIM:
+        raise NotImplementedError(f"dsv4_ops: sparse prefill supports d_v 512, got {d_v}")
+    kv2d = kv.reshape(-1, kv.shape[-1])
+    idx = indices.reshape(indices.shape[0], -1)
+    o, lse = torch.ops.dsv4_ampere.sparse_mla_decode(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0)
+    if out is None:
+        return o, None, lse
+    out.copy_(o)
+    return out, None, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The attention classes
+# ----------------------------------------------------------------------------------------
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _is_v41(base_cls: type) -> bool:
+    return ".deepseek_v41." in base_cls.__module__
+
+
+class _AmpereAttentionMixin:
+    """Methods the Ampere class adds on top of vLLM's FlashMLA DSv4 attention class."""
+
+    dsv4_ampere = True
+
+    @classmethod
+    def get_padded_num_q_heads(cls, num_heads: int) -> int:
+        """The real per-rank head count: the dsv4_ampere kernels take any H (no pad to 64)."""
+        return num_heads
+
+    def _dsv4_ampere_post_init(self) -> None:
+        install_wo_a_bf16_hook(self.wo_a, self.n_local_groups, self.o_lora_rank)
+
+    def _decode_topk(self, swa_metadata, attn_metadata, num_decode_tokens: int):
+        """(global top-k slots [T, 1, K] int32, lens [T] int32) of the compressed cache."""
+        num_decodes = swa_metadata.num_decodes
+        block_size = attn_metadata.block_size // self.compress_ratio
+        base = self._dsv4_ampere_base
+        if not _is_v41(base) and self.compress_ratio != 4:
+            # V4 C128A: precomputed by the metadata builder.
+            return attn_metadata.c128a_global_decode_topk_indices, attn_metadata.c128a_decode_topk_lens
+        base_module = sys.modules[base.__module__]
+        global_indices, lens = base_module.compute_global_topk_indices_and_lens(
+            self.topk_indices_buffer[:num_decode_tokens],
+            swa_metadata.token_to_req_indices,
+            attn_metadata.block_table[:num_decodes],
+            block_size,
+            swa_metadata.is_valid_token[:num_decode_tokens],
+        )
+        return global_indices.view(num_decode_tokens, 1, -1), lens
+
+    def _forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output) -> None:
+        """Replaces the FlashMLA ``flash_mla_with_kvcache`` call; same arguments as the base."""
+        T = swa_metadata.num_decode_tokens
+        topk_indices = topk_lens = None
+        comp_bs = 1
+        if not swa_only:
+            topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
+            comp_bs = attn_metadata.block_size // self.compress_ratio
+        ampere_decode(q[:T], output[:T], self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
+                      swa_metadata.decode_swa_lens, swa_metadata.block_size,
+                      None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
+                      self.attn_sink, self.scale)
+
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """bf16 o_proj: inverse RoPE (torch) + grouped bmm with the load-time bf16 wo_a + wo_b."""
+        o = o[:, : self.n_local_heads, :]
+        wo_b = getattr(self, "_wo_b_proj", None) or self.wo_b
+        w = wo_a_weight_bf16(self.wo_a, self.n_local_groups, self.o_lora_rank)
+        return ampere_o_proj(o, positions, self.rotary_emb.cos_sin_cache, w, wo_b)
+
+
+def make_ampere_attention_cls(base_cls: type) -> type:
+    """The Ampere subclass of a vLLM FlashMLA DSv4 attention class (cached per base).
+
+    base_cls: ``vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention`` or the
+    ``deepseek_v41`` one. The result is ``class X(_AmpereAttentionMixin, base_cls)`` with
+    ``X._dsv4_ampere_base = base_cls`` (used to reach the base module's helpers).
+    """
+    cls = _CLASSES.get(base_cls)
+    if cls is not None:
+        return cls
+    model = "V41" if _is_v41(base_cls) else "V4"
+
+    def __init__(self, *args, **kwargs) -> None:
+        base_cls.__init__(self, *args, **kwargs)
+        self._dsv4_ampere_post_init()
+
+    cls = type(f"DeepseekAmpere{model}Attention", (_AmpereAttentionMixin, base_cls), {
+        "__init__": __init__,
+        "_dsv4_ampere_base": base_cls,
+        "__module__": __name__,
+        "__doc__": (f"DeepSeek-{model} attention on sm_8x (dsv4_ops): {base_cls.__qualname__} with decode, "
+                    "prefill attention, prefill gather and o_proj through torch.ops.dsv4_ampere / bf16 torch."),
+    })
+    _CLASSES[base_cls] = cls
+    return cls

@@ -1,0 +1,407 @@
+"""The vLLM plugin (registration/vllm_plugin.py) and the sm_8x pieces it installs (dsv4_ops.vllm_ampere).
+
+Needs vllm==0.33.0 (the ``test`` extra); skipped without it. Runs on the CPU: the capability
+is spoofed on vLLM's platform class, and the dsv4_ampere ops run their CPU references.
+"""
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the plugin tests need vllm==0.33.0 (pip install dsv4-ops[test])")
+
+from dsv4_ops import layout, reference  # noqa: E402
+from dsv4_ops.registration import vllm_plugin as vp  # noqa: E402
+from dsv4_ops.vllm_ampere import attention as va  # noqa: E402
+from dsv4_ops.vllm_ampere import compressed_cache as vc  # noqa: E402
+from dsv4_ops.vllm_ampere import o_proj as vo  # noqa: E402
+
+V4_MODEL = "vllm.models.deepseek_v4.nvidia.model"
+V41_MODEL = "vllm.models.deepseek_v41.nvidia.model"
+V4_FLASHMLA = "vllm.models.deepseek_v4.nvidia.flashmla"
+V41_FLASHMLA = "vllm.models.deepseek_v41.nvidia.flashmla"
+
+
+@pytest.fixture(autouse=True)
+def clean_plugin(monkeypatch):
+    """Every test starts and ends with vLLM unpatched and register() not yet run."""
+    monkeypatch.delenv("DSV4_AMPERE_IMPL", raising=False)
+    vp.reset()
+    yield
+    vp.reset()
+
+
+def spoof(monkeypatch, cap):
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    value = None if cap is None else DeviceCapability(*cap)
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: value))
+
+
+def mod(name):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def vllm_config():
+    return NS(attention_config=NS(backend=None), parallel_config=NS(prefill_context_parallel_size=1))
+
+
+# ---------------------------------------------------------------------------- plugin loading
+
+def test_vllm_loader_discovers_and_runs_the_entry_point(monkeypatch):
+    import vllm.plugins as plugins
+
+    assert "dsv4_ops" in plugins.load_plugins_by_group(plugins.DEFAULT_PLUGINS_GROUP)
+    monkeypatch.setenv("VLLM_PLUGINS", "dsv4_ops")
+    monkeypatch.setattr(plugins, "plugins_loaded", False)
+    plugins.load_general_plugins()
+    assert vp.STATE.registered
+    assert vp.STATE.capability is None and not vp.STATE.routed  # CPU: nothing to patch
+    assert vp.STATE.patched == []
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6)])
+def test_register_twice_is_harmless(monkeypatch, cap):
+    spoof(monkeypatch, cap)
+    original = mod(V4_FLASHMLA).dequantize_and_gather_k_cache
+    vp.register()
+    first = dict(vp.STATE.originals)
+    patched = mod(V4_FLASHMLA).dequantize_and_gather_k_cache
+    vp.register()
+    assert vp.STATE.originals == first
+    assert vp.apply_patches() == []  # idempotent even when called directly
+    assert mod(V4_FLASHMLA).dequantize_and_gather_k_cache is patched is not original
+    vp.unpatch()
+    assert mod(V4_FLASHMLA).dequantize_and_gather_k_cache is original
+
+
+# ------------------------------------------------------------------------ capability decision
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6)])
+def test_sm8x_selects_the_ampere_class_for_v4_and_v41(monkeypatch, cap):
+    spoof(monkeypatch, cap)
+    vp.register()
+    assert vp.STATE.routed and vp.STATE.capability == cap
+    assert len(vp.STATE.patched) == sum(e.kind == "patch" for e in vp.PATCHES)
+    for model, flashmla in ((V4_MODEL, V4_FLASHMLA), (V41_MODEL, V41_FLASHMLA)):
+        cls = mod(model)._select_dsv4_attn_cls(vllm_config())
+        base = mod(flashmla).DeepseekV4FlashMLAAttention
+        assert issubclass(cls, base) and cls is not base and cls.dsv4_ampere
+        assert cls.get_padded_num_q_heads(8) == 8 and cls.get_padded_num_q_heads(64) == 64
+        assert cls._forward_decode is va._AmpereAttentionMixin._forward_decode
+        assert cls._forward_prefill is base._forward_prefill  # kept; its callees are patched
+    assert mod(V4_FLASHMLA).flash_mla_sparse_fwd is va.flash_mla_sparse_fwd_ampere
+    assert mod(V41_FLASHMLA).dequantize_and_gather_k_cache is va.dequantize_and_gather_k_cache_ampere
+    cutedsl = mod("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl")
+    assert cutedsl._SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL is vc.compress_norm_rope_store_ampere
+    assert mod("vllm.models.deepseek_v41.compressor").rope_quant_insert is vc.rope_quant_insert_ampere
+
+
+def test_sm90_patches_nothing(monkeypatch):
+    spoof(monkeypatch, (9, 0))
+    before = {(e.module, e.symbol): vp._resolve(e)[2] for e in vp.PATCHES}
+    vp.register()
+    assert vp.STATE.registered and not vp.STATE.routed and vp.STATE.patched == []
+    assert {(e.module, e.symbol): vp._resolve(e)[2] for e in vp.PATCHES} == before
+    assert mod(V4_MODEL)._select_dsv4_attn_cls(vllm_config()) is mod(V4_FLASHMLA).DeepseekV4FlashMLAAttention
+
+
+def test_env_override_routes_without_a_gpu(monkeypatch):
+    spoof(monkeypatch, None)
+    monkeypatch.setenv("DSV4_AMPERE_IMPL", "portable")
+    vp.register()
+    assert vp.STATE.routed and vp.STATE.patched
+
+
+def test_every_patched_symbol_has_the_expected_signature():
+    vp.check_signatures()  # the installed vLLM is the one the table was written for
+    assert vllm.__version__.startswith(vp.VLLM_VERSION_TESTED)
+
+
+def test_signature_mismatch_names_symbol_and_version(monkeypatch):
+    def changed(out, k_cache, seq_lens, block_table, block_size, offset):  # gather_lens dropped
+        pass
+
+    monkeypatch.setattr(mod(V4_FLASHMLA), "dequantize_and_gather_k_cache", changed)
+    with pytest.raises(vp.VllmPatchError) as err:
+        vp.check_signatures()
+    msg = str(err.value)
+    assert "vllm.models.deepseek_v4.nvidia.flashmla.dequantize_and_gather_k_cache" in msg
+    assert vllm.__version__ in msg and "0.33.0" in msg
+
+
+def test_missing_symbol_and_register_refuses(monkeypatch):
+    spoof(monkeypatch, (8, 0))
+    monkeypatch.delattr(mod(V41_MODEL), "_select_dsv4_attn_cls")
+    with pytest.raises(vp.VllmPatchError, match=r"deepseek_v41\.nvidia\.model\._select_dsv4_attn_cls is missing"):
+        vp.register()
+    assert vp.STATE.patched == [] and not vp.STATE.registered
+
+
+def test_jit_warmup_filter_drops_sm89_only_kernels(monkeypatch):
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    spoof(monkeypatch, (8, 0))
+    vp.register()
+    seen = []
+    registry = JitWarmupRegistry(vllm_config=None)
+    monkeypatch.setattr(registry, "_add", lambda kernel, args, kwargs: seen.append(kernel))
+    fp8_kernel = mod("vllm.models.deepseek_v4.common.ops.fused_inv_rope_fp8_quant")._FUSED_INV_ROPE_FP8_QUANT_KERNEL
+    CuteKernel = type("K", (), {"__module__": "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"})
+    other = object()
+    with registry.activate():
+        for k in (fp8_kernel, CuteKernel(), other):
+            JitWarmupRegistry.register(k)
+    assert seen == [other]
+
+
+# ------------------------------------------------------------------------------ tiny caches
+
+def make_cache(num_blocks, block_size, n_rows, seed):
+    """uint8 cache [num_blocks, block_size, 584] with vLLM's padded page stride, every slot written."""
+    g = torch.Generator().manual_seed(seed)
+    page = layout.vllm_page_bytes(block_size)
+    storage = torch.zeros(num_blocks, page, dtype=torch.uint8)
+    cache3d = storage[:, :block_size * layout.RECORD_BYTES].view(num_blocks, block_size, layout.RECORD_BYTES)
+    kv = (torch.randn(n_rows, 512, generator=g) * 2).to(torch.bfloat16)
+    torch.ops.dsv4_ampere.kv_cache_insert(kv, vc.as_paged_2d(cache3d), torch.arange(n_rows), block_size)
+    return cache3d
+
+
+def rows_of(cache3d, slots):
+    """Independent dequantization of the records at ``slots`` (any shape): bf16 [..., 512]."""
+    return reference.ref_kv_cache_gather(vc.as_paged_2d(cache3d), slots, cache3d.shape[1])
+
+
+def dense_attention(q, keys, valid, sink, scale):
+    """float64 softmax with sink over explicit keys [T, K, 512] / mask [T, K]."""
+    s = torch.einsum("thd,tkd->thk", q.double(), keys.double()) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    full = torch.cat([s, sink.double()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    p = torch.softmax(full, dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", p, keys.double())
+
+
+# --------------------------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("H", [8, 16])
+def test_ampere_decode_matches_reference_attention(H):
+    T, W, K, bs_w, bs_c = 3, 6, 5, 4, 2
+    swa = make_cache(4, bs_w, 16, seed=1)
+    comp = make_cache(5, bs_c, 10, seed=2)
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(T, H, 512, generator=g) * 0.1).to(torch.bfloat16)
+    swa_idx = torch.randint(0, 16, (T, 1, W), generator=g, dtype=torch.int32)
+    swa_idx[1, 0, 4:] = -1
+    swa_lens = torch.tensor([W, 4, 3], dtype=torch.int32)  # token 2: entries 3.. ignored
+    topk = torch.randint(0, 10, (T, 1, K), generator=g, dtype=torch.int32)
+    topk[0, 0, 2] = -1
+    topk_lens = torch.tensor([K, 2, 0], dtype=torch.int32)  # token 2: no compressed keys
+    sink = torch.tensor([0.5, float("-inf")] * (H // 2), dtype=torch.float32)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+    va.ampere_decode(q, out, swa, swa_idx, swa_lens, bs_w, comp, topk, topk_lens, bs_c, sink, 512 ** -0.5)
+
+    ks, ts = swa_idx[:, 0].long(), topk[:, 0].long()
+    keys = torch.cat([rows_of(comp, ts.clamp(min=0)), rows_of(swa, ks.clamp(min=0))], dim=1)
+    jk, jw = torch.arange(K), torch.arange(W)
+    valid = torch.cat([(ts >= 0) & (jk[None] < topk_lens[:, None]), (ks >= 0) & (jw[None] < swa_lens[:, None])], 1)
+    want = dense_attention(q, keys, valid, sink, 512 ** -0.5)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), want.flatten(), dim=0)
+    assert cos > 0.9999
+
+
+def test_ampere_class_forward_decode_c128_path():
+    """The class's _forward_decode (V4, C128A: top-k precomputed by the metadata builder)."""
+    cls = va.make_ampere_attention_cls(mod(V4_FLASHMLA).DeepseekV4FlashMLAAttention)
+    assert va.make_ampere_attention_cls(mod(V4_FLASHMLA).DeepseekV4FlashMLAAttention) is cls
+    H, T, W, K = 8, 2, 4, 3
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    swa = make_cache(3, 4, 12, seed=5)
+    comp = make_cache(3, 2, 6, seed=6)
+    layer.swa_cache_layer = NS(kv_cache=swa)
+    layer.attn_sink = torch.full((H,), 0.25)
+    layer.scale, layer.compress_ratio = 512 ** -0.5, 128
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(T, H, 512, generator=g) * 0.1).to(torch.bfloat16)
+    swa_meta = NS(num_decodes=T, num_decode_tokens=T, block_size=4,
+                  decode_swa_indices=torch.randint(0, 12, (T, 1, W), generator=g, dtype=torch.int32),
+                  decode_swa_lens=torch.full((T,), W, dtype=torch.int32))
+    attn_meta = NS(block_size=256, c128a_global_decode_topk_indices=torch.randint(0, 6, (T, 1, K), generator=g,
+                                                                                   dtype=torch.int32),
+                   c128a_decode_topk_lens=torch.full((T,), K, dtype=torch.int32))
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16)
+    layer._forward_decode(q, comp, swa_meta, attn_meta, False, out)
+    want = torch.empty_like(out)
+    va.ampere_decode(q, want, swa, swa_meta.decode_swa_indices, swa_meta.decode_swa_lens, 4, comp,
+                     attn_meta.c128a_global_decode_topk_indices, attn_meta.c128a_decode_topk_lens, 2,
+                     layer.attn_sink, layer.scale)
+    assert torch.equal(out, want)
+    swa_only = torch.empty_like(out)
+    layer._forward_decode(q, None, swa_meta, None, True, swa_only)
+    keys = rows_of(swa, swa_meta.decode_swa_indices[:, 0].long())
+    want = dense_attention(q, keys, torch.ones(T, W, dtype=torch.bool), layer.attn_sink, layer.scale)
+    torch.testing.assert_close(swa_only.double(), want, atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------------- prefill
+
+def test_prefill_gather_matches_vllm_semantics():
+    bs = 4
+    cache = make_cache(6, bs, 24, seed=8)
+    block_table = torch.tensor([[5, 0, 2, 1], [3, 4, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([13, 6], dtype=torch.int32)
+    gather_lens = torch.tensor([5, 6], dtype=torch.int32)
+    offset, M = 2, 9
+    sentinel = torch.full((2, M, 512), 7.0, dtype=torch.bfloat16)
+    out = sentinel.clone()
+    va.dequantize_and_gather_k_cache_ampere(out, cache, seq_lens, gather_lens, block_table, bs, offset)
+    want = sentinel.clone()
+    for b in range(2):
+        for i in range(int(gather_lens[b])):
+            p = int(seq_lens[b] - gather_lens[b]) + i
+            slot = int(block_table[b, p // bs]) * bs + p % bs
+            want[b, offset + i] = rows_of(cache, torch.tensor([slot]))[0]
+    assert torch.equal(out, want)  # rows past gather_len are left as they were
+    with pytest.raises(NotImplementedError, match="FNUZ"):
+        va.dequantize_and_gather_k_cache_ampere(out, cache, seq_lens, None, block_table, bs, 0, use_fnuz=True)
+
+
+def test_prefill_sparse_fwd_matches_reference():
+    g = torch.Generator().manual_seed(9)
+    S, H, N, K = 4, 8, 20, 7
+    q = (torch.randn(S, H, 512, generator=g) * 0.1).to(torch.bfloat16)
+    kv = torch.randn(N, 1, 512, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, N, (S, 1, K), generator=g, dtype=torch.int32)
+    lens = torch.tensor([7, 3, 0, 5], dtype=torch.int32)
+    sink = torch.linspace(-1, 1, H)
+    out = torch.empty(S, H, 512, dtype=torch.bfloat16)
+    res = va.flash_mla_sparse_fwd_ampere(q, kv, idx, 512 ** -0.5, attn_sink=sink, topk_length=lens, out=out)
+    assert res[0] is out
+    want, _ = reference.ref_sparse_mla_decode(q, kv[:, 0], idx[:, 0], lens, sink, 512 ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------- compressed-cache writers
+
+def _expected_compressed_row(state, block_table, req, p, bs, sw, ratio, overlap, w, eps, cos_sin):
+    """float64, one token, straight from the Triton kernel's definition."""
+    Wn = (1 + overlap) * ratio
+    kvs, scs = [], []
+    for j in range(Wn):
+        pos = p - Wn + 1 + j
+        if pos < 0:
+            continue
+        row = state[int(block_table[req, pos // bs]), pos % bs].double()
+        off = 512 if j >= ratio else 0
+        kvs.append(row[off:off + 512])
+        scs.append(row[sw + off:sw + off + 512])
+    kv, sc = torch.stack(kvs), torch.stack(scs)
+    c = (torch.softmax(sc, 0) * kv).sum(0)
+    normed = c / torch.sqrt((c * c).mean() + eps) * w.double()
+    cs = cos_sin[(p // ratio) * ratio].double()
+    e, o = normed[448::2].clone(), normed[449::2].clone()
+    normed[448::2], normed[449::2] = e * cs[:32] - o * cs[32:], o * cs[:32] + e * cs[32:]
+    return normed
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def test_v4_compressed_writer_matches_triton_kernel_math(ratio, overlap):
+    g = torch.Generator().manual_seed(10 + ratio)
+    coff = 1 + overlap
+    sw = coff * 512
+    bs, nblk = 8, 4
+    state = torch.randn(nblk, bs, 2 * sw, generator=g)
+    block_table = torch.tensor([[2, 0, 3], [1, 3, 0]], dtype=torch.int32)
+    positions = torch.tensor([3, 7, 8, 11, 15, 2, 7], dtype=torch.int64)
+    req = torch.tensor([0, 0, 0, 0, 0, 1, 1], dtype=torch.int32)
+    state_slots = torch.tensor([0, 1, 2, 3, -1, 4, 5])  # token 4: no state slot -> skipped
+    kv_slots = torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    w = torch.rand(512, generator=g) + 0.5
+    cos_sin = torch.cat([torch.cos(torch.rand(32, 32, generator=g)), torch.sin(torch.rand(32, 32, generator=g))], 1)
+    kv_cache = torch.zeros(4, 2, layout.RECORD_BYTES, dtype=torch.uint8)
+    vc.compress_norm_rope_store_ampere(
+        state_cache=state, num_actual=7, token_to_req_indices=req, positions=positions, slot_mapping=state_slots,
+        block_table=block_table, block_size=bs, state_width=sw, cos_sin_cache=cos_sin, kv_cache=kv_cache,
+        k_cache_metadata=NS(slot_mapping=kv_slots), pdl_kwargs={}, head_dim=512, rope_head_dim=64,
+        compress_ratio=ratio, overlap=overlap, use_fp4_cache=False, rms_norm_weight=w, rms_norm_eps=1e-6,
+        quant_block=64, token_stride=576, scale_dim=8)
+    got = rows_of(kv_cache, kv_slots)
+    for t in range(7):
+        p = int(positions[t])
+        boundary = (p + 1) % ratio == 0 and int(state_slots[t]) >= 0
+        if not boundary:
+            assert torch.count_nonzero(got[t]) == 0, f"token {t} is not a boundary and must not be written"
+            continue
+        want = _expected_compressed_row(state, block_table, int(req[t]), p, bs, sw, ratio, int(overlap), w, 1e-6,
+                                        cos_sin)
+        torch.testing.assert_close(got[t, 448:].double(), want[448:], atol=1e-2, rtol=1e-2)  # bf16 RoPE dims
+        err = (got[t, :448].double() - want[:448]).abs().view(7, 64).amax(1)
+        assert (err <= want[:448].abs().view(7, 64).amax(1) / 8).all()  # within e4m3 precision per group
+
+
+def test_v41_rope_quant_insert_writes_only_boundary_tokens():
+    g = torch.Generator().manual_seed(11)
+    latent = torch.randn(5, 512, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([0, 1, 2, 3, 5])
+    slots = torch.tensor([0, 1, 2, -1, 4])
+    cos_sin = torch.cat([torch.ones(8, 32), torch.zeros(8, 32)], 1)  # identity rotation
+    kv_cache = torch.zeros(3, 2, layout.RECORD_BYTES, dtype=torch.uint8)
+    vc.rope_quant_insert_ampere(latent, positions, cos_sin, kv_cache, slots, 2)
+    ref = torch.zeros_like(kv_cache)
+    keep = torch.tensor([-1, 1, -1, -1, 4])  # positions 1 and 5 close a group of 2; token 3 has no slot
+    reference.ref_kv_cache_insert(latent, vc.as_paged_2d(ref), keep, 2)
+    assert torch.equal(kv_cache, ref)
+    with pytest.raises(NotImplementedError, match="584"):
+        vc.rope_quant_insert_ampere(latent, positions, cos_sin, torch.zeros(3, 2, 528, dtype=torch.uint8), slots, 2)
+
+
+# ---------------------------------------------------------------------------------- o_proj
+
+def test_o_proj_matches_grouped_einsum():
+    g = torch.Generator().manual_seed(12)
+    T, H, G, R, hidden = 3, 4, 2, 16, 24
+    o = torch.randn(T, H, 512, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([0, 5, 9])
+    ang = torch.rand(10, 32, generator=g) * 6
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1)
+    wa = (torch.randn(G, R, (H // G) * 512, generator=g) * 0.02).to(torch.bfloat16)
+    wb = torch.randn(hidden, G * R, generator=g).to(torch.bfloat16)
+    got = vo.ampere_o_proj(o, positions, cos_sin, wa, lambda z: z @ wb.T)
+    x = o.double().clone()
+    c, s = cos_sin[positions].double()[:, None, :32], cos_sin[positions].double()[:, None, 32:]
+    e, od = x[..., 448::2].clone(), x[..., 449::2].clone()
+    x[..., 448::2], x[..., 449::2] = e * c + od * s, od * c - e * s  # inverse GPT-J rotation
+    z = torch.einsum("tgk,grk->tgr", x.view(T, G, -1), wa.double()).reshape(T, G * R)
+    torch.testing.assert_close(got.double(), z @ wb.double().T, atol=0.1, rtol=2e-2)
+    # forward then inverse rotation is the identity
+    x32 = torch.randn(T, 512, generator=g)
+    cs = cos_sin[positions]
+    back = vo.gptj_rotate_tail(vo.gptj_rotate_tail(x32, cs, inverse=False), cs, inverse=True)
+    torch.testing.assert_close(back, x32, atol=1e-5, rtol=1e-5)
+
+
+def test_wo_a_block_fp8_dequantized_once_at_load():
+    g = torch.Generator().manual_seed(13)
+    G, R, K = 2, 128, 256
+    w = (torch.randn(G * R, K, generator=g) * 3).clamp(-440, 440).to(torch.float8_e4m3fn)
+    exps = torch.randint(120, 130, (G * R // 128, K // 128), generator=g, dtype=torch.uint8)
+    calls = []
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(exps.view(torch.float8_e8m0fnu), requires_grad=False)
+    layer.weight_block_size = [128, 128]
+    layer.quant_method = NS(process_weights_after_loading=lambda lyr: calls.append(lyr))
+    vo.install_wo_a_bf16_hook(layer, G, R)
+    vo.install_wo_a_bf16_hook(layer, G, R)  # idempotent: one wrapper
+    layer.quant_method.process_weights_after_loading(layer)
+    assert calls == [layer]
+    scale = torch.exp2(exps.double() - 127).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    want = (w.double() * scale).to(torch.bfloat16).view(G, R, K)
+    assert torch.equal(vo.wo_a_weight_bf16(layer, G, R), want)
