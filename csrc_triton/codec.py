@@ -114,4 +114,4 @@ def _e4m3_encode_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MODE: tl.constex
 
 
 # Launch configs as plain data, per kernel variant: (BLOCK, num_warps).
-CODEC_CONFIG = {"BLOCK": 4096, "num_warps": 8}
+CODEC_CONFIG = {"BLOCK": 8192, "num_warps": 4}

@@ -161,5 +161,5 @@ def _kv_cache_gather_kernel(
 
 
 # Launch configs as plain data (same on sm_80/86 and newer): memory-bound, small tiles.
-INSERT_CONFIG = {"TOKENS": 8, "num_warps": 2}  # 16 spills on sm_80 (benchmarks/results/kv_cache_configs.md)
-GATHER_CONFIG = {"ROWS": 8, "num_warps": 2}  # best of the H200 sweep, no spills on sm_80
+INSERT_CONFIG = {"TOKENS": 4, "num_warps": 2}  # benchmarks/results/kv_cache_configs.md; 16 spills on sm_80
+GATHER_CONFIG = {"ROWS": 16, "num_warps": 4}  # benchmarks/results/kv_cache_configs.md
