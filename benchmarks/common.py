@@ -58,16 +58,9 @@ def time_graph_us(fn: Callable[[], object], replays: int = 50, inner: int = 20) 
     step (the ~0.9 us in-graph launch gap included), not the host's cudaGraphLaunch latency,
     which timing a single-call graph between two events would add (~8 us here). L2 is warm.
     """
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
+    from dsv4_ops.testing import capture_graph
+
+    g, _ = capture_graph(lambda: [fn() for _ in range(inner)])
     for _ in range(3):
         g.replay()
     times = []

@@ -56,6 +56,22 @@ def ue8m0_to_f32(b_byte):
 
 
 @triton.jit
+def _record_offsets(slot_ptr, o_i, n, page_bytes, block_size, capacity):
+    """Slots of entries o_i (int64 [B]) -> (valid [B], data-row byte offset [B], scale-row byte
+    offset [B]), all int64. An entry past n or a slot outside [0, capacity) is invalid; its
+    offsets point at slot 0 and must be masked by the caller."""
+    m_i = o_i < n
+    b_slot = tl.load(slot_ptr + o_i, mask=m_i, other=-1).to(tl.int64)
+    m_valid = m_i & (b_slot >= 0) & (b_slot < capacity)
+    b_slot = tl.where(m_valid, b_slot, 0)
+    b_blk = b_slot // block_size
+    b_pos = b_slot % block_size
+    o_data = b_blk * page_bytes + b_pos * DATA_BYTES
+    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES
+    return m_valid, o_data, o_scale
+
+
+@triton.jit
 def _kv_cache_insert_kernel(
     kv_ptr,  # bf16 [N, 512], row stride stride_kv_0, dims contiguous
     cache_ptr,  # uint8 [num_blocks, page_bytes]
@@ -72,16 +88,8 @@ def _kv_cache_insert_kernel(
 
     A token whose slot is outside [0, capacity) (slot < 0: padding) loads and stores nothing.
     """
-    pid = tl.program_id(0)
-    o_t = pid.to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
-    m_t = o_t < n_tokens
-    b_slot = tl.load(slot_ptr + o_t, mask=m_t, other=-1).to(tl.int64)  # [TOKENS]
-    m_valid = m_t & (b_slot >= 0) & (b_slot < capacity)
-    b_slot = tl.where(m_valid, b_slot, 0)
-    b_blk = b_slot // block_size
-    b_pos = b_slot % block_size
-    o_data = b_blk * page_bytes + b_pos * DATA_BYTES  # [TOKENS] int64
-    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES  # [TOKENS] int64
+    o_t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
+    m_valid, o_data, o_scale = _record_offsets(slot_ptr, o_t, n_tokens, page_bytes, block_size, capacity)
 
     o_g = tl.arange(0, GROUPS)  # [8]
     o_d = tl.arange(0, QUANT_GROUP)  # [64]
@@ -128,16 +136,9 @@ def _kv_cache_gather_kernel(
     Row i is e4m3(code[d]) * 2**(scale[d // 64] - 127) for d < 448, then the raw bf16 RoPE
     dims; a slot outside [0, capacity) reads nothing and gives a zero row.
     """
-    pid = tl.program_id(0)
-    o_i = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    o_i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     m_i = o_i < n
-    b_slot = tl.load(slot_ptr + o_i, mask=m_i, other=-1).to(tl.int64)  # [ROWS]
-    m_valid = m_i & (b_slot >= 0) & (b_slot < capacity)
-    b_slot = tl.where(m_valid, b_slot, 0)
-    b_blk = b_slot // block_size
-    b_pos = b_slot % block_size
-    o_data = b_blk * page_bytes + b_pos * DATA_BYTES  # [ROWS] int64
-    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES  # [ROWS] int64
+    m_valid, o_data, o_scale = _record_offsets(slot_ptr, o_i, n, page_bytes, block_size, capacity)
     o_row = o_i * stride_out_0  # [ROWS] int64
 
     o_g = tl.arange(0, GROUPS)[None, :, None]  # [1, 8, 1]

@@ -10,6 +10,7 @@ import torch
 
 from conftest import HAS_GPU
 from dsv4_ops import aot, attention, reference, split_heuristic
+from dsv4_ops.testing import capture_graph
 
 D = 512
 SM_SCALE = D ** -0.5
@@ -412,14 +413,7 @@ def test_gpu_cuda_graph_replay_on_new_inputs(variant):
     def step():
         return attention.sparse_mla_decode(*static[:4], static[4], SM_SCALE)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out, g_lse = step()
+    g, (g_out, g_lse) = capture_graph(step)
     q2, kv2, idx2, tl2 = make_case(T, H, K, device="cuda", seed=22)
     sink2 = make_sink("large", H, "cuda")
     for dst, src in zip(static, (q2, kv2, idx2, tl2, sink2)):

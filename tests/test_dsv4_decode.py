@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv4_ops import dsv4_decode, reference
+from dsv4_ops.testing import capture_graph
 from dsv4_ops.registration import op_exists
 
 D = 512
@@ -166,14 +167,7 @@ def test_gpu_composite_cuda_graph_replay_on_new_inputs(variant):
     def step():
         return dsv4_decode.dsv4_decode_attention(**static, workspace=ws)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out, g_lse = step()
+    g, (g_out, g_lse) = capture_graph(step)
     for k, v in new.items():
         if isinstance(v, torch.Tensor):
             static[k].copy_(v)
