@@ -45,6 +45,15 @@ class KernelSpec:
     num_stages: int = 3
 
 
+def optional_pointer(signature: Dict[str, str], constexprs: Dict[str, object], name: str,
+                     ty: str, present: bool) -> None:
+    """Type an optional pointer argument: ``ty`` when passed, else a None constexpr (how a
+    launcher's ``None`` specializes), in place."""
+    signature[name] = ty if present else "constexpr"
+    if not present:
+        constexprs[name] = None
+
+
 @dataclasses.dataclass
 class AotResult:
     op: str

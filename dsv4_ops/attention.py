@@ -153,7 +153,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
 def aot_specs():
     """Every split/merge kernel specialization a launcher can pick (see dsv4_ops.aot)."""
-    from .aot import KernelSpec
+    from .aot import KernelSpec, optional_pointer
 
     specs = []
     for variant in ("portable", "native"):
@@ -161,7 +161,7 @@ def aot_specs():
         for idx_ty in ("i32", "i64"):
             for has_len in (False, True):
                 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "indices_ptr": f"*{idx_ty}",
-                       "topk_length_ptr": "*i32" if has_len else "constexpr",
+                       "topk_length_ptr": None,
                        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                        "H": "i32", "K": "i32", "N": "i32", "S": "i32", "sm_scale": "fp32",
                        "stride_q_t": "i32", "stride_q_h": "i32", "stride_kv_n": "i32",
@@ -170,8 +170,7 @@ def aot_specs():
                        "HAS_TOPK_LENGTH": "constexpr"}
                 consts = {"D": HEAD_DIM, "BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"],
                           "HAS_TOPK_LENGTH": has_len}
-                if not has_len:
-                    consts["topk_length_ptr"] = None
+                optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
                 specs.append(KernelSpec(
                     "sparse_mla_split", f"split[{variant},{idx_ty},{'len' if has_len else 'nolen'}]",
                     _sk._sparse_mla_split_kernel, sig, consts, variant,
@@ -181,14 +180,13 @@ def aot_specs():
             mcfg = _mk.merge_config(s, HEAD_DIM)
             for has_sink in (False, True):
                 sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
-                       "sink_ptr": "*fp32" if has_sink else "constexpr",
+                       "sink_ptr": None,
                        "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32",
                        "D": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr",
                        "HAS_SINK": "constexpr"}
                 consts = {"D": HEAD_DIM, "BLOCK_S": mcfg["BLOCK_S"], "BLOCK_D": mcfg["BLOCK_D"],
                           "HAS_SINK": has_sink}
-                if not has_sink:
-                    consts["sink_ptr"] = None
+                optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
                 specs.append(KernelSpec(
                     "merge_splits", f"merge[{variant},S<={s},{'sink' if has_sink else 'nosink'}]",
                     _mk._merge_splits_kernel, sig, consts, variant,
@@ -197,13 +195,12 @@ def aot_specs():
         icfg = _sk.INDICES_CONFIG
         for slot_ty in ("i32", "i64"):
             for has_len in (False, True):
-                sig = {"topk_slots_ptr": f"*{slot_ty}", "topk_length_ptr": "*i32" if has_len else "constexpr",
+                sig = {"topk_slots_ptr": f"*{slot_ty}", "topk_length_ptr": None,
                        "swa_slots_ptr": f"*{slot_ty}", "indices_ptr": "*i32", "T": "i32", "K1": "i32",
                        "K2": "i32", "cap_c": "i64", "cap_w": "i64", "stride_topk_t": "i32",
                        "stride_swa_t": "i32", "BLOCK": "constexpr", "HAS_TOPK_LENGTH": "constexpr"}
                 consts = {"BLOCK": icfg["BLOCK"], "HAS_TOPK_LENGTH": has_len}
-                if not has_len:
-                    consts["topk_length_ptr"] = None
+                optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
                 specs.append(KernelSpec(
                     "dsv4_decode_indices", f"indices[{variant},{slot_ty},{'len' if has_len else 'nolen'}]",
                     _sk._dsv4_decode_indices_kernel, sig, consts, variant, num_warps=icfg["num_warps"]))
