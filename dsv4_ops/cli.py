@@ -33,7 +33,8 @@ def _environment() -> str:
 def cmd_check(args) -> int:
     import torch
 
-    from . import aot, dispatch, selftest
+    from . import aot, dispatch, selftest, support
+    from .registration import op_names
 
     failures = 0
     print("== environment\n" + _environment())
@@ -41,10 +42,10 @@ def cmd_check(args) -> int:
     if torch.cuda.is_available() and dispatch.device_capability() not in caps:
         caps.insert(0, dispatch.device_capability())
     print("\n== op table (capability -> variant; 'runs' is what a direct call runs)")
-    print(dispatch.format_table(caps))
+    print(support.format_table(caps))
     if torch.cuda.is_available():
-        for op in dispatch.OPS:
-            ok, reason = dispatch.is_supported(op, "cuda")
+        for op in op_names():
+            ok, reason = support.is_supported(op, "cuda")
             print(f"  this GPU, {op}: {'supported' if ok else 'NOT supported'}: {reason}")
     if not args.skip_aot:
         print("\n== AOT compile for sm_80 / sm_86 (portable variant; no GPU needed)")
@@ -55,8 +56,48 @@ def cmd_check(args) -> int:
     rows = selftest.run()
     print(selftest.format_rows(rows))
     failures += sum(not r["ok"] for r in rows)
+    print("\n== vLLM serve-path audit (dsv4-ops audit-vllm)")
+    print(_audit_summary(args))
     print(f"\n{'FAILED: %d check(s)' % failures if failures else 'all checks passed'}")
     return 1 if failures else 0
+
+
+def _audit_summary(args) -> str:
+    """One line: the audit's counts, or why it did not run (it never fails `check`)."""
+    from .vllm import audit
+
+    if audit.vllm_installed() is None:
+        return "vLLM not installed: skipped"
+    if getattr(args, "skip_audit", False):
+        return "skipped (--skip-audit)"
+    try:
+        return audit.summary_line(audit.run())
+    except Exception as exc:  # noqa: BLE001 - the audit is informative here
+        return f"could not run: {exc}"[:300]
+
+
+def cmd_audit_vllm(args) -> int:
+    """Table of every kernel on vLLM's DeepSeek-V4/V4.1 serve path on sm_<arch>; exit 1 when a
+    default-path row is dead or unknown and not replaced, 2 when vLLM is missing."""
+    import json
+
+    from .vllm import audit
+
+    if audit.vllm_installed() is None:
+        print("dsv4-ops audit-vllm needs vLLM 0.33.0 (pip install 'dsv4-ops[vllm]'); vLLM is not installed.")
+        return 2
+    models = audit.MODELS if args.model == "both" else (args.model,)
+    res = audit.run(models, arch=args.arch)
+    if args.json:
+        print(json.dumps({"vllm": res.vllm, "arch": res.arch, "version_note": audit.version_line(res),
+                          "rows": [r.__dict__ for r in res.rows], "notes": res.notes}, indent=1))
+    else:
+        print(audit.version_line(res))
+        print(audit.summary_line(res))
+        print(audit.format_table(res, models))
+        for note in res.notes:
+            print("note:", note)
+    return 1 if res.open_rows() else 0
 
 
 def _bench_dir() -> str:
@@ -92,12 +133,17 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="environment, op table, AOT sm_80/86, numeric self-test")
     c.add_argument("--skip-aot", action="store_true", help="skip the AOT sm_80/86 compile table")
+    c.add_argument("--skip-audit", action="store_true", help="skip the vLLM serve-path audit summary")
+    a = sub.add_parser("audit-vllm", help="which kernels of vLLM's DeepSeek-V4/V4.1 serve path run on sm_8x")
+    a.add_argument("--model", choices=("v4", "v41", "both"), default="both")
+    a.add_argument("--arch", type=int, choices=(80, 86), default=80)
+    a.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="run the benchmarks (CUDA GPU)")
     b.add_argument("--out", default=os.path.join(_bench_dir(), "results"))
     b.add_argument("--quick", action="store_true")
     b.add_argument("--only", default="", help="run only scripts whose name contains this")
     args = p.parse_args(argv)
-    return {"check": cmd_check, "bench": cmd_bench}[args.cmd](args)
+    return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ forcing ``portable`` on an H200 runs exactly the kernels an A100 would run.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple, Union
 
@@ -21,19 +22,6 @@ import torch
 ENV_VAR = "DSV4_AMPERE_IMPL"
 KERNEL_VARIANTS = ("portable", "native")
 _OVERRIDES = ("auto",) + KERNEL_VARIANTS
-
-# Public ops of the dsv4_ampere namespace; an op module adds its names here when it lands.
-OPS = (
-    "e4m3_decode",
-    "e4m3_encode",
-    "kv_cache_insert",
-    "kv_cache_gather",
-    "kv_cache_gather_into",
-    "sparse_mla_split",
-    "merge_splits",
-    "sparse_mla_decode",
-    "dsv4_decode_indices",
-)
 
 # (major, minor) -> variant. Looked up exactly first, then by the rules in table_variant().
 CAPABILITY_TABLE = {
@@ -101,59 +89,24 @@ def device_capability(device: Union[torch.device, str, int, None] = None) -> Tup
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def _op_defined(op: str) -> bool:
-    try:
-        getattr(torch.ops.dsv4_ampere, op)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def is_supported(op: str, device: Union[torch.device, str, int, None] = None,
-                 capability: Optional[Tuple[int, int]] = None) -> Tuple[bool, str]:
-    """Whether ``op`` can run its kernel on ``device`` (or a given capability), and why.
-
-    Returns (ok, reason); reason names the variant that would run, or what is missing.
-    """
-    if op not in OPS:
-        return False, f"unknown op {op!r}; ops are {', '.join(OPS)}"
-    if not _op_defined(op):
-        return False, f"{op} is part of the contract but not built in this version of dsv4_ops"
-    if capability is None:
-        dev = torch.device(device) if device is not None else None
-        if dev is not None and dev.type != "cuda":
-            return False, f"{op} has kernels for CUDA devices only (got {dev}); the CPU runs the reference"
-        if not torch.cuda.is_available():
-            return False, "no CUDA device; the CPU runs the PyTorch reference"
-        capability = device_capability(dev)
-    cap = tuple(capability)
-    entry = table_variant(cap)
-    if entry is None:
-        return False, f"sm_{cap[0]}{cap[1]} is below sm_80: bf16 tl.dot and the kernels' layouts need Ampere"
-    try:
-        variant = kernel_variant(cap)
-    except ValueError as exc:
-        return False, str(exc)
+@functools.lru_cache(maxsize=None)
+def _cuda_variant(device_index: int, override: str) -> str:
+    cap = device_capability(device_index)
+    variant = kernel_variant(cap)
     if variant == "native" and not native_fp8_available(cap):
-        return False, (f"{ENV_VAR}=native needs the E4M3 cvt of sm_89+; sm_{cap[0]}{cap[1]} "
-                       "has only fp8e4b15/fp8e5 in Triton: use portable")
-    where = "vLLM keeps upstream kernels; direct calls run " if entry == "upstream" else ""
-    return True, f"{where}{variant} variant on sm_{cap[0]}{cap[1]}"
+        raise RuntimeError(f"{ENV_VAR}=native on sm_{cap[0]}{cap[1]}: the E4M3 cvt needs sm_89+; use portable")
+    return variant
 
 
-def format_table(capabilities=SHOWCASE_CAPABILITIES) -> str:
-    """A printable op table: one row per capability, one column per op."""
-    rows = [("capability", "table", "runs") + tuple(OPS)]
-    for cap in capabilities:
-        entry = table_variant(cap) or "-"
-        try:
-            runs = kernel_variant(cap)
-        except (RuntimeError, ValueError) as exc:
-            runs = f"error: {exc}"
-        cells = []
-        for op in OPS:
-            ok, _ = is_supported(op, capability=cap)
-            cells.append("yes" if ok else "no")
-        rows.append((f"sm_{cap[0]}{cap[1]}", entry, runs) + tuple(cells))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+def variant_for(t: torch.Tensor) -> str:
+    """'portable' or 'native' for the device of ``t`` (cached per device and override value).
+
+    CUDA: the op table (with the DSV4_AMPERE_IMPL override). CPU tensors only reach a kernel
+    under the Triton interpreter: portable unless the override says otherwise.
+    """
+    override = os.environ.get(ENV_VAR, "auto")
+    if t.device.type == "cuda":
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return _cuda_variant(index, override)
+    forced = impl_override()
+    return "portable" if forced == "auto" else forced

@@ -3,7 +3,7 @@
 import torch
 
 from dsv4_ops import codec, reference
-from .library import define_op
+from .library import OpDef
 
 
 def _e4m3_decode_fake(codes):
@@ -14,13 +14,17 @@ def _e4m3_encode_fake(x, exact=True):
     return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
 
 
+def _e4m3_encode_cuda(x, exact=True):
+    return codec.e4m3_encode(x, exact)
+
+
 def _e4m3_encode_cpu(x, exact=True):
     return reference.ref_e4m3_encode(x, exact)
 
 
-def register() -> None:
-    define_op("e4m3_decode", "(Tensor codes) -> Tensor",
-              cuda=codec.e4m3_decode, cpu=reference.ref_e4m3_decode, fake=_e4m3_decode_fake)
-    define_op("e4m3_encode", "(Tensor x, bool exact=True) -> Tensor",
-              cuda=lambda x, exact=True: codec.e4m3_encode(x, exact),
-              cpu=_e4m3_encode_cpu, fake=_e4m3_encode_fake)
+OPS = (
+    OpDef("e4m3_decode", "(Tensor codes) -> Tensor",
+          cuda=codec.e4m3_decode, cpu=reference.ref_e4m3_decode, fake=_e4m3_decode_fake),
+    OpDef("e4m3_encode", "(Tensor x, bool exact=True) -> Tensor",
+          cuda=_e4m3_encode_cuda, cpu=_e4m3_encode_cpu, fake=_e4m3_encode_fake),
+)

@@ -3,7 +3,7 @@
 import torch
 
 from dsv4_ops import kv_cache, layout, reference
-from .library import define_op
+from .library import OpDef
 
 
 def _kv_cache_insert_cuda(kv, cache, slot_mapping, block_size):
@@ -47,11 +47,12 @@ def _kv_cache_gather_into_fake(cache, slots, block_size, out, row_offset):
     return None
 
 
-def register() -> None:
-    define_op("kv_cache_insert", "(Tensor kv, Tensor(a!) cache, Tensor slot_mapping, int block_size) -> ()",
-              cuda=_kv_cache_insert_cuda, cpu=_kv_cache_insert_cpu, fake=_kv_cache_insert_fake)
-    define_op("kv_cache_gather", "(Tensor cache, Tensor slots, int block_size) -> Tensor",
-              cuda=_kv_cache_gather_cuda, cpu=_kv_cache_gather_cpu, fake=_kv_cache_gather_fake)
-    define_op("kv_cache_gather_into",
-              "(Tensor cache, Tensor slots, int block_size, Tensor(a!) out, int row_offset) -> ()",
-              cuda=_kv_cache_gather_into_cuda, cpu=_kv_cache_gather_into_cpu, fake=_kv_cache_gather_into_fake)
+OPS = (
+    OpDef("kv_cache_insert", "(Tensor kv, Tensor(a!) cache, Tensor slot_mapping, int block_size) -> ()",
+          cuda=_kv_cache_insert_cuda, cpu=_kv_cache_insert_cpu, fake=_kv_cache_insert_fake),
+    OpDef("kv_cache_gather", "(Tensor cache, Tensor slots, int block_size) -> Tensor",
+          cuda=_kv_cache_gather_cuda, cpu=_kv_cache_gather_cpu, fake=_kv_cache_gather_fake),
+    OpDef("kv_cache_gather_into",
+          "(Tensor cache, Tensor slots, int block_size, Tensor(a!) out, int row_offset) -> ()",
+          cuda=_kv_cache_gather_into_cuda, cpu=_kv_cache_gather_into_cpu, fake=_kv_cache_gather_into_fake),
+)

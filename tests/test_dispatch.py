@@ -2,14 +2,17 @@
 
 import pytest
 
-from dsv4_ops import dispatch
+from dsv4_ops import dispatch, support
+from dsv4_ops.registration import op_names
 
-
-@pytest.mark.parametrize("cap,entry,runs", [
+AUTO_CASES = [
     ((8, 0), "portable", "portable"), ((8, 6), "portable", "portable"), ((8, 7), "portable", "portable"),
     ((8, 9), "native", "native"), ((9, 0), "upstream", "native"), ((10, 0), "upstream", "native"),
     ((12, 0), "upstream", "native"),
-])
+]
+
+
+@pytest.mark.parametrize("cap,entry,runs", AUTO_CASES, ids=[f"sm_{c[0]}{c[1]}" for c, _, _ in AUTO_CASES])
 def test_table_auto(monkeypatch, cap, entry, runs):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.table_variant(cap) == entry
@@ -20,7 +23,7 @@ def test_table_auto(monkeypatch, cap, entry, runs):
 def test_below_ampere_is_unsupported(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.table_variant((7, 5)) is None
-    ok, reason = dispatch.is_supported("e4m3_decode", capability=(7, 5))
+    ok, reason = support.is_supported("e4m3_decode", capability=(7, 5))
     assert not ok and "sm_75" in reason
     with pytest.raises(RuntimeError, match="8.0"):
         dispatch.kernel_variant((7, 5))
@@ -36,9 +39,9 @@ def test_override_wins(monkeypatch, forced):
 
 def test_native_forced_on_sm80_is_refused_with_a_reason(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "native")
-    ok, reason = dispatch.is_supported("e4m3_encode", capability=(8, 0))
+    ok, reason = support.is_supported("e4m3_encode", capability=(8, 0))
     assert not ok and "sm_89" in reason and "portable" in reason
-    assert dispatch.is_supported("e4m3_encode", capability=(9, 0))[0]
+    assert support.is_supported("e4m3_encode", capability=(9, 0))[0]
 
 
 def test_bad_override_value(monkeypatch):
@@ -49,22 +52,22 @@ def test_bad_override_value(monkeypatch):
 
 def test_is_supported_reasons(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    ok, reason = dispatch.is_supported("e4m3_decode", capability=(8, 0))
+    ok, reason = support.is_supported("e4m3_decode", capability=(8, 0))
     assert ok and "portable" in reason
-    ok, reason = dispatch.is_supported("e4m3_decode", capability=(9, 0))
+    ok, reason = support.is_supported("e4m3_decode", capability=(9, 0))
     assert ok and "upstream" in reason
-    ok, reason = dispatch.is_supported("no_such_op", capability=(8, 0))
+    ok, reason = support.is_supported("no_such_op", capability=(8, 0))
     assert not ok and "unknown op" in reason
-    ok, reason = dispatch.is_supported("e4m3_decode", device="cpu")
+    ok, reason = support.is_supported("e4m3_decode", device="cpu")
     assert not ok and "CPU" in reason
 
 
 def test_printable_table(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    text = dispatch.format_table()
+    text = support.format_table()
     lines = text.splitlines()
     assert len(lines) == 1 + len(dispatch.SHOWCASE_CAPABILITIES)
     assert lines[1].split()[:3] == ["sm_80", "portable", "portable"]
     assert lines[4].split()[:3] == ["sm_90", "upstream", "native"]
-    for op in dispatch.OPS:
+    for op in op_names():
         assert op in lines[0]

@@ -1,20 +1,29 @@
-"""Registration: every op once, idempotent, with a schema, a CUDA kernel, a CPU impl and a fake."""
+"""Registration: every op of ``registration.all_ops()`` defined once, idempotent, with a
+schema, a CUDA kernel, a CPU impl and a fake."""
 
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import dsv4_ops
-from dsv4_ops import dispatch
-from dsv4_ops.registration import define_op, op_exists
+from dsv4_ops.registration import NAMESPACE, all_ops, define_op, op_exists, op_names
+
+OP_NAMES = op_names()
+
+
+def test_op_list_is_not_empty_and_names_are_unique():
+    assert OP_NAMES, "registration.all_ops() lists no op"
+    dup = sorted({n for n in OP_NAMES if OP_NAMES.count(n) > 1})
+    assert not dup, f"ops listed twice: {dup}"
 
 
 def test_register_all_twice_is_harmless():
-    before = {op: op_exists(op) for op in dispatch.OPS}
+    before = {op: op_exists(op) for op in OP_NAMES}
     dsv4_ops.register_all()
     dsv4_ops.register_all()
-    assert {op: op_exists(op) for op in dispatch.OPS} == before
+    assert {op: op_exists(op) for op in OP_NAMES} == before
     assert define_op("e4m3_decode", "(Tensor codes) -> Tensor", cuda=None, fake=None) is False
 
 
@@ -26,10 +35,12 @@ def test_second_import_in_a_fresh_process():
     assert out.stdout.strip() == "1.0"
 
 
-def test_defined_ops_have_cuda_cpu_and_fake_kernels():
-    defined = [op for op in dispatch.OPS if op_exists(op)]
-    assert {"e4m3_decode", "e4m3_encode"} <= set(defined)
-    for op in defined:
-        name = f"dsv4_ampere::{op}"
-        for key in ("CUDA", "CPU", "Meta"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (op, key)
+@pytest.mark.parametrize("op", all_ops(), ids=lambda op: op.name)
+def test_every_op_is_registered_with_cuda_cpu_and_meta_kernels(op):
+    assert op_exists(op.name), f"{NAMESPACE}::{op.name} is listed in all_ops() but not registered"
+    assert op.cpu is not None, f"{op.name}: no CPU implementation (the reference) in its OpDef"
+    missing = [key for key in ("CUDA", "CPU", "Meta")
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(op.qualname, key)]
+    assert not missing, f"{op.qualname}: no kernel for {missing}"
+    schema = str(getattr(torch.ops.dsv4_ampere, op.name).default._schema)
+    assert schema.startswith(op.qualname + "("), schema

@@ -1,4 +1,4 @@
-"""The vLLM plugin (registration/vllm_plugin.py) and the sm_8x pieces it installs (dsv4_ops.vllm_ampere).
+"""The vLLM plugin (dsv4_ops.vllm.plugin, entry point registration/vllm_plugin.py) and the sm_8x pieces it installs (dsv4_ops.vllm).
 
 Needs vllm==0.33.0 (the ``test`` extra); skipped without it. Runs on the CPU: the capability
 is spoofed on vLLM's platform class, and the dsv4_ampere ops run their CPU references.
@@ -12,10 +12,11 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the plugin tests need vllm==0.33.0 (pip install dsv4-ops[test])")
 
 from dsv4_ops import layout, reference  # noqa: E402
-from dsv4_ops.registration import vllm_plugin as vp  # noqa: E402
-from dsv4_ops.vllm_ampere import attention as va  # noqa: E402
-from dsv4_ops.vllm_ampere import compressed_cache as vc  # noqa: E402
-from dsv4_ops.vllm_ampere import o_proj as vo  # noqa: E402
+from dsv4_ops.vllm import plugin as vp  # noqa: E402
+from dsv4_ops.vllm.table import patch_table_markdown, patches  # noqa: E402
+from dsv4_ops.vllm import attention as va  # noqa: E402
+from dsv4_ops.vllm import compressed_cache as vc  # noqa: E402
+from dsv4_ops.vllm import o_proj as vo  # noqa: E402
 
 V4_MODEL = "vllm.models.deepseek_v4.nvidia.model"
 V41_MODEL = "vllm.models.deepseek_v41.nvidia.model"
@@ -87,7 +88,7 @@ def test_sm8x_selects_the_ampere_class_for_v4_and_v41(monkeypatch, cap):
     spoof(monkeypatch, cap)
     vp.register()
     assert vp.STATE.routed and vp.STATE.capability == cap
-    assert len(vp.STATE.patched) == sum(e.kind == "patch" for e in vp.PATCHES)
+    assert len(vp.STATE.patched) == sum(e.kind == "patch" for e in patches())
     for model, flashmla in ((V4_MODEL, V4_FLASHMLA), (V41_MODEL, V41_FLASHMLA)):
         cls = mod(model)._select_dsv4_attn_cls(vllm_config())
         base = mod(flashmla).DeepseekV4FlashMLAAttention
@@ -104,10 +105,10 @@ def test_sm8x_selects_the_ampere_class_for_v4_and_v41(monkeypatch, cap):
 
 def test_sm90_patches_nothing(monkeypatch):
     spoof(monkeypatch, (9, 0))
-    before = {(e.module, e.symbol): vp._resolve(e)[2] for e in vp.PATCHES}
+    before = {(e.module, e.symbol): vp._resolve(e)[2] for e in patches()}
     vp.register()
     assert vp.STATE.registered and not vp.STATE.routed and vp.STATE.patched == []
-    assert {(e.module, e.symbol): vp._resolve(e)[2] for e in vp.PATCHES} == before
+    assert {(e.module, e.symbol): vp._resolve(e)[2] for e in patches()} == before
     assert mod(V4_MODEL)._select_dsv4_attn_cls(vllm_config()) is mod(V4_FLASHMLA).DeepseekV4FlashMLAAttention
 
 
@@ -118,9 +119,93 @@ def test_env_override_routes_without_a_gpu(monkeypatch):
     assert vp.STATE.routed and vp.STATE.patched
 
 
-def test_every_patched_symbol_has_the_expected_signature():
-    vp.check_signatures()  # the installed vLLM is the one the table was written for
+def test_every_assumption_of_the_table_holds_in_the_installed_vllm():
+    # Signatures, attributes and dataclass fields read, and by-name imports over all of vLLM's source.
+    vp.check_table(scan_source=True)
     assert vllm.__version__.startswith(vp.VLLM_VERSION_TESTED)
+
+
+def test_renamed_metadata_field_is_caught(monkeypatch):
+    import dataclasses
+
+    swa = mod("vllm.v1.attention.backends.mla.sparse_swa")
+    original = swa.DeepseekSparseSWAMetadata
+    fields = [(("decode_swa_idx" if f.name == "decode_swa_indices" else f.name), f.type, f)
+              for f in dataclasses.fields(original)]
+    renamed = dataclasses.make_dataclass("DeepseekSparseSWAMetadata", [(n, t, dataclasses.field(default=None))
+                                                                        for n, t, _ in fields])
+    monkeypatch.setattr(swa, "DeepseekSparseSWAMetadata", renamed)
+    with pytest.raises(vp.VllmPatchError, match=r"DeepseekSparseSWAMetadata no longer has decode_swa_indices") as err:
+        vp.check_table(scan_source=False)
+    assert vllm.__version__ in str(err.value)
+
+
+def test_missing_layer_attribute_is_caught(monkeypatch):
+    cls = mod(V41_FLASHMLA).DeepseekV4FlashMLAAttention
+    monkeypatch.setattr(vp, "_assigned_self_attrs", lambda klass: set())  # as if __init__ stopped setting them
+    with pytest.raises(vp.VllmPatchError, match=r"DeepseekV4FlashMLAAttention no longer has .*topk_indices_buffer"):
+        vp.check_reads([r for e in patches() for r in e.reads if r.cls == cls.__name__])
+
+
+def test_new_by_name_import_is_caught_at_register(monkeypatch):
+    import sys
+    import types
+
+    spoof(monkeypatch, (8, 0))
+    copy = types.ModuleType("vllm.models.deepseek_v4.nvidia.new_prefill_path")
+    copy.dequantize_and_gather_k_cache = mod(V4_FLASHMLA).dequantize_and_gather_k_cache
+    monkeypatch.setitem(sys.modules, copy.__name__, copy)
+    with pytest.raises(vp.VllmPatchError, match=r"new_prefill_path imports dequantize_and_gather_k_cache by name"):
+        vp.register()
+    assert vp.STATE.patched == [] and not vp.STATE.registered
+
+
+def test_new_by_name_import_is_found_in_source(tmp_path):
+    root = tmp_path / "vllm"
+    (root / "models" / "newmodel").mkdir(parents=True)
+    for pkg in (root, root / "models", root / "models" / "newmodel"):
+        (pkg / "__init__.py").write_text("")
+    (root / "models" / "newmodel" / "prefill.py").write_text(
+        "from vllm.models.deepseek_v4.nvidia.flashmla import dequantize_and_gather_k_cache\n"
+        "def f(*a):\n    return dequantize_and_gather_k_cache(*a)\n")
+    (root / "models" / "newmodel" / "lazy.py").write_text(
+        "def f(*a):\n    from vllm.models.deepseek_v4.nvidia.flashmla import dequantize_and_gather_k_cache\n"
+        "    return dequantize_and_gather_k_cache(*a)\n")  # binds at call time: sees the patch
+    found = vp.by_name_importers({V4_FLASHMLA}, "dequantize_and_gather_k_cache", root)
+    assert found == {"vllm.models.newmodel.prefill"}
+    rows = tuple(e for e in patches() if e.symbol == "dequantize_and_gather_k_cache" and e.model == "v4")
+    with pytest.raises(vp.VllmPatchError, match=r"vllm.models.newmodel.prefill imports"):
+        vp.check_call_sites(rows, root=root, scan_source=True)
+
+
+def test_no_dsv4_caller_reads_the_prefill_return_value():
+    """flash_mla_sparse_fwd_ampere's lse includes the sink (FlashMLA's excludes it): prove no
+    DSv4 caller reads the return value, so the convention cannot leak."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(vllm.__file__).parent / "models"
+    calls = 0
+    for path in list(root.glob("deepseek_v4/**/*.py")) + list(root.glob("deepseek_v41/**/*.py")):
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
+                    "flash_mla_sparse_fwd":
+                calls += 1
+                assert isinstance(parents[node], ast.Expr), f"{path}:{node.lineno} reads flash_mla_sparse_fwd's result"
+    assert calls >= 2  # V4 and V4.1 prefill
+
+
+def test_readme_patch_table_is_the_generated_one():
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    begin = text.index("<!-- patch-table:begin")
+    begin = text.index("\n", begin) + 1
+    end = text.index("<!-- patch-table:end -->")
+    assert text[begin:end].strip() == patch_table_markdown().strip(), \
+        "README patch table is stale: paste dsv4_ops.vllm.table.patch_table_markdown() between the markers"
 
 
 def test_signature_mismatch_names_symbol_and_version(monkeypatch):
@@ -129,7 +214,7 @@ def test_signature_mismatch_names_symbol_and_version(monkeypatch):
 
     monkeypatch.setattr(mod(V4_FLASHMLA), "dequantize_and_gather_k_cache", changed)
     with pytest.raises(vp.VllmPatchError) as err:
-        vp.check_signatures()
+        vp.check_table(scan_source=False)
     msg = str(err.value)
     assert "vllm.models.deepseek_v4.nvidia.flashmla.dequantize_and_gather_k_cache" in msg
     assert vllm.__version__ in msg and "0.33.0" in msg

@@ -24,6 +24,7 @@ given (``output`` / ``out``).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Dict, Optional, Tuple
 
@@ -33,6 +34,7 @@ from .. import layout
 from ..dsv4_decode import dsv4_decode_attention
 from .compressed_cache import as_paged_2d
 from .o_proj import ampere_o_proj, install_wo_a_bf16_hook, wo_a_weight_bf16
+from .table import V4, V41, Reads, Patch, per_model
 
 
 def _as_2d_slots(idx: torch.Tensor, T: int) -> torch.Tensor:
@@ -60,20 +62,17 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     T = q.shape[0]
     swa2d = as_paged_2d(swa_cache, "swa kv_cache")
     swa_slots = _as_2d_slots(swa_indices, T)
-    if swa_lens is not None:
-        j = torch.arange(swa_slots.shape[1], device=swa_slots.device)
-        swa_slots = torch.where(j[None, :] < swa_lens[:T, None], swa_slots, torch.full_like(swa_slots, -1))
     if compressed_cache is None or topk_indices is None:
         comp2d, comp_bs = swa2d, swa_block_size  # never read: zero top-k columns
-        topk_slots = swa_slots.new_empty((T, 0))
+        topk_slots = swa_slots[:, :0]
         topk_lens = None
     else:
         comp2d, comp_bs = as_paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
         topk_slots = _as_2d_slots(topk_indices, T)
-        topk_lens = None if topk_lens is None else topk_lens[:T]
-    out, _ = dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
-                                   swa_block_size, topk_length=topk_lens, num_splits=num_splits)
-    output.copy_(out)
+    # Lengths: the first T values are read (no slicing needed); written straight into output.
+    dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
+                          swa_block_size, topk_length=topk_lens, num_splits=num_splits,
+                          swa_length=swa_lens, out=output)
 
 
 def dequantize_and_gather_k_cache_ampere(
@@ -140,10 +139,10 @@ def flash_mla_sparse_fwd_ampere(
         raise NotImplementedError(f"dsv4_ops: sparse prefill supports d_v 512, got {d_v}")
     kv2d = kv.reshape(-1, kv.shape[-1])
     idx = indices.reshape(indices.shape[0], -1)
-    o, lse = torch.ops.dsv4_ampere.sparse_mla_decode(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0)
     if out is None:
+        o, lse = torch.ops.dsv4_ampere.sparse_mla_decode(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0)
         return o, None, lse
-    out.copy_(o)
+    lse = torch.ops.dsv4_ampere.sparse_mla_decode_out(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0, out)
     return out, None, lse
 
 
@@ -154,8 +153,13 @@ def flash_mla_sparse_fwd_ampere(
 _CLASSES: Dict[type, type] = {}
 
 
+# Compress ratio of the C4A layers (indexer top-k); V4's other compressed layers are C128A,
+# whose decode top-k the metadata builder precomputes.
+C4A_RATIO = 4
+
+
 def _is_v41(base_cls: type) -> bool:
-    return ".deepseek_v41." in base_cls.__module__
+    return base_cls.__module__.startswith(V41 + ".")
 
 
 class _AmpereAttentionMixin:
@@ -176,7 +180,7 @@ class _AmpereAttentionMixin:
         num_decodes = swa_metadata.num_decodes
         block_size = attn_metadata.block_size // self.compress_ratio
         base = self._dsv4_ampere_base
-        if not _is_v41(base) and self.compress_ratio != 4:
+        if not _is_v41(base) and self.compress_ratio != C4A_RATIO:
             # V4 C128A: precomputed by the metadata builder.
             return attn_metadata.c128a_global_decode_topk_indices, attn_metadata.c128a_decode_topk_lens
         base_module = sys.modules[base.__module__]
@@ -235,3 +239,77 @@ def make_ampere_attention_cls(base_cls: type) -> type:
     })
     _CLASSES[base_cls] = cls
     return cls
+
+
+def _flashmla_module(model: str) -> str:
+    return f"{V41 if model == 'v41' else V4}.nvidia.flashmla"
+
+
+def _make_selector(model: str):
+    def _select_dsv4_attn_cls(vllm_config):
+        """dsv4_ops: the sm_8x attention class (replaces vLLM's FlashMLA/FlashInfer selection)."""
+        pcp = getattr(getattr(vllm_config, "parallel_config", None), "prefill_context_parallel_size", 1)
+        if pcp and pcp > 1:
+            raise NotImplementedError("dsv4_ops: prefill context parallelism is not supported on sm_8x yet")
+        base = importlib.import_module(_flashmla_module(model)).DeepseekV4FlashMLAAttention
+        return make_ampere_attention_cls(base)
+
+    _select_dsv4_attn_cls.__qualname__ = f"select_attention_cls_{model}"
+    return _select_dsv4_attn_cls
+
+
+select_attention_cls_v4 = _make_selector("v4")
+select_attention_cls_v41 = _make_selector("v41")
+
+# What the Ampere class reads on vLLM objects, checked at register() (dsv4_ops.vllm.plugin).
+_LAYER_READS = ("wo_a", "n_local_groups", "o_lora_rank", "compress_ratio", "topk_indices_buffer", "swa_cache_layer",
+                "attn_sink", "scale", "n_local_heads", "rotary_emb", "wo_b")
+_SWA_META_READS = ("num_decodes", "num_decode_tokens", "decode_swa_indices", "decode_swa_lens", "block_size",
+                   "is_valid_token", "token_to_req_indices")
+_ATTN_META_READS = {"v4": ("block_size", "block_table", "c128a_global_decode_topk_indices", "c128a_decode_topk_lens"),
+                    "v41": ("block_size", "block_table")}
+_SWA_META_MODULE = "vllm.v1.attention.backends.mla.sparse_swa"
+_DECODE_PARAMS = ("q", "kv_cache", "swa_metadata", "attn_metadata", "swa_only", "output")
+_PREFILL_PARAMS = ("q", "positions", "compressed_k_cache", "swa_k_cache", "output", "attn_metadata", "swa_metadata")
+_GATHER_PARAMS = ("out", "k_cache", "seq_lens", "gather_lens", "block_table", "block_size", "offset", "use_fnuz")
+_SPARSE_FWD_PARAMS = ("q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length", "out")
+_NO_FLASHMLA = ("_raise_flashmla_unavailable",)
+
+PATCHES = (
+    *per_model("nvidia.model", "_select_dsv4_attn_cls", ("vllm_config",),
+               "returns the FlashMLA class on sm_80, whose kernels have only sm_90a/sm_100 cubins",
+               {"v4": select_attention_cls_v4, "v41": select_attention_cls_v41}),
+    *per_model("nvidia.flashmla", "dequantize_and_gather_k_cache",
+               {"v4": _GATHER_PARAMS, "v41": _GATHER_PARAMS + ("max_gather_len",)},
+               "prefill gather: CuTeDSL (cvt.rn.f16x2.e4m3x2, sm_89+); its Triton twin uses tl.float8e4nv",
+               dequantize_and_gather_k_cache_ampere,
+               # V4.1's mega-attention class is sm_100-only and chosen only by the selector replaced above.
+               known_non_callers={"v4": (), "v41": (f"{V41}.nvidia.flash_mla_mega_attn",)}),
+    *per_model("nvidia.flashmla", "flash_mla_sparse_fwd", _SPARSE_FWD_PARAMS,
+               "prefill attention: FlashMLA sparse prefill is sm_90a/sm_100 only",
+               flash_mla_sparse_fwd_ampere, placeholders=_NO_FLASHMLA,
+               # Other models' FlashMLA backends (DeepSeek-V3.2's sparse MLA, Hunyuan-V4): not on the DSv4 path.
+               known_non_callers=("vllm.v1.attention.backends.mla.flashmla_sparse",
+                                  "vllm.models.hy_v4.nvidia.flashmla_sparse")),
+    *per_model("nvidia.flashmla", "DeepseekV4FlashMLAAttention._forward_decode", _DECODE_PARAMS,
+               "decode: flash_mla_with_kvcache (sm_90a/sm_100) -> both caches gathered, split-KV, merge with sink",
+               _AmpereAttentionMixin._forward_decode, kind="override",
+               reads={m: (Reads(f"{pkg}.nvidia.flashmla", "DeepseekV4FlashMLAAttention", _LAYER_READS),
+                          Reads(_SWA_META_MODULE, "DeepseekSparseSWAMetadata", _SWA_META_READS),
+                          Reads(f"{pkg}.sparse_mla", "DeepseekV4FlashMLAMetadata", _ATTN_META_READS[m]))
+                      for m, pkg in (("v4", V4), ("v41", V41))}),
+    *per_model("nvidia.flashmla", "compute_global_topk_indices_and_lens",
+               ("topk_indices", "token_to_req_indices", "block_table", "block_size", "is_valid_token"),
+               "kept: the Ampere decode calls vLLM's own Triton top-k -> global slot mapping (int only)",
+               kind="kept"),
+    *per_model("nvidia.flashmla", "DeepseekV4FlashMLAAttention._forward_prefill", _PREFILL_PARAMS,
+               "kept: its gather and sparse_fwd are the patched names above",
+               kind="kept"),
+    *per_model("nvidia.flashmla", "DeepseekV4FlashMLAAttention._o_proj",
+               {"v4": ("o", "positions"), "v41": ("attn_out", "positions")},
+               "DeepGEMM fp8_einsum + fused_inv_rope_fp8_quant (tl.float8e4nv) -> bf16 wo_a (dequantized at load) "
+               "+ torch", _AmpereAttentionMixin._o_proj, kind="override"),
+    *per_model("nvidia.flashmla", "DeepseekV4FlashMLAAttention.get_padded_num_q_heads", ("num_heads",),
+               "no padding to 64: the real per-rank heads (8 at TP=8)",
+               _AmpereAttentionMixin.get_padded_num_q_heads, kind="override"),
+)

@@ -35,6 +35,7 @@ import torch
 
 from .. import layout
 from .o_proj import gptj_rotate_tail
+from .table import V4, V41, Patch
 
 # Rows of [W, 512] fp32 state gathered at once (x2 for kv and score): bounds the
 # temporary memory of a long prefill (16 MiB a buffer), independent of W.
@@ -192,3 +193,20 @@ def rope_quant_insert_ampere(
     rows = _rope_rows(latent[:n].to(torch.float32), pos, cos_sin_cache, compress_ratio)
     slots = _boundary_slots(slot_mapping.reshape(-1), pos, compress_ratio)
     torch.ops.dsv4_ampere.kv_cache_insert(rows, cache2d, slots, kv_cache.shape[1])
+
+
+_COMPRESSOR_PARAMS = ("state_cache", "num_actual", "token_to_req_indices", "positions", "slot_mapping", "block_table",
+                      "block_size", "state_width", "cos_sin_cache", "kv_cache", "k_cache_metadata", "pdl_kwargs",
+                      "head_dim", "rope_head_dim", "compress_ratio", "overlap", "use_fp4_cache", "rms_norm_weight",
+                      "rms_norm_eps", "quant_block", "token_stride", "scale_dim", "store_full_kv", "store_full_fp8",
+                      "fp8_scale")
+
+PATCHES = (
+    Patch(f"{V4}.nvidia.ops.sparse_attn_compress_cutedsl", "_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL",
+          _COMPRESSOR_PARAMS,
+          "compressed 512-d cache writer: CuTeDSL (cvt.rn.satfinite.e4m3x2.f32, sm_89+) on every CUDA GPU",
+          compress_norm_rope_store_ampere, model="v4"),
+    Patch(f"{V41}.compressor", "rope_quant_insert",
+          ("latent", "positions", "cos_sin_cache", "kv_cache", "slot_mapping", "compress_ratio", "fp8_scale"),
+          "V4.1 compressed cache writer: Triton tl.float8e4nv (sm_89+)", rope_quant_insert_ampere, model="v41"),
+)

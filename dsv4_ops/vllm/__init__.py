@@ -1,0 +1,15 @@
+"""Everything vLLM: the sm_8x replacements, the patch table and the plugin's logic.
+
+Nothing here imports vLLM at module level (vLLM is an optional dependency); the attention
+classes are built lazily from vLLM's own classes. ``registration/vllm_plugin.py`` is the thin
+entry point vLLM calls.
+
+Modules:
+  table             the ``Patch`` row type and the table assembled from every area's ``PATCHES``
+  plugin            decide / check (signatures, attributes read, by-name imports) / apply / register
+  attention         decode (both caches into one workspace, split-KV, merge with the sink), the
+                    prefill gather and prefill attention, the class factory and selectors
+  compressed_cache  the compressed 512-d cache writers (V4 compressor, V4.1 rope_quant_insert)
+  o_proj            bf16 wo_a (dequantized once at load), inverse RoPE, grouped bmm, wo_b
+  warmup            vLLM's JIT warmup minus the kernels sm_8x cannot compile
+"""

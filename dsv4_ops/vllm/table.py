@@ -1,0 +1,135 @@
+"""The patch table: every vLLM symbol the plugin replaces, overrides, keeps or hooks on sm_8x.
+
+Each area module of this package (``attention``, ``compressed_cache``, ``o_proj``, ``warmup``,
+``indexer``, ``engram``, ``mhc``) defines ``PATCHES``, a tuple of ``Patch`` rows; ``patches()``
+concatenates them in ``AREAS`` order. Rows hold callables, never names resolved by string.
+``per_model`` writes one row per DeepSeek model package (V4, V4.1) from a single description.
+
+Row kinds
+  patch     ``setattr(owner, name, replacement)``; with ``wraps=True`` the replacement is a
+            builder called as ``replacement(original)`` that returns the new object.
+  override  a method of vLLM's class that the Ampere attention subclass overrides; checked only.
+  kept      a vLLM method the Ampere class inherits unchanged and relies on; checked only.
+  hook      a vLLM method that a dsv4_ops hook wraps on live objects (the wo_a load hook);
+            checked only here, installed by its owner.
+Every row is checked at ``register()`` before anything is patched (``dsv4_ops.vllm.plugin``):
+the symbol exists, has ``params``, and ``reads`` (attributes / dataclass fields the
+replacement reads on vLLM objects) are still there.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+V4 = "vllm.models.deepseek_v4"
+V41 = "vllm.models.deepseek_v41"
+MODEL_PACKAGES = {"v4": V4, "v41": V41}
+KINDS = ("patch", "override", "kept", "hook")
+
+# Area modules of dsv4_ops.vllm that contribute rows, in table order (missing ones are skipped).
+AREAS = ("attention", "compressed_cache", "o_proj", "warmup", "indexer", "engram", "mhc")
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Attributes the replacement reads on objects of a vLLM class.
+
+    module/cls: where the class lives; names: attribute names. A dataclass is checked against
+    its fields; any other class against class attributes and ``self.<name> =`` assignments in
+    the source of its methods (its MRO within vLLM).
+    """
+
+    module: str
+    cls: str
+    names: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One row. module/symbol: where vLLM looks the name up at call time (``symbol`` may be
+    ``Class.attr``). params: parameter names of the vLLM original (``self``/``cls`` excluded).
+    replacement: what runs instead (kind patch/override), or the hook installer (kind hook);
+    None for kept. model: 'v4', 'v41' or '' (both/neither). placeholders: names of vLLM
+    stand-ins accepted unchecked (FlashMLA's ``_raise_flashmla_unavailable`` without CUDA).
+    known_non_callers: modules that import the symbol by name but never call it on the
+    DSv4 path (accepted by the call-site guard).
+    """
+
+    module: str
+    symbol: str
+    params: Tuple[str, ...]
+    why: str
+    replacement: Optional[Callable] = None
+    kind: str = "patch"
+    wraps: bool = False
+    model: str = ""
+    reads: Tuple[Reads, ...] = ()
+    placeholders: Tuple[str, ...] = ()
+    known_non_callers: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Patch {self.module}.{self.symbol}: kind {self.kind!r} not in {KINDS}")
+        if self.kind == "patch" and self.replacement is None:
+            raise ValueError(f"Patch {self.module}.{self.symbol}: a patch row needs a replacement")
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.symbol}"
+
+    def describe_replacement(self) -> str:
+        """What runs instead, in words (the README table's third column)."""
+        if self.kind == "kept":
+            return "inherited unchanged"
+        fn = self.replacement
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+        name = name.replace("dsv4_ops.vllm.", "")
+        return f"{name}(original)" if self.wraps else name
+
+
+PerModel = Union[Any, Dict[str, Any]]
+
+
+def _pick(value: PerModel, model: str) -> Any:
+    return value[model] if isinstance(value, dict) else value
+
+
+def per_model(rel_module: str, symbol: str, params: PerModel, why: str, replacement: PerModel = None,
+              *, models: Tuple[str, ...] = ("v4", "v41"), **kw) -> Tuple[Patch, ...]:
+    """One row per model package: ``rel_module`` is relative to ``vllm.models.deepseek_v4[1]``;
+    ``params`` and ``replacement`` may be dicts keyed by 'v4' / 'v41'."""
+    rows = []
+    for model in models:
+        rows.append(Patch(f"{MODEL_PACKAGES[model]}.{rel_module}", symbol, tuple(_pick(params, model)), why,
+                          _pick(replacement, model), model=model, **{k: _pick(v, model) for k, v in kw.items()}))
+    return tuple(rows)
+
+
+def patches() -> Tuple[Patch, ...]:
+    """The whole table: every area's rows, in ``AREAS`` order."""
+    rows = []
+    for area in AREAS:
+        try:
+            module = importlib.import_module(f"{__package__}.{area}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{area}":
+                raise
+            continue
+        rows.extend(getattr(module, "PATCHES", ()))
+    return tuple(rows)
+
+
+def patch_table_markdown(rows: Optional[Tuple[Patch, ...]] = None) -> str:
+    """The patch table as Markdown; the README's copy is kept equal by tests/test_vllm_plugin.py."""
+    rows = patches() if rows is None else rows
+    out = ["| vLLM 0.33.0 symbol | kind | sm_8x replacement | why |", "|---|---|---|---|"]
+    for e in rows:
+        sym = f"{e.module.replace('vllm.models.', '')}.{e.symbol}"
+        out.append(f"| `{sym}` | {e.kind} | {e.describe_replacement()} | {e.why} |")
+    return "\n".join(out)
+
+
+__all__ = ["AREAS", "KINDS", "MODEL_PACKAGES", "Patch", "Reads", "V4", "V41", "patch_table_markdown",
+           "patches", "per_model", "field"]

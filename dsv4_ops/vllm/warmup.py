@@ -1,0 +1,148 @@
+"""vLLM's JIT warmup on sm_8x, filtered by evidence instead of a hand list.
+
+vLLM aborts startup when a kernel registered with ``JitWarmupRegistry`` fails to compile.
+``register_filtered`` wraps ``JitWarmupRegistry.register``; for each registration it
+
+1. compiles the kernel's warmup keys for this GPU (vLLM's own ``get_warmup_keys`` +
+   ``compile``, i.e. the same compile the warmup would run; cached per kernel and
+   registration, and Triton's cache makes the later warmup of a good kernel free), and
+2. if that fails, asks the audit's call graph (``dsv4_ops.vllm.audit``) whether every use of
+   the kernel on the serve path goes through a row of the patch table.
+
+Failed and replaced: dropped from the warmup (logged at info). Failed and NOT replaced:
+registered anyway and logged as an error naming the kernel, so vLLM's warmup fails loudly
+instead of a later request. Compiles: registered unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from .table import Patch
+
+logger = logging.getLogger("vllm.plugins.dsv4_ops.warmup")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kernel: str
+    fails: bool
+    error: str
+    replaced_by: Optional[str]
+
+    @property
+    def drop(self) -> bool:
+        return self.fails and self.replaced_by is not None
+
+
+def kernel_name(kernel: Any) -> Tuple[str, str]:
+    """(defining module, module-level name) of a warmup kernel object."""
+    import sys
+
+    for mod_name in (getattr(kernel, "__module__", None), type(kernel).__module__):
+        mod = sys.modules.get(mod_name or "")
+        if mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            if obj is kernel:
+                return mod_name, name
+    return type(kernel).__module__, type(kernel).__name__
+
+
+_COMPILED: Dict[Tuple, Tuple[bool, str]] = {}
+
+
+def compile_fails(kernel: Any, args: tuple, kwargs: dict) -> Tuple[bool, str]:
+    """(fails, error) of compiling every warmup key of this registration for the current GPU."""
+    try:
+        cache_key = (id(kernel), repr(args), repr(sorted(kwargs.items())))
+    except Exception:  # noqa: BLE001 - an unrepresentable argument: do not cache
+        cache_key = None
+    if cache_key in _COMPILED:
+        return _COMPILED[cache_key]
+    try:
+        call_kwargs = dict(kwargs)
+        if not args and not kwargs:
+            vllm_config = _active_vllm_config()
+            if vllm_config is not None:
+                import inspect
+
+                if "vllm_config" in inspect.signature(kernel.get_warmup_keys).parameters:
+                    call_kwargs["vllm_config"] = vllm_config
+        for key in kernel.get_warmup_keys(*args, **call_kwargs):
+            kernel.compile(key)
+        result = (False, "")
+    except Exception as exc:  # noqa: BLE001 - any compile error is the evidence
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        result = (True, f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300])
+    if cache_key is not None:
+        _COMPILED[cache_key] = result
+    return result
+
+
+def _active_vllm_config():
+    try:
+        from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+        reg = JitWarmupRegistry._active.get()
+        return getattr(reg, "vllm_config", None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _call_graph():
+    """(refs, bindings, replaced functions) over both models' serve-path source (AST only)."""
+    from .audit import _source, _worker
+
+    audit = _worker.Audit(arch=0, jobs=1)
+    mods: Dict[str, Any] = {}
+    for model in _worker.MODELS:
+        mods.update(audit.scope(model))
+    refs = audit.build_graph(mods)
+    bind, funcs = audit.patched()
+    return audit, refs, bind, funcs
+
+
+def replaced_by(module: str, name: str) -> Optional[str]:
+    """The patch-table row(s) that every serve-path use of ``module.name`` goes through, or None."""
+    audit, refs, bind, funcs = _call_graph()
+    return audit.coverage(name, module, refs, bind, funcs, jit_defs=set())
+
+
+def decide(kernel: Any, args: tuple, kwargs: dict) -> Verdict:
+    module, name = kernel_name(kernel)
+    fails, error = compile_fails(kernel, args, kwargs)
+    replaced = replaced_by(module, name) if fails else None
+    return Verdict(f"{module}.{name}", fails, error, replaced)
+
+
+def register_filtered(original):
+    """Builder: ``JitWarmupRegistry.register`` minus kernels that fail here and are replaced."""
+    func = original.__func__
+
+    def register(cls, kernel, *args, **kwargs):
+        """dsv4_ops: vLLM's warmup registration, filtered by compile evidence and the patch table."""
+        verdict = decide(kernel, args, kwargs)
+        if verdict.drop:
+            logger.info("dsv4_ops: JIT warmup of %s dropped: it fails to compile on this GPU (%s) and is "
+                        "replaced by %s", verdict.kernel, verdict.error, verdict.replaced_by)
+            return None
+        if verdict.fails:
+            logger.error("dsv4_ops: %s fails to compile on this GPU (%s) and is NOT replaced by dsv4_ops; "
+                         "vLLM's JIT warmup will abort startup on it (run `dsv4-ops audit-vllm`)",
+                         verdict.kernel, verdict.error)
+        return func(cls, kernel, *args, **kwargs)
+
+    return classmethod(register)
+
+
+PATCHES = (
+    Patch("vllm.model_executor.warmup.jit_warmup", "JitWarmupRegistry.register", ("kernel", "args", "kwargs"),
+          "JIT warmup compiles every registered kernel for this GPU and aborts startup on the first failure; "
+          "replaced kernels that fail on sm_8x are dropped (decided by compiling them), others fail loudly",
+          register_filtered, wraps=True),
+)
