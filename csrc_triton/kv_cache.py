@@ -164,3 +164,79 @@ def _kv_cache_gather_kernel(
 # Launch configs as plain data (same on sm_80/86 and newer): memory-bound, small tiles.
 INSERT_CONFIG = {"TOKENS": 4, "num_warps": 2}  # benchmarks/results/kv_cache_configs.md; 16 spills on sm_80
 GATHER_CONFIG = {"ROWS": 16, "num_warps": 4}  # benchmarks/results/kv_cache_configs.md
+
+
+@triton.jit
+def _dsv4_decode_gather_kernel(
+    cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
+    topk_ptr,  # int32/int64 [T, K1] compressed slots, row stride stride_topk_t
+    topk_len_ptr,  # int32 [T] or None: top-k entries j >= topk_len[t] are ignored
+    cw_ptr,  # uint8 [num_blocks_w, page_w]: the sliding-window cache
+    swa_ptr,  # int32/int64 [T, K2] window slots, row stride stride_swa_t
+    swa_len_ptr,  # int32 [T] or None: window entries j >= swa_len[t] are ignored
+    ws_ptr,  # bf16 [>= T*(K1+K2), 512] workspace, contiguous
+    idx_ptr,  # int32 [T, K1 + K2] contiguous: the attention indices (rows of ws, -1: none)
+    T, K1, K2, stride_topk_t, stride_swa_t,
+    page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+    NATIVE: tl.constexpr, ROWS: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr,
+):
+    """Grid (cdiv(T*K1, ROWS) + cdiv(T*K2, ROWS),): both gathers of a DSv4 decode step and
+    its index build in one launch. Programs [0, cdiv(T*K1, ROWS)) take ROWS compressed rows
+    (workspace row r = t*K1 + j), the rest ROWS window rows (row T*K1 + t*K2 + j). Each row is
+    dequantized as in _kv_cache_gather_kernel (zero for an unused entry) and its index
+    (the row, or -1 when the slot is outside [0, capacity) or j >= the token's length) goes
+    to indices[t, j] (window: column K1 + j)."""
+    pid = tl.program_id(0)
+    n_prog_c = (T * K1 + ROWS - 1) // ROWS
+    is_c = pid < n_prog_c  # scalar: this program gathers compressed rows (else window rows)
+    is_w = pid >= n_prog_c
+    # Scalars of this program's cache, selected without control flow (operand types may differ).
+    p_cache = tl.where(is_c, cc_ptr, cw_ptr)
+    page = tl.where(is_c, page_c, page_w).to(tl.int64)
+    bs = tl.where(is_c, bs_c, bs_w).to(tl.int64)
+    cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
+    k_part = tl.where(is_c, K1, K2)
+    o_r = tl.where(is_c, pid, pid - n_prog_c).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of the part
+    m_r = o_r < T * k_part
+    o_t = o_r // tl.maximum(k_part, 1)  # [ROWS] token
+    o_j = o_r - o_t * k_part  # [ROWS] entry of the token
+    b_sc = tl.load(topk_ptr + o_t * stride_topk_t + o_j, mask=m_r & is_c, other=-1).to(tl.int64)
+    b_sw = tl.load(swa_ptr + o_t * stride_swa_t + o_j, mask=m_r & is_w, other=-1).to(tl.int64)
+    b_slot = tl.where(is_c, b_sc, b_sw)  # [ROWS]
+    m_use = m_r
+    if HAS_TOPK_LEN:
+        b_len = tl.load(topk_len_ptr + o_t, mask=m_r & is_c, other=0)
+        m_use = m_use & (is_w | (o_j < b_len))
+    if HAS_SWA_LEN:
+        b_len_w = tl.load(swa_len_ptr + o_t, mask=m_r & is_w, other=0)
+        m_use = m_use & (is_c | (o_j < b_len_w))
+    o_ws = tl.where(is_c, o_r, T * K1 + o_r)  # [ROWS] workspace row
+    o_col = tl.where(is_c, o_j, K1 + o_j)  # [ROWS] column of indices
+    m_valid = m_use & (b_slot >= 0) & (b_slot < cap)  # [ROWS]
+    b_slot = tl.where(m_valid, b_slot, 0)
+    b_blk = b_slot // bs
+    b_pos = b_slot % bs
+    o_data = b_blk * page + b_pos * DATA_BYTES  # [ROWS] int64
+    o_scale = b_blk * page + bs * DATA_BYTES + b_pos * SCALE_BYTES
+    tl.store(idx_ptr + o_t * (K1 + K2) + o_col, tl.where(m_valid, o_ws, -1).to(tl.int32), mask=m_r)
+
+    o_row = o_ws * HEAD_DIM  # [ROWS] int64 element offset of the workspace row
+    o_g = tl.arange(0, GROUPS)[None, :, None]  # [1, 8, 1]
+    o_d = tl.arange(0, QUANT_GROUP)[None, None, :]  # [1, 1, 64]
+    m_nope = m_valid[:, None, None] & (o_g < NUM_SCALES)  # [ROWS, 8, 1]
+    m_out = m_r[:, None, None] & (o_g < NUM_SCALES)
+    b_codes = tl.load(p_cache + o_data[:, None, None] + o_g * QUANT_GROUP + o_d, mask=m_nope, other=0)
+    b_sbyte = tl.load(p_cache + o_scale[:, None, None] + o_g, mask=m_nope, other=0)  # [ROWS, 8, 1]
+    b_val = e4m3_to_f32(b_codes, NATIVE) * ue8m0_to_f32(b_sbyte)  # [ROWS, 8, 64] fp32, exact
+    b_val = tl.where(m_nope, b_val, 0.0)
+    tl.store(ws_ptr + o_row[:, None, None] + o_g * QUANT_GROUP + o_d, b_val.to(tl.bfloat16), mask=m_out)
+
+    o_rr = tl.arange(0, ROPE_DIM)[None, :]  # [1, 64]
+    p_src = (p_cache + o_data + NOPE_DIM).to(tl.pointer_type(tl.uint16), bitcast=True)
+    b_rope = tl.load(p_src[:, None] + o_rr, mask=m_valid[:, None], other=0)  # [ROWS, 64]
+    p_dst = ws_ptr.to(tl.pointer_type(tl.uint16), bitcast=True) + (o_row + NOPE_DIM)[:, None] + o_rr
+    tl.store(p_dst, b_rope, mask=m_r[:, None])
+
+
+DECODE_GATHER_CONFIG = {"ROWS": 8, "num_warps": 4}  # 16 rows x 4 warps spills up to 436 B on sm_80 (AOT)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from .csrc_triton import codec as _k
 from ._checks import check_tensor
-from .variant import variant_for
+from ._launch import fast
+from .dispatch import variant_for
+
+_decode_kernel = fast(_k._e4m3_decode_kernel)
+_encode_kernel = fast(_k._e4m3_encode_kernel)
 
 ENCODE_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -26,16 +29,15 @@ def e4m3_decode(codes: torch.Tensor, variant: Optional[str] = None) -> torch.Ten
 
     variant: 'portable' or 'native'; None picks from the op table for codes.device.
     """
-    check_tensor("codes", codes, dtypes=(torch.uint8,))
+    if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8):
+        check_tensor("codes", codes, dtypes=(torch.uint8,))
     variant = variant or variant_for(codes)
-    src = codes.contiguous()
+    src = codes if codes.is_contiguous() else codes.contiguous()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     n = src.numel()
     if n:
         block = _k.CODEC_CONFIG["BLOCK"]
-        _k._e4m3_decode_kernel[(triton.cdiv(n, block),)](
-            src, out, n, BLOCK=block, NATIVE=variant == "native",
-            num_warps=_k.CODEC_CONFIG["num_warps"])
+        _decode_kernel((-(-n // block),), (src, out, n), (block, variant == "native"), _k.CODEC_CONFIG["num_warps"])
     return out
 
 
@@ -50,13 +52,12 @@ def e4m3_encode(x: torch.Tensor, exact: bool = True, variant: Optional[str] = No
     check_tensor("x", x, dtypes=ENCODE_INPUT_DTYPES)
     variant = variant or variant_for(x)
     mode = encode_mode(exact, variant) if mode is None else mode
-    src = x.contiguous()
+    src = x if x.is_contiguous() else x.contiguous()
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     n = src.numel()
     if n:
         block = _k.CODEC_CONFIG["BLOCK"]
-        _k._e4m3_encode_kernel[(triton.cdiv(n, block),)](
-            src, out, n, BLOCK=block, MODE=mode, num_warps=_k.CODEC_CONFIG["num_warps"])
+        _encode_kernel((-(-n // block),), (src, out, n), (block, mode), _k.CODEC_CONFIG["num_warps"])
     return out
 
 

@@ -46,20 +46,40 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from . import layout
 from ._checks import check_last_dim, check_tensor
+from ._launch import fast
 from .codec import encode_mode
 from .csrc_triton import kv_cache as _k
-from .variant import variant_for
+from .dispatch import variant_for
 
 SLOT_DTYPES = (torch.int64, torch.int32)
+HEAD_DIM = layout.HEAD_DIM
+
+_insert_kernel = fast(_k._kv_cache_insert_kernel)
+_gather_kernel = fast(_k._kv_cache_gather_kernel)
+
+# Caches whose layout passed layout.check_cache, by everything that check reads: the deep
+# check runs once per (shape, strides, offset parity, block_size), not per call.
+_CACHE_OK = set()
+
+
+def check_cache(cache, block_size) -> None:
+    """layout.check_cache, memoised on the layout key (ValueError naming the argument)."""
+    if isinstance(cache, torch.Tensor):
+        key = (cache.shape, cache.stride(), cache.storage_offset() & 1, cache.dtype, block_size)
+        if key in _CACHE_OK:
+            return
+        layout.check_cache(cache, block_size)
+        _CACHE_OK.add(key)
+        return
+    layout.check_cache(cache, block_size)
 
 
 def check_insert_args(kv, cache, slot_mapping, block_size) -> None:
     """ValueError naming the bad argument of kv_cache_insert."""
-    layout.check_cache(cache, block_size)
+    check_cache(cache, block_size)
     check_tensor("kv", kv, dtypes=(torch.bfloat16,), ndim=2, device=cache.device)
     check_last_dim("kv", kv, layout.HEAD_DIM)
     if kv.stride(1) != 1:
@@ -71,7 +91,7 @@ def check_insert_args(kv, cache, slot_mapping, block_size) -> None:
 
 def check_gather_args(cache, slots, block_size) -> None:
     """ValueError naming the bad argument of kv_cache_gather."""
-    layout.check_cache(cache, block_size)
+    check_cache(cache, block_size)
     check_tensor("slots", slots, dtypes=SLOT_DTYPES, device=cache.device)
 
 
@@ -102,12 +122,13 @@ def kv_cache_insert(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
     if n == 0 or cache.shape[0] == 0:
         return
     variant = variant or variant_for(cache)
-    slots = slot_mapping.contiguous()
+    slots = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
     cfg = _k.INSERT_CONFIG
-    _k._kv_cache_insert_kernel[(triton.cdiv(n, cfg["TOKENS"]),)](
-        kv, cache, slots, n, kv.stride(0), layout.page_bytes(cache), block_size,
-        layout.capacity(cache, block_size),
-        MODE=encode_mode(True, variant), TOKENS=cfg["TOKENS"], num_warps=cfg["num_warps"])
+    _insert_kernel(
+        (-(-n // cfg["TOKENS"]),),
+        (kv, cache, slots, n, kv.stride(0), cache.stride(0), block_size, cache.shape[0] * block_size),
+        (encode_mode(True, variant), cfg["TOKENS"]),
+        cfg["num_warps"])
 
 
 def _launch_gather(cache, flat_slots, block_size, target, variant) -> None:
@@ -116,10 +137,11 @@ def _launch_gather(cache, flat_slots, block_size, target, variant) -> None:
         return
     variant = variant or variant_for(cache)
     cfg = _k.GATHER_CONFIG
-    _k._kv_cache_gather_kernel[(triton.cdiv(n, cfg["ROWS"]),)](
-        cache, flat_slots, target, n, target.stride(0), layout.page_bytes(cache), block_size,
-        layout.capacity(cache, block_size),
-        NATIVE=variant == "native", ROWS=cfg["ROWS"], num_warps=cfg["num_warps"])
+    _gather_kernel(
+        (-(-n // cfg["ROWS"]),),
+        (cache, flat_slots, target, n, target.stride(0), cache.stride(0), block_size, cache.shape[0] * block_size),
+        (variant == "native", cfg["ROWS"]),
+        cfg["num_warps"])
 
 
 def kv_cache_gather(cache: torch.Tensor, slots: torch.Tensor, block_size: int,
@@ -138,17 +160,18 @@ def kv_cache_gather(cache: torch.Tensor, slots: torch.Tensor, block_size: int,
     into one workspace without a copy. Never syncs the host: CUDA-graph capturable.
     """
     check_gather_args(cache, slots, block_size)
-    flat = slots.reshape(-1).contiguous()
+    flat = slots.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
     n = flat.numel()
-    shape = tuple(slots.shape) + (layout.HEAD_DIM,)
     if out is None:
-        res = torch.empty(shape, dtype=torch.bfloat16, device=cache.device)
-        _launch_gather(cache, flat, block_size, res.view(n, layout.HEAD_DIM), variant)
+        res = torch.empty(tuple(slots.shape) + (HEAD_DIM,), dtype=torch.bfloat16, device=cache.device)
+        _launch_gather(cache, flat, block_size, res.view(n, HEAD_DIM), variant)
         return res
     check_out(out, cache, n, row_offset)
-    target = out.narrow(0, row_offset, n)
+    target = out if row_offset == 0 and n == out.shape[0] else out.narrow(0, row_offset, n)
     _launch_gather(cache, flat, block_size, target, variant)
-    return target.view(shape)
+    return target.view(tuple(slots.shape) + (HEAD_DIM,))
 
 
 def aot_specs():
