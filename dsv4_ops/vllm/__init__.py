@@ -10,6 +10,8 @@ Modules:
   attention         decode (both caches into one workspace, split-KV, merge with the sink), the
                     prefill gather and prefill attention, the class factory and selectors
   compressed_cache  the compressed 512-d cache writers (V4 compressor, V4.1 rope_quant_insert)
-  o_proj            bf16 wo_a (dequantized once at load), inverse RoPE, grouped bmm, wo_b
+  o_proj            bf16 wo_a (dequantized once at load), inverse RoPE, grouped bmm, wo_b; the
+                    load hook's rows
+  weights           dequantize_linear_weight: every wo_a scale format vLLM 0.33.0 loads, or raise
   warmup            vLLM's JIT warmup minus the kernels sm_8x cannot compile
 """

@@ -20,9 +20,29 @@ from typing import Callable
 import torch
 
 from .. import layout
+from .table import Patch
+from .weights import dequantize_linear_weight
 
 WO_A_BF16_ATTR = "dsv4_ampere_weight_bf16"  # bf16 [G, R, heads_per_group * 512] on wo_a
 _HOOK_MARK = "_dsv4_ampere_wo_a_hooked"
+
+# The vLLM 0.33.0 quant-method classes whose ``process_weights_after_loading``
+# ``install_wo_a_bf16_hook`` wraps on wo_a (a ColumnParallelLinear, is_bmm) for V4 and V4.1 on
+# sm_80. On CUDA the "deepseek_v4_fp8" name maps to ``models/deepseek_v41/quant_config.py``'s
+# DeepseekV4FP8Config for both models (``quantization/__init__.py``).
+WO_A_QUANT_METHODS = (
+    # V4 (every checkpoint: [128,128] blocks, e8m0 or float32 weight_scale_inv) and V4.1 unless
+    # [32,32]+e8m0: Fp8Config.get_quant_method -> Fp8LinearMethod. On sm_80 its post-load hands
+    # the weight to MarlinFP8ScaledMMLinearKernel, which repacks it: dequantize before that.
+    ("vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod"),
+    # V4.1 with weight_block_size [32,32] and e8m0 scales: ModelOptLinearMethod(kMxfp8Static),
+    # uint8 weight_scale [N, K/32], layer.weight_block_size [1,32]. Its post-load re-selects
+    # a bmm kernel for is_bmm layers (DeepGemm, sm100 only, else Emulation: bf16 at load).
+    ("vllm.model_executor.layers.quantization.modelopt", "ModelOptLinearMethod"),
+    # wo_a in the checkpoint's ignored layers (is_layer_skipped) or an unquantized checkpoint:
+    # bf16 weight, nothing to dequantize; the wrapper only makes the [G, R, K] view.
+    ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
+)
 
 
 def gptj_rotate_tail(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -54,48 +74,16 @@ def inverse_rope_o(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     return gptj_rotate_tail(o.to(torch.float32), cs, inverse=True).to(torch.bfloat16)
 
 
-def _e8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes (float8_e8m0fnu) -> float32 2**(byte - 127), by placing the byte in the exponent."""
-    return (scale.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
-
-
-def dequantize_linear_weight(layer: torch.nn.Module, block_size=None) -> torch.Tensor:
-    """float32 [out, in] value of a vLLM linear's weight, applying its FP8 scales.
-
-    Handles block scales (``weight_scale_inv`` / ``weight_scale`` of shape
-    [cdiv(out, bm), cdiv(in, bk)], float32 or float8_e8m0fnu), per-channel and per-tensor
-    scales, and unquantized weights. ``block_size``: (bm, bk); default from the layer or its
-    quant_method's config.
-    """
-    weight = layer.weight
-    scale = getattr(layer, "weight_scale_inv", None)
-    if scale is None:
-        scale = getattr(layer, "weight_scale", None)
-    if scale is None or weight.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return weight.to(torch.float32)
-    scale = _e8m0_to_fp32(scale) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.float32)
-    w = weight.to(torch.float32)
-    if scale.numel() == 1:
-        return w * scale.reshape(())
-    if block_size is None:
-        block_size = getattr(layer, "weight_block_size", None)
-    if block_size is None:
-        cfg = getattr(getattr(layer, "quant_method", None), "quant_config", None)
-        block_size = getattr(cfg, "weight_block_size", None)
-    if block_size is None:
-        return w * scale.reshape(-1, 1)
-    bm, bk = block_size
-    m, k = w.shape
-    full = scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)
-    return w * full[:m, :k]
-
-
 def install_wo_a_bf16_hook(wo_a: torch.nn.Module, n_groups: int, o_lora_rank: int) -> None:
     """Dequantize ``wo_a`` to bf16 [G, R, K] once, right before vLLM's own
     ``process_weights_after_loading`` (which, on sm_80, repacks it for Marlin).
 
-    The bf16 copy is stored as ``wo_a.dsv4_ampere_weight_bf16``; the quantized weight that
-    the repack leaves behind is never read by the Ampere o_proj. Idempotent per layer.
+    The weight is decoded by ``weights.dequantize_linear_weight`` (every wo_a format vLLM
+    0.33.0 registers; ValueError at load for anything else), and the bf16 [G, R, K] result is
+    stored as ``wo_a.dsv4_ampere_weight_bf16``; the repacked weight that vLLM leaves behind is
+    never read by the Ampere o_proj. Where vLLM's own post-load leaves a bf16 weight (MXFP8
+    Emulation, unquantized), that tensor is checked against ours and kept instead of a second
+    copy. Idempotent per layer.
     """
     method = getattr(wo_a, "quant_method", None)
     if method is None:
@@ -110,11 +98,35 @@ def install_wo_a_bf16_hook(wo_a: torch.nn.Module, n_groups: int, o_lora_rank: in
         if getattr(layer, _HOOK_MARK, False):
             groups, rank = layer._dsv4_ampere_groups
             w = dequantize_linear_weight(layer).to(torch.bfloat16)
-            setattr(layer, WO_A_BF16_ATTR, w.view(groups, rank, -1).contiguous())
+            if w.shape[0] != groups * rank:
+                raise ValueError(f"wo_a {getattr(layer, 'prefix', '')!r}: {w.shape[0]} output rows, "
+                                 f"expected n_groups * o_lora_rank = {groups} * {rank}")
+            original(layer)
+            setattr(layer, WO_A_BF16_ATTR, _check_against_vllm(layer, w).view(groups, rank, -1))
+            return
         original(layer)
 
     method.process_weights_after_loading = process_weights_after_loading
     setattr(method, _HOOK_MARK, True)
+
+
+def _check_against_vllm(layer: torch.nn.Module, ours: torch.Tensor) -> torch.Tensor:
+    """The bf16 [N, K] wo_a to keep after vLLM's own post-load ran.
+
+    If vLLM left a bf16 weight of the same shape (MXFP8 Emulation dequantizes at load, or an
+    unquantized layer), it must agree with ours to bf16 rounding (a scale read wrongly is off
+    by a power of two or more): then keep vLLM's tensor and drop our copy. Otherwise keep ours.
+    """
+    theirs = getattr(layer, "weight", None)
+    if (not isinstance(theirs, torch.Tensor) or theirs.dtype != torch.bfloat16
+            or theirs.shape != ours.shape):
+        return ours.contiguous()
+    theirs = theirs.data
+    if not torch.allclose(theirs.float(), ours.float(), rtol=2.0 ** -6, atol=1e-30):
+        raise ValueError(
+            f"wo_a {getattr(layer, 'prefix', '')!r}: the bf16 weight vLLM built at load differs from "
+            "dsv4_ops.vllm.weights.dequantize_linear_weight; the scale format is not the one expected")
+    return theirs.contiguous()
 
 
 def wo_a_weight_bf16(wo_a: torch.nn.Module, n_groups: int, o_lora_rank: int) -> torch.Tensor:
@@ -148,3 +160,14 @@ def ampere_o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch
     x = inverse_rope_o(o, positions, cos_sin_cache).view(T, G, K)
     z = torch.bmm(x.transpose(0, 1), wo_a_bf16.transpose(1, 2))  # [G, T, R]
     return wo_b(z.transpose(0, 1).reshape(T, G * R))
+
+
+# The load hook wraps process_weights_after_loading of whichever of these methods owns wo_a
+# (installed on live objects by the Ampere attention class): checked rows of the patch table.
+PATCHES = tuple(
+    Patch(module, f"{cls}.process_weights_after_loading", ("layer",),
+          "wo_a hook: dequantize wo_a to bf16 [G, R, K] before this post-load step (which repacks it for Marlin "
+          "on sm_80, or keeps an MXFP8 copy); unrecognised scale formats raise at load",
+          install_wo_a_bf16_hook, kind="hook")
+    for module, cls in WO_A_QUANT_METHODS
+)
