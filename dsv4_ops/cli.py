@@ -128,6 +128,21 @@ def cmd_bench(args) -> int:
     return rc
 
 
+def cmd_pp_partition(args) -> int:
+    """Legal, most balanced VLLM_PP_LAYER_PARTITION values for a model (pure Python)."""
+    from . import pp_partition
+
+    try:
+        print(pp_partition.report(args.config, args.pp))
+        if args.check is not None:
+            counts = pp_partition.check_partition(args.config, args.check, args.pp)
+            print(f"{pp_partition.ENV_VAR}={pp_partition.format_partition(counts)}: legal")
+    except (pp_partition.PPPartitionError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0 if pp_partition.best_partitions(pp_partition.layout_from_config(args.config), args.pp) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv4-ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -142,8 +157,13 @@ def main(argv=None) -> int:
     b.add_argument("--out", default=os.path.join(_bench_dir(), "results"))
     b.add_argument("--quick", action="store_true")
     b.add_argument("--only", default="", help="run only scripts whose name contains this")
+    pp = sub.add_parser("pp-partition", help="legal, most balanced VLLM_PP_LAYER_PARTITION for a model")
+    pp.add_argument("config", help="config.json or a model directory holding it")
+    pp.add_argument("--pp", type=int, required=True, help="--pipeline-parallel-size")
+    pp.add_argument("--check", default=None, metavar="PARTITION", help="also check this partition string")
     args = p.parse_args(argv)
-    return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm}[args.cmd](args)
+    return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
+            "pp-partition": cmd_pp_partition}[args.cmd](args)
 
 
 if __name__ == "__main__":

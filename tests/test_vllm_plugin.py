@@ -228,21 +228,21 @@ def test_missing_symbol_and_register_refuses(monkeypatch):
     assert vp.STATE.patched == [] and not vp.STATE.registered
 
 
-def test_jit_warmup_filter_drops_sm89_only_kernels(monkeypatch):
+def test_jit_warmup_registration_is_wrapped_on_sm8x_only(monkeypatch):
+    """The filter's decisions are tested in tests/test_audit_vllm.py; here: it is installed on
+    sm_8x, the wrapped register is vLLM's own on sm_90."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
+    original = JitWarmupRegistry.__dict__["register"]
+    spoof(monkeypatch, (9, 0))
+    vp.register()
+    assert JitWarmupRegistry.__dict__["register"] is original
+    vp.reset()
     spoof(monkeypatch, (8, 0))
     vp.register()
-    seen = []
-    registry = JitWarmupRegistry(vllm_config=None)
-    monkeypatch.setattr(registry, "_add", lambda kernel, args, kwargs: seen.append(kernel))
-    fp8_kernel = mod("vllm.models.deepseek_v4.common.ops.fused_inv_rope_fp8_quant")._FUSED_INV_ROPE_FP8_QUANT_KERNEL
-    CuteKernel = type("K", (), {"__module__": "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl"})
-    other = object()
-    with registry.activate():
-        for k in (fp8_kernel, CuteKernel(), other):
-            JitWarmupRegistry.register(k)
-    assert seen == [other]
+    assert JitWarmupRegistry.__dict__["register"] is not original
+    vp.unpatch()
+    assert JitWarmupRegistry.__dict__["register"] is original
 
 
 # ------------------------------------------------------------------------------ tiny caches

@@ -1,0 +1,117 @@
+"""What is on the default NVIDIA serve path (TP=8, PP=1, no MTP), as data with reasons.
+
+Status is never decided here: these lists only say which code a default ``vllm serve`` of
+DeepSeek-V4/V4.1-Flash cannot reach on sm_8x (another platform, an opt-in feature, an sm_100
+format). A kernel or module that is not named here is on the path, so a new kernel in a new
+vLLM shows up in the audit by itself.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
+
+# Roots besides <model>.nvidia.model: the indexer op and metadata builders that vLLM selects by name.
+SHARED_ROOTS = (
+    "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.v1.attention.backends.mla.indexer",
+    "vllm.v1.attention.backends.mla.sparse_swa",
+    "vllm.model_executor.layers.indexer_topk",
+)
+
+# Reported, not enforced: speculative-decoding heads (module suffix under <model>.nvidia).
+EXTRA_PATHS = {"v4": {"mtp": (".mtp",), "dspark": (".dspark",)}, "v41": {"dspark": (".dspark",), "mtp": (".mtp",)}}
+EXTRA_PATH_PARTS = (".mtp", ".dspark")
+
+# Module name parts never reached on sm_8x by default, and why.
+OFF_PATH_MODULES = {
+    ".flashinfer_sparse": "FlashInfer sparse-MLA backend: selected only on sm_100",
+    ".flash_mla_mega_attn": "FlashMLA mega-attention: sm_100 only (declines other GPUs)",
+    ".specialized_decode": "opt-in additional_config.decode_backend=latency_specialized",
+    "mega_moe": "MegaMoE: opt-in --kernel-config moe_backend, DeepGEMM sm_100",
+    "mega_mhc": "Mega-mHC: sm_100 only",
+    "dcp_indexer": "decode context parallelism (DCP > 1): not the default serve",
+    "decoder_replay_cudagraph": "decoder replay CUDA graphs: sm_100 decode path",
+}
+
+# Kernel (or function) names that only run for a cache/weight format or feature sm_8x never gets.
+_OFF_PATH_NAMES: Tuple[Tuple[str, str], ...] = (
+    (r"(?i)mxfp4|fp4x2|nvfp4|_fp4_(?!mqa|paged)", "MXFP4/NVFP4 indexer or KV cache: sm_100 only (dsa_indexer_uses_fp4)"),
+    (r"(?i)mxfp8", "MXFP8 activations/KV: needs FlashInfer MXFP8 (sm_100)"),
+    (r"(?i)flashinfer", "FlashInfer sparse-MLA metadata: sm_100 backend"),
+    (r"(?i)(^|_)dcp_|_cp_|cp_out|ATTN_CP", "context parallelism: not the default serve"),
+    (r"(?i)dspark_noncausal", "DSpark drafting only"),
+    (r"(?i)sparse_mqa|expand_candidates|sparse_topk_remap", "SparseMQAIndexer: opt-in indexer_sparse_logits, MXFP4 cache (sm_100)"),
+    (r"(?i)fused_wo_a", "fused WO-A o_proj: sm_100 only"),
+)
+
+
+def off_path(name: str) -> Optional[str]:
+    """Why ``name`` is never reached on the default sm_8x serve path, or None."""
+    for pattern, why in _OFF_PATH_NAMES:
+        if re.search(pattern, name):
+            return why
+    return None
+
+
+# Values a layer passes to ``register_warmup`` from its own attributes (``head_dim=self.head_dim``),
+# per model: every value the default serve path's layers take (main compressor head 512, V4
+# indexer compressor head 128; V4 ratios 4/128, V4.1 ratios 1/2; SWA window 128, block 256).
+LAYER_VALUES = {
+    "v4": {"head_dim": (512, 128), "compress_ratio": (4, 128), "window_size": (128,), "block_size": (256,)},
+    "v41": {"head_dim": (512,), "compress_ratio": (1, 2), "window_size": (128,), "block_size": (256,)},
+}
+
+TILELANG_NOTE = ("TileLang: not compiled for sm_8x here (a CPU-side TileLang build for sm_80 was not "
+                 "established within the audit's time budget); treated as unknown until it is run or replaced")
+
+_FP8 = re.compile(r"float8e4nv|fp8e4nv|float8_e4m3fn")
+
+
+def bare_status(name: str, obj, arch: int) -> Tuple[str, str]:
+    """Status of a @triton.jit kernel with no vLLM warmup owner (so no launch arguments to
+    compile with): dead when its source (or a jit helper it calls) names the E4M3 type that
+    Triton rejects below sm_89, else unknown."""
+    from triton.runtime.jit import JITFunction
+
+    fn = obj
+    while fn is not None and not isinstance(fn, JITFunction):
+        fn = getattr(fn, "fn", None)
+    if fn is None:
+        return "unknown", "not a JITFunction"
+    srcs = [(name, fn.src)]
+    for gname, g in fn.fn.__globals__.items():
+        if isinstance(g, JITFunction) and re.search(rf"\b{re.escape(gname)}\(", fn.src):
+            srcs.append((gname, g.src))
+    for where, src in srcs:
+        m = _FP8.search(src)
+        if m and arch < 89:
+            return "dead", (f"source of {where} uses {m.group(0)}; Triton has no fp8e4nv below sm_89 "
+                            f"({probe_fp8(arch)})")
+    return "unknown", "bare @triton.jit without a vLLM warmup owner: launch dtypes/constexprs not derivable"
+
+
+_PROBE = {}
+
+
+def probe_fp8(arch: int) -> str:
+    """Compile a one-line kernel storing tl.float8e4nv for sm_<arch>; the compiler's verdict."""
+    if arch in _PROBE:
+        return _PROBE[arch]
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _probe(x_ptr, y_ptr):
+        tl.store(y_ptr, tl.load(x_ptr).to(tl.float8e4nv))
+
+    try:
+        triton.compile(ASTSource(_probe, {"x_ptr": "*fp32", "y_ptr": "*fp8e4nv"}, {}),
+                       target=GPUTarget("cuda", arch, 32))
+        _PROBE[arch] = f"probe: an fp8e4nv store compiles for sm_{arch}"
+    except Exception as exc:  # noqa: BLE001
+        msg = [ln for ln in str(exc.__cause__ or exc).splitlines() if "fp8" in ln]
+        _PROBE[arch] = f"probe for sm_{arch}: {(msg[-1] if msg else type(exc).__name__).strip()[:120]}"
+    return _PROBE[arch]

@@ -1,0 +1,341 @@
+"""Read vLLM's source (AST only, nothing imported): the modules of a model's serve path, who
+references which name, JIT-warmup registrations, and calls into sm_90+-only libraries with
+their capability guards.
+
+A *function* is a module-level function or a class method (nested functions belong to their
+enclosing one); it is keyed ``module:qualname``. Names are matched after undoing ``import ... as``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+# Packages whose modules can be on a DeepSeek-V4/V4.1 serve path; imports elsewhere are not followed.
+FOLLOW = (
+    "vllm.models.deepseek_v4", "vllm.models.deepseek_v41", "vllm.models.common",
+    "vllm.model_executor.kernels.mhc", "vllm.model_executor.kernels.attention.dsa",
+    "vllm.model_executor.layers.sparse_attn_indexer", "vllm.model_executor.layers.indexer_topk",
+    "vllm.v1.attention.backends.mla.indexer", "vllm.v1.attention.backends.mla.sparse_swa",
+    "vllm.v1.attention.backends.mla.compressor_utils", "vllm.v1.attention.ops.common",
+)
+# Other platforms and multimodal front-ends: never on the NVIDIA text serve path.
+EXCLUDE_PARTS = (".amd", ".xpu", ".cpu", ".vl_", ".vision", ".mm_preprocess", "rocm")
+
+# Capability helpers with a known value on sm_8x with vLLM 0.33.0 installed, for guard evaluation.
+# has_*: module-existence checks (the wheel vendors DeepGEMM and depends on nvidia-cutlass-dsl).
+GUARD_VALUES = {
+    "has_deep_gemm": True, "has_cutedsl": True, "is_cuda": True,
+    "is_deep_gemm_supported": False, "is_device_capability_family": False,
+    "has_deep_gemm_sparse_mqa": False, "supports_mhc_overlap": False, "is_rocm": False, "is_xpu": False,
+    "is_cpu": False,
+}
+GUARD_WHY = {
+    "has_deep_gemm": "has_deep_gemm() only checks that the module imports; vLLM vendors DeepGEMM, so it is True on sm_80",
+    "has_cutedsl": "has_cutedsl() only checks that nvidia-cutlass-dsl imports (a vLLM dependency): True on sm_80",
+    "is_deep_gemm_supported": "is_deep_gemm_supported() is False below sm_90 (platforms/cuda.py)",
+}
+
+
+@dataclass
+class Func:
+    module: str
+    qualname: str
+    lineno: int
+    idents: Set[str] = field(default_factory=set)
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass
+class Registration:
+    module: str
+    func: str
+    lineno: int
+    kernel: str       # name as defined in its own module
+    kernel_module: str
+    kwargs: Dict[str, str]   # source text of each keyword argument
+    local_defs: Dict[str, str] = field(default_factory=dict)  # name = <source> in the same function
+
+
+@dataclass
+class LibCall:
+    module: str
+    func: str
+    lineno: int
+    library: str      # DeepGEMM / FlashMLA / deep_select
+    name: str
+    guards: List[str]  # guard notes (taken branches)
+
+
+@dataclass
+class ModuleIndex:
+    name: str
+    path: str
+    aliases: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # local -> (module, name or '')
+    imports: Set[str] = field(default_factory=set)
+    funcs: Dict[str, Func] = field(default_factory=dict)
+    toplevel: Set[str] = field(default_factory=set)
+    registrations: List[Registration] = field(default_factory=list)
+    libcalls: List[LibCall] = field(default_factory=list)
+    gated_off: List[LibCall] = field(default_factory=list)
+    custom_ops: Dict[str, str] = field(default_factory=dict)  # torch.ops op name -> python function
+
+
+def module_path(name: str) -> Optional[str]:
+    """The .py file of module ``name`` under an installed top-level package, found on disk
+    (nothing is imported, so a ``from pkg.mod import function`` never imports anything)."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec and not rest and spec.origin and spec.origin.endswith(".py"):
+        return spec.origin
+    if not spec or not spec.submodule_search_locations:
+        return None
+    base = os.path.join(list(spec.submodule_search_locations)[0], *rest)
+    for cand in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(cand):
+            return cand
+    return None
+
+
+def followed(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in FOLLOW) and not any(x in name for x in EXCLUDE_PARTS)
+
+
+def _resolve_relative(module: str, is_pkg: bool, level: int, target: Optional[str]) -> str:
+    base = module.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, idx: ModuleIndex, is_pkg: bool, lib_names: Dict[str, Tuple[str, str]]):
+        self.idx, self.is_pkg, self.lib_names = idx, is_pkg, lib_names
+        self.stack: List[str] = []
+        self.func: Optional[Func] = None
+        self.guards: List[Tuple[ast.expr, bool]] = []
+        self.local_defs: Dict[str, str] = {}
+
+    # imports (anywhere: vLLM imports many kernels inside functions)
+    def visit_Import(self, node):
+        for a in node.names:
+            self.idx.imports.add(a.name)
+            self.idx.aliases[a.asname or a.name.split(".")[0]] = (a.name, "")
+
+    def visit_ImportFrom(self, node):
+        mod = _resolve_relative(self.idx.name, self.is_pkg, node.level, node.module) if node.level else node.module
+        if not mod:
+            return
+        for a in node.names:
+            self.idx.imports.add(mod)
+            self.idx.imports.add(f"{mod}.{a.name}")  # a submodule, if it is one
+            self.idx.aliases[a.asname or a.name] = (mod, a.name)
+
+    def _name(self, local: str) -> str:
+        return self.idx.aliases.get(local, ("", local))[1] or local
+
+    def visit_ClassDef(self, node):
+        if not self.stack:
+            self.idx.toplevel.add(node.name)
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    def visit_FunctionDef(self, node):
+        if not self.stack:
+            self.idx.toplevel.add(node.name)
+        own = self.func is None
+        if own:
+            self.local_defs = {}
+            qual = ".".join(self.stack + [node.name])
+            self.func = self.idx.funcs.setdefault(qual, Func(self.idx.name, qual, node.lineno))
+        self.stack.append(node.name)
+        for d in node.decorator_list:
+            self.visit(d)
+        for stmt in node.body:
+            self.visit(stmt)
+        self.stack.pop()
+        if own:
+            self.func = None
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Assign(self, node):
+        if self.func is not None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            self.local_defs[node.targets[0].id] = ast.unparse(node.value)
+        if not self.stack:
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    self.idx.toplevel.add(t.id)
+        self.generic_visit(node)
+
+    def visit_If(self, node):
+        self.visit(node.test)
+        self.guards.append((node.test, True))
+        for s in node.body:
+            self.visit(s)
+        self.guards[-1] = (node.test, False)
+        for s in node.orelse:
+            self.visit(s)
+        self.guards.pop()
+
+    def visit_IfExp(self, node):
+        self.visit(node.test)
+        self.guards.append((node.test, True))
+        self.visit(node.body)
+        self.guards[-1] = (node.test, False)
+        self.visit(node.orelse)
+        self.guards.pop()
+
+    def visit_Name(self, node):
+        if self.func is not None:
+            self.func.idents.add(self._name(node.id))
+
+    def visit_Attribute(self, node):
+        if self.func is not None:
+            self.func.idents.add(node.attr)
+        self.visit(node.value)
+
+    def visit_Call(self, node):
+        f = node.func
+        fname = f.id if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else "")
+        if fname.endswith("register_custom_op"):
+            kw = {k.arg: k.value for k in node.keywords}
+            if isinstance(kw.get("op_name"), ast.Constant) and isinstance(kw.get("op_func"), ast.Name):
+                self.idx.custom_ops[kw["op_name"].value] = kw["op_func"].id
+        if isinstance(f, ast.Attribute) and f.attr == "register_warmup" and self.func is not None:
+            targets = [f.value.body, f.value.orelse] if isinstance(f.value, ast.IfExp) else [f.value]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    mod, name = self.idx.aliases.get(t.id, (self.idx.name, t.id))
+                    self.idx.registrations.append(Registration(
+                        self.idx.name, self.func.qualname, node.lineno, name or t.id, mod,
+                        {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}, dict(self.local_defs)))
+            for a in list(node.args) + [k.value for k in node.keywords]:
+                self.visit(a)
+            return
+        self._libcall(node)
+        self.generic_visit(node)
+
+    def _libcall(self, node):
+        if self.func is None:
+            return
+        f = node.func
+        local = f.id if isinstance(f, ast.Name) else None
+        hit = None
+        if local is not None:
+            mod, name = self.idx.aliases.get(local, ("", ""))
+            hit = self.lib_names.get(f"{mod}.{name}")
+            if hit is None and name and any(mod.startswith(p) for p in _LIB_MODULE_PREFIXES):
+                hit = _lib_for_module(mod, name)
+        elif isinstance(f, ast.Attribute):
+            chain = ast.unparse(f)
+            if "_deepselect_C" in chain:
+                hit = ("deep_select", chain)
+            elif isinstance(f.value, ast.Name):
+                mod = self.idx.aliases.get(f.value.id, ("", ""))
+                full = f"{mod[0]}.{mod[1]}".strip(".") if mod[1] else mod[0]
+                hit = self.lib_names.get(f"{full}.{f.attr}") or (
+                    _lib_for_module(full, f.attr) if any(full.startswith(p) for p in _LIB_MODULE_PREFIXES) else None)
+        if hit is None:
+            return
+        library, name = hit
+        taken, notes = True, []
+        for test, branch in self.guards:
+            value = _eval_guard(test, self)
+            names = {n for n in _guard_names(test, self)}
+            if value is not None and value != branch:
+                taken = False
+                notes.append(f"inside `{'if' if branch else 'else of'} {ast.unparse(test)[:80]}` = never taken on sm_8x")
+            for n in names & set(GUARD_WHY):
+                notes.append(GUARD_WHY[n])
+        call = LibCall(self.idx.name, self.func.qualname, node.lineno, library, name, sorted(set(notes)))
+        (self.idx.libcalls if taken else self.idx.gated_off).append(call)
+
+
+_LIB_MODULE_PREFIXES = ("vllm.third_party.deep_gemm", "deep_gemm", "vllm.third_party.flashmla", "flash_mla",
+                        "vllm.v1.attention.ops.flashmla")
+
+
+def _lib_for_module(mod: str, name: str):
+    if "deep_gemm" in mod:
+        return ("DeepGEMM", name)
+    if "flashmla" in mod or "flash_mla" in mod:
+        return ("FlashMLA", name) if name.startswith("flash_mla") else None
+    return None
+
+
+def _guard_names(test: ast.expr, vis: _Visitor) -> Iterable[str]:
+    for n in ast.walk(test):
+        if isinstance(n, ast.Name):
+            yield vis._name(n.id)
+        elif isinstance(n, ast.Attribute):
+            yield n.attr
+
+
+def _eval_guard(test: ast.expr, vis: _Visitor) -> Optional[bool]:
+    """True/False when the test is decided by GUARD_VALUES alone, else None."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        v = _eval_guard(test.operand, vis)
+        return None if v is None else not v
+    if isinstance(test, ast.BoolOp):
+        vals = [_eval_guard(v, vis) for v in test.values]
+        if isinstance(test.op, ast.And):
+            return False if False in vals else (True if all(v is True for v in vals) else None)
+        return True if True in vals else (False if all(v is False for v in vals) else None)
+    if isinstance(test, ast.Call):
+        f = test.func
+        name = vis._name(f.id) if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else None)
+        return GUARD_VALUES.get(name)
+    return None
+
+
+def deep_gemm_kernel_names() -> Dict[str, Tuple[str, str]]:
+    """``vllm.utils.deep_gemm.<name>`` -> ('DeepGEMM', name) for every wrapper that launches a
+    DeepGEMM device kernel: it calls ``_lazy_init()`` and then a vendored ``_*_impl`` function."""
+    path = module_path("vllm.utils.deep_gemm")
+    out: Dict[str, Tuple[str, str]] = {}
+    if not path:
+        return out
+    tree = ast.parse(open(path).read())
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if "_lazy_init" in names and any(n.startswith("_") and n.endswith("_impl") for n in names):
+            out[f"vllm.utils.deep_gemm.{node.name}"] = ("DeepGEMM", node.name)
+    return out
+
+
+def index_module(name: str, lib_names: Dict[str, Tuple[str, str]]) -> Optional[ModuleIndex]:
+    path = module_path(name)
+    if not path:
+        return None
+    idx = ModuleIndex(name, path)
+    tree = ast.parse(open(path).read(), filename=path)
+    _Visitor(idx, os.path.basename(path) == "__init__.py", lib_names).visit(tree)
+    return idx
+
+
+def closure(roots: Iterable[str], lib_names: Dict[str, Tuple[str, str]]) -> Dict[str, ModuleIndex]:
+    """Every followed module reachable from ``roots`` through imports (module level or not)."""
+    out: Dict[str, ModuleIndex] = {}
+    todo = [r for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in out or not followed(name):
+            continue
+        idx = index_module(name, lib_names)
+        if idx is None:
+            continue
+        out[name] = idx
+        todo.extend(m for m in idx.imports if m not in out and followed(m))
+    return out

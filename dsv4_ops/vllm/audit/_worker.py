@@ -1,0 +1,375 @@
+"""The audit itself; runs in its own interpreter (``python -m dsv4_ops.vllm.audit._worker``)
+because the target-only Triton driver must be installed before vLLM is imported.
+
+Prints one JSON object: {"vllm": version, "arch": N, "rows": [...], "notes": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from . import _paths, _source
+
+MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41"}
+
+
+def _kernel_tech(obj) -> Optional[str]:
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(obj, (JITFunction, Autotuner, Heuristics)):
+        return "Triton"
+    names = [c.__name__ for c in type(obj).__mro__]
+    if "VllmTritonJitKernel" in names:
+        return "Triton"
+    if "VllmCuTeDSLJitKernel" in names or "cutedsl" in type(obj).__module__.lower():
+        return "CuTeDSL" if not isinstance(obj, type) and not inspect.isfunction(obj) else None
+    if "VllmTileLangJitKernel" in names:
+        return "TileLang"
+    return None
+
+
+def _is_jit_def(func: _source.Func, objs) -> bool:
+    return (func.module, func.qualname) in objs
+
+
+class Audit:
+    def __init__(self, arch: int, jobs: int):
+        self.arch, self.jobs = arch, jobs
+        self.libs = _source.deep_gemm_kernel_names()
+        self.notes: List[str] = []
+
+    # ------------------------------------------------------------------ discovery
+    def scope(self, model: str, extra: Tuple[str, ...] = ()) -> Dict[str, _source.ModuleIndex]:
+        pkg = MODELS[model]
+        saved = _source.EXCLUDE_PARTS
+        _source.EXCLUDE_PARTS = saved + tuple(x for x in _paths.EXTRA_PATH_PARTS if x not in extra) + \
+            tuple(_paths.OFF_PATH_MODULES)
+        try:
+            roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + list(_paths.SHARED_ROOTS)
+            return _source.closure(roots, self.libs)
+        finally:
+            _source.EXCLUDE_PARTS = saved
+
+    def kernels(self, mods: Dict[str, _source.ModuleIndex]) -> Dict[Tuple[str, str], Any]:
+        out = {}
+        for name, idx in mods.items():
+            try:
+                live = importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - a module that does not import on CPU
+                self.notes.append(f"{name} does not import on this machine: {type(exc).__name__}: {exc}"[:200])
+                continue
+            for sym in idx.toplevel:
+                obj = getattr(live, sym, None)
+                if obj is not None and _kernel_tech(obj):
+                    out[(name, sym)] = obj
+        # a JITFunction wrapped by a warmup owner is one kernel: keep the owner
+        inner = {id(getattr(o, "kernel", None)) for o in out.values()}
+        return {k: o for k, o in out.items() if id(o) not in inner}
+
+    # ------------------------------------------------------------------ coverage
+    def patched(self):
+        """(bindings, replaced function keys, patch-row name for each)."""
+        from dsv4_ops.vllm.table import patches
+
+        bind: Dict[Tuple[str, str], str] = {}
+        funcs: Dict[str, str] = {}
+        for p in patches():
+            if p.kind not in ("patch", "override"):
+                continue
+            owner_mod, *path = p.symbol.split(".")
+            name = p.qualname
+            if p.kind == "patch" and not path:
+                bind[(p.module, p.symbol)] = name
+                try:
+                    obj = getattr(importlib.import_module(p.module), p.symbol)
+                    obj = getattr(obj, "_dsv4_original", obj)
+                    mod = getattr(obj, "__module__", None) or type(obj).__module__
+                    qual = getattr(obj, "__qualname__", None)
+                    if mod and qual and not isinstance(obj, type):
+                        funcs[f"{mod}:{qual}"] = name
+                        bind.setdefault((mod, qual), name)
+                except Exception:  # noqa: BLE001
+                    pass
+            funcs[f"{p.module}:{p.symbol}"] = name
+        return bind, funcs
+
+    def build_graph(self, mods):
+        """name -> functions that reference it; ``torch.ops.vllm.<op>`` counts as a reference to
+        the Python function registered as that custom op."""
+        ops: Dict[str, str] = {}
+        for idx in mods.values():
+            ops.update(idx.custom_ops)
+        refs: Dict[str, List[_source.Func]] = {}
+        for idx in mods.values():
+            for f in idx.funcs.values():
+                for n in f.idents | {ops[i] for i in f.idents if i in ops and ops[i] != f.qualname}:
+                    refs.setdefault(n, []).append(f)
+        return refs
+
+    def coverage(self, name: str, module: str, refs, bind, funcs, jit_defs, depth=0, seen=None) -> Optional[str]:
+        """The patch row that every on-path use of ``module.name`` goes through, or None."""
+        seen = set() if seen is None else seen
+        if (module, name) in bind:
+            return bind[(module, name)]
+        users = [f for f in refs.get(name, ()) if (f.module, f.qualname) not in jit_defs]
+        if not users or depth > 6:
+            return None
+        rows = set()
+        for f in users:
+            if (f.module, name) in bind:
+                rows.add(bind[(f.module, name)])
+                continue
+            if f.key in funcs:
+                rows.add(funcs[f.key])
+                continue
+            if f.key in seen:
+                return None
+            seen.add(f.key)
+            short = f.qualname.split(".")[-1]
+            row = self.coverage(short, f.module, refs, bind, funcs, jit_defs, depth + 1, seen)
+            if row is None:
+                return None
+            rows.add(row)
+        return " + ".join(sorted(rows))
+
+    # ------------------------------------------------------------------ rows
+    def rows_for(self, model: str, path: str, mods, objs, compiled) -> List[dict]:
+        refs = self.build_graph(mods)
+        bind, funcs = self.patched()
+        jit_defs = {k for k, o in objs.items() if _kernel_tech(o) == "Triton"}
+        rows = []
+        regs: Dict[Tuple[str, str], List[_source.Registration]] = {}
+        for idx in mods.values():
+            for r in idx.registrations:
+                regs.setdefault((r.kernel_module, r.kernel), []).append(r)
+        for (mod, name), obj in sorted(objs.items()):
+            tech = _kernel_tech(obj)
+            users = [f for f in refs.get(name, ()) if (f.module, f.qualname) not in jit_defs]
+            registered = regs.get((mod, name), [])
+            if not users and not registered:
+                continue  # not used on this path
+            src = getattr(obj, "src", None)  # bare JITFunctions only: warmup owners are kernels
+            if tech == "Triton" and isinstance(src, str) and "program_id" not in src and not registered:
+                continue  # a @triton.jit device helper: compiled as part of the kernels that call it
+            off = _paths.off_path(name)
+            if off:
+                continue
+            status, evidence = self.status(mod, name, obj, tech, registered, compiled)
+            patch = self.coverage(name, mod, refs, bind, funcs, jit_defs) if users else None
+            loc = f"{users[0].module}:{users[0].qualname}:{users[0].lineno}" if users else ""
+            if users:
+                rows.append(dict(model=model, path=path, phase="forward", kernel=f"{mod}.{name}", tech=tech,
+                                 location=_short(loc), status=status, evidence=evidence, patch=patch or ""))
+            for r in registered[:1]:
+                wpatch = ""
+                if status != "runs" and patch:
+                    wpatch = "dsv4_ops.vllm.warmup (drops it: fails on this arch and is replaced by " + patch + ")"
+                rows.append(dict(model=model, path=path, phase="jit-warmup", kernel=f"{mod}.{name}", tech=tech,
+                                 location=_short(f"{r.module}:{r.func}:{r.lineno}"), status=status,
+                                 evidence=evidence, patch=wpatch))
+        for idx in mods.values():
+            for c in idx.libcalls:
+                if _paths.off_path(c.func.split(".")[-1]) or _paths.off_path(c.name):
+                    continue
+                from . import _native
+
+                ev = _native.library_evidence(c.library, self.arch)
+                if c.guards:
+                    ev += "; guard: " + "; ".join(c.guards)
+                key = f"{c.module}:{c.func}"
+                patch = funcs.get(key) or bind.get((c.module, c.name)) or \
+                    self.coverage(c.func.split(".")[-1], c.module, refs, bind, funcs, jit_defs)
+                rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
+                                 tech=c.library, location=_short(f"{key}:{c.lineno}"), status="dead",
+                                 evidence=ev, patch=patch or ""))
+        return rows
+
+    def status(self, mod, name, obj, tech, registered, compiled) -> Tuple[str, str]:
+        if tech == "Triton":
+            return compiled.get((mod, name), ("unknown", "not compiled"))
+        if tech == "CuTeDSL":
+            from . import _native
+
+            ok, ev = _native.cutedsl_evidence(obj)
+            return ("dead" if ok is False else "unknown"), ev
+        if tech == "TileLang":
+            return "unknown", _paths.TILELANG_NOTE
+        return "unknown", ""
+
+    # ------------------------------------------------------------------ Triton compile
+    def compile_triton(self, objs, regs_by_kernel, model: str) -> Dict[Tuple[str, str], Tuple[str, str]]:
+        from . import _config, _triton
+
+        cfg = _config.vllm_config(model)
+
+        out: Dict[Tuple[str, str], Tuple[str, str]] = {}
+        specs, owners, notes = [], [], {}
+        for key, obj in objs.items():
+            if _kernel_tech(obj) != "Triton":
+                continue
+            if not hasattr(obj, "get_warmup_keys"):
+                out[key] = _paths.bare_status(key[1], obj, self.arch)
+                continue
+            kwsets = [kw for r in regs_by_kernel.get(key, []) for kw in self._eval_kwargs(r, model)] or [{}]
+            if "vllm_config" in inspect.signature(obj.get_warmup_keys).parameters:
+                kwsets = [dict(kw, vllm_config=cfg) for kw in kwsets]
+            got = []
+            try:
+                for kw in kwsets:
+                    s, note = _triton.capture_specs(obj, kw)
+                    got.extend(s)
+                    notes[key] = note
+            except Exception as exc:  # noqa: BLE001
+                out[key] = ("unknown", f"vLLM's warmup key expansion failed: {type(exc).__name__}: {exc}"[:240])
+                continue
+            if not got:
+                out[key] = ("unknown", "vLLM's warmup inputs produced no compile key")
+                continue
+            specs.extend(got)
+            owners.extend([key] * len(got))
+        results = _triton.compile_specs(specs, self.arch, self.jobs)
+        per: Dict[Tuple[str, str], List[Tuple[bool, str, Any]]] = {}
+        for key, spec, res in zip(owners, specs, results):
+            per.setdefault(key, []).append((res[0], res[1], spec))
+        for key, items in per.items():
+            bad = [i for i in items if not i[0]]
+            if bad:
+                ok, err, spec = bad[0]
+                cx = {k: v for k, v in spec.constexprs.items() if v is not None}
+                fp8 = [k for k, v in spec.signature.items() if "fp8" in str(v)]
+                out[key] = ("dead", f"AOT sm_{self.arch} fails ({len(bad)}/{len(items)} keys): {err}"
+                                    + (f"; fp8 pointer args: {', '.join(fp8)}" if fp8 else "")
+                                    + f"; key constexprs {_clip(cx)}")
+            else:
+                out[key] = ("runs", f"AOT sm_{self.arch} ok, {notes.get(key, '')} from vLLM's warmup inputs")
+        return out
+
+    @staticmethod
+    def _eval_kwargs(reg: _source.Registration, model: str) -> List[Dict[str, Any]]:
+        """Registration keyword arguments: constant expressions are evaluated; one that reads
+        the layer (``self.head_dim``) takes each value the serve path registers it with
+        (``_paths.LAYER_VALUES``); returns every combination."""
+        import itertools
+
+        import torch
+
+        from vllm.platforms import current_platform
+
+        env = {"torch": torch, "current_platform": _FP8Platform(current_platform)}
+        fixed, varying = {}, {}
+        for k, src in reg.kwargs.items():
+            src = reg.local_defs.get(src, src)  # `dtype=pack_dtype` -> the expression assigned to it
+            try:
+                fixed[k] = eval(src, env, {})  # noqa: S307 - vLLM's own source text, constants only
+                continue
+            except Exception:  # noqa: BLE001
+                pass
+            if " if " in src and " else " in src:  # `torch.uint8 if use_fp4_cache else fp8`: default cache
+                try:
+                    fixed[k] = eval(src.rsplit(" else ", 1)[1], env, {})  # noqa: S307
+                    continue
+                except Exception:  # noqa: BLE001
+                    pass
+            values = _paths.LAYER_VALUES.get(model, {}).get(k)
+            if values:
+                varying[k] = values
+        names = list(varying)
+        return [dict(fixed, **dict(zip(names, combo))) for combo in itertools.product(*varying.values())]
+
+
+class _FP8Platform:
+    """``current_platform`` as vLLM sees it on an NVIDIA GPU, for registration arguments."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def fp8_dtype(self):
+        import torch
+
+        return torch.float8_e4m3fn
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _clip(d, n=160) -> str:
+    s = ", ".join(f"{k}={v}" for k, v in d.items())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _short(loc: str) -> str:
+    return loc.replace("vllm.models.", "").replace("vllm.model_executor.", "me.").replace("vllm.v1.", "v1.")
+
+
+def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) -> dict:
+    """Audit ``models``; with ``modules``, audit those modules instead (as model 'v4': the
+    tests' made-up kernels), following their imports into the usual packages."""
+    from . import _driver
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    _driver.install(arch)
+    t0 = time.time()
+    import vllm
+
+    audit = Audit(arch, jobs)
+    scopes = {}
+    if modules:
+        _source.FOLLOW = _source.FOLLOW + tuple(modules)
+        models = ["v4"]
+        scopes[("v4", "default")] = {k: v for k, v in _source.closure(modules, audit.libs).items()
+                                     if k in modules}
+    for m in models if not modules else ():
+        scopes[(m, "default")] = audit.scope(m)
+        for path, parts in _paths.EXTRA_PATHS.get(m, {}).items():
+            scopes[(m, path)] = audit.scope(m, parts)
+    all_mods: Dict[str, _source.ModuleIndex] = {}
+    for s in scopes.values():
+        all_mods.update(s)
+    objs = audit.kernels(all_mods)
+    regs: Dict[Tuple[str, str], List[_source.Registration]] = {}
+    for idx in all_mods.values():
+        for r in idx.registrations:
+            regs.setdefault((r.kernel_module, r.kernel), []).append(r)
+    t1 = time.time()
+    compiled = {m: audit.compile_triton(objs, regs, m) for m in models}
+    t2 = time.time()
+    rows = []
+    for (m, path), mods in scopes.items():
+        local = {k: o for k, o in objs.items() if k[0] in mods}
+        got = audit.rows_for(m, path, mods, local, compiled[m])
+        if path != "default":
+            base = {(r["kernel"], r["phase"], r["location"]) for r in rows if r["model"] == m and r["path"] == "default"}
+            got = [r for r in got if (r["kernel"], r["phase"], r["location"]) not in base]
+        rows.extend(got)
+    audit.notes.append(f"timing: import+discovery {t1 - t0:.0f} s, Triton AOT {t2 - t1:.0f} s")
+    return {"vllm": getattr(vllm, "__version__", "unknown"), "arch": arch, "rows": rows, "notes": audit.notes}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="v4,v41")
+    p.add_argument("--arch", type=int, default=80)
+    p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    p.add_argument("--out", default="-")
+    p.add_argument("--modules", default="", help="audit these modules instead of the models (tests)")
+    a = p.parse_args(argv)
+    res = run(a.models.split(","), a.arch, a.jobs, tuple(m for m in a.modules.split(",") if m))
+    text = json.dumps(res)
+    if a.out == "-":
+        sys.stdout.write("\n@@AUDIT@@" + text + "\n")
+    else:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""``dsv4-ops audit-vllm``: vLLM 0.33.0's DeepSeek-V4/V4.1 serve path on sm_80, from evidence.
+
+CI gate: no row of the default serve path (TP=8, PP=1, no MTP) is dead/unknown on sm_80 and
+unreplaced, except KNOWN_OPEN, which may only shrink. The full audit runs once per session
+(~3-4 min on 2 CPU cores, mostly importing vLLM) and is cached by content (vLLM version +
+dsv4_ops.vllm sources), so `dsv4-ops check` in the same CI run reuses it.
+"""
+
+import logging
+import os
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="the audit needs vllm==0.33.0 (pip install dsv4-ops[test])")
+
+from dsv4_ops.vllm import audit  # noqa: E402
+from dsv4_ops.vllm import warmup  # noqa: E402
+
+# Rows open at the start (model:phase:kernel). Other helpers' patch rows (indexer, Engram,
+# mHC) close them; the test prints which ones are covered now so the list can be trimmed.
+KNOWN_OPEN_TEXT = """
+v41:forward:DeepGEMM.bf16_mega_gate
+v41:forward:DeepGEMM.tf32_hc_prenorm_gemm
+v41:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._block_scores_kernel
+v41:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._candidate_flags_kernel
+v41:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._mask_candidates_kernel
+v41:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._store_candidates_kernel
+v41:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_HEAD_FUSED_TILELANG_KERNEL
+v41:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_PRENORM_GEMM_TILELANG_KERNEL
+v41:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_FUSED_TILELANG_KERNEL
+v41:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_POST_TILELANG_KERNEL
+v41:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_PRE_BIG_FUSE_TILELANG_KERNEL
+v41:forward:vllm.model_executor.kernels.mhc.triton._hc_head_reduce_store_kernel
+v41:forward:vllm.model_executor.kernels.mhc.triton._mhc_pre_mix_kernel
+v41:forward:vllm.model_executor.kernels.mhc.triton._rmsnorm_nw_kernel
+v41:forward:vllm.model_executor.layers.sparse_attn_indexer._upcast_logits_kernel
+v41:forward:vllm.models.deepseek_v4.attention._fill_short_context_topk_indices
+v41:forward:vllm.models.deepseek_v4.common.ops.cache_utils._COMBINE_TOPK_SWA_INDICES_KERNEL
+v41:forward:vllm.models.deepseek_v4.common.ops.cache_utils.quantize_and_insert_k_kernel
+v41:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._FUSED_KV_COMPRESS_NORM_ROPE_INSERT_INDEXER_TRITON_KERNEL
+v41:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._compress_gather_split_sparse_attn
+v41:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._finalize_norm_rope_quant_store_sparse_attn
+v41:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._fused_kv_compress_norm_rope_insert_sparse_attn
+v41:forward:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
+v41:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL
+v41:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL
+v41:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL
+v41:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL
+v41:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_KERNEL
+v41:forward:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
+v41:forward:vllm.models.deepseek_v41.attention._fill_short_context_topk_indices
+v41:forward:vllm.models.deepseek_v41.common.engram._engram_select_rows_kernel
+v41:forward:vllm.models.deepseek_v41.common.engram._engram_unpack_fp8_kernel
+v41:forward:vllm.models.deepseek_v41.common.engram._fused_engram_post_wkv_kernel
+v41:forward:vllm.models.deepseek_v41.common.engram._hash_ids_kernel
+v41:forward:vllm.models.deepseek_v41.common.engram._write_hash_cache_kernel
+v41:forward:vllm.models.deepseek_v41.common.ops.cache_utils.quantize_and_insert_k_kernel
+v41:forward:vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache._fused_save_compress_norm_kernel
+v41:forward:vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache._save_ring_rows_kernel
+v41:forward:vllm.models.deepseek_v41.common.ops.query_quant._q_kv_norm_quant_kernel
+v41:forward:vllm.models.deepseek_v41.compressor._ring_slot_mapping_kernel
+v41:forward:vllm.models.deepseek_v41.nvidia.model_state._gather_lookback_kernel
+v41:forward:vllm.models.deepseek_v41.nvidia.model_state._gather_replay_batch_kernel
+v41:forward:vllm.models.deepseek_v41.nvidia.model_state._pad_replayed_slots_kernel
+v41:forward:vllm.models.deepseek_v41.nvidia.ops.engram_peer._peer_lookup_kernel
+v41:forward:vllm.v1.attention.backends.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL
+v41:forward:vllm.v1.attention.backends.mla.indexer._kpool_tail_slot_mapping_kernel
+v41:forward:vllm.v1.attention.backends.mla.sparse_swa._compute_image_visibility_kernel
+v41:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_HEAD_FUSED_TILELANG_KERNEL
+v41:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_PRENORM_GEMM_TILELANG_KERNEL
+v41:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_FUSED_TILELANG_KERNEL
+v41:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_POST_TILELANG_KERNEL
+v41:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_PRE_BIG_FUSE_TILELANG_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.common.ops.cache_utils._COMBINE_TOPK_SWA_INDICES_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._FUSED_KV_COMPRESS_NORM_ROPE_INSERT_INDEXER_TRITON_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_KERNEL
+v41:jit-warmup:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
+v41:jit-warmup:vllm.v1.attention.backends.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL
+v4:forward:DeepGEMM.bf16_mega_gate
+v4:forward:DeepGEMM.tf32_hc_prenorm_gemm
+v4:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._block_scores_kernel
+v4:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._candidate_flags_kernel
+v4:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._mask_candidates_kernel
+v4:forward:vllm.model_executor.kernels.attention.dsa.candidate_blocks._store_candidates_kernel
+v4:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_HEAD_FUSED_TILELANG_KERNEL
+v4:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_PRENORM_GEMM_TILELANG_KERNEL
+v4:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_FUSED_TILELANG_KERNEL
+v4:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_POST_TILELANG_KERNEL
+v4:forward:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_PRE_BIG_FUSE_TILELANG_KERNEL
+v4:forward:vllm.model_executor.layers.sparse_attn_indexer._upcast_logits_kernel
+v4:forward:vllm.models.deepseek_v4.attention._fill_short_context_topk_indices
+v4:forward:vllm.models.deepseek_v4.common.ops.cache_utils._COMBINE_TOPK_SWA_INDICES_KERNEL
+v4:forward:vllm.models.deepseek_v4.common.ops.cache_utils.quantize_and_insert_k_kernel
+v4:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._FUSED_KV_COMPRESS_NORM_ROPE_INSERT_INDEXER_TRITON_KERNEL
+v4:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._compress_gather_split_sparse_attn
+v4:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._finalize_norm_rope_quant_store_sparse_attn
+v4:forward:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._fused_kv_compress_norm_rope_insert_sparse_attn
+v4:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL
+v4:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL
+v4:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL
+v4:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL
+v4:forward:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_KERNEL
+v4:forward:vllm.v1.attention.backends.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL
+v4:forward:vllm.v1.attention.backends.mla.indexer._kpool_tail_slot_mapping_kernel
+v4:forward:vllm.v1.attention.backends.mla.sparse_swa._compute_image_visibility_kernel
+v4:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_HEAD_FUSED_TILELANG_KERNEL
+v4:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._HC_PRENORM_GEMM_TILELANG_KERNEL
+v4:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_FUSED_TILELANG_KERNEL
+v4:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_POST_TILELANG_KERNEL
+v4:jit-warmup:vllm.model_executor.kernels.mhc.tilelang_kernels._MHC_PRE_BIG_FUSE_TILELANG_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.common.ops.cache_utils._COMBINE_TOPK_SWA_INDICES_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache._FUSED_KV_COMPRESS_NORM_ROPE_INSERT_INDEXER_TRITON_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL
+v4:jit-warmup:vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl._SPARSE_ATTN_NORM_ROPE_STORE_KERNEL
+v4:jit-warmup:vllm.v1.attention.backends.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL
+"""
+KNOWN_OPEN = frozenset(line.strip() for line in KNOWN_OPEN_TEXT.splitlines() if line.strip())
+KNOWN_OPEN_START = 102  # the length this list started with; it may only shrink
+
+
+@pytest.fixture(scope="session")
+def result():
+    return audit.run(audit.MODELS, arch=80)
+
+
+def test_known_open_list_only_shrinks():
+    assert len(KNOWN_OPEN) <= KNOWN_OPEN_START
+
+
+@pytest.mark.parametrize("model", audit.MODELS)
+def test_default_serve_path_has_no_new_open_row(result, model):
+    rows = [r for r in result.rows if r.model == model]
+    assert any(r.path == "default" for r in rows), f"the audit found no {model} rows at all"
+    open_now = {r.ident for r in result.open_rows(model)}
+    mine = {k for k in KNOWN_OPEN if k.startswith(model + ":")}
+    closed = sorted(mine - open_now)
+    if closed:
+        print(f"\n{model}: known-open rows now covered (trim KNOWN_OPEN):\n  " + "\n  ".join(closed))
+    for ident in closed:  # a row that leaves the list must be covered by a patch row (or run)
+        same = [r for r in rows if r.ident == ident and r.path == "default"]
+        assert all(r.patch or r.status == "runs" for r in same), ident
+    new = sorted(open_now - KNOWN_OPEN)
+    detail = {r.ident: f"{r.location}: {r.status}: {r.evidence[:160]}" for r in result.open_rows(model)}
+    assert not new, "dead or unknown on sm_80 and not replaced:\n" + "\n".join(f"{i}  ({detail[i]})" for i in new)
+
+
+def test_map_facts_are_found(result):
+    """Spot checks against VLLM_SM80_MAP.md, each decided by the audit's own evidence."""
+    by = {(r.model, r.phase, r.kernel.rsplit(".", 1)[-1]): r for r in result.rows if r.path == "default"}
+    pack = by.get(("v4", "jit-warmup", "_PACK_SEQ_TRITON_KERNEL"))
+    assert pack is not None and pack.status == "dead" and "fp8e4nv" in pack.evidence
+    unpack = by.get(("v4", "forward", "_UNPACK_SEQ_TRITON_KERNEL"))
+    assert unpack is not None and unpack.status == "runs"
+    meta = [r for r in result.rows if r.kernel == "DeepGEMM.get_paged_mqa_logits_metadata" and r.model == "v41"]
+    assert meta and all(r.status == "dead" for r in meta) and any("has_deep_gemm" in r.evidence for r in meta)
+    decode = [r for r in result.rows if r.kernel == "FlashMLA.flash_mla_with_kvcache" and r.model == "v4"]
+    assert decode and all(r.patch for r in decode), "the plugin's decode override must cover FlashMLA decode"
+
+
+def test_summary_and_table_render(result):
+    line = audit.summary_line(result)
+    assert line.startswith("audit-vllm sm_80") and "v4:" in line and "v41:" in line
+    table = audit.format_table(result)
+    assert "DeepSeek-V4-Flash" in table and "DeepSeek-V4.1-Flash" in table
+
+
+# ------------------------------------------------------------------ made-up kernels are caught
+
+FAKE_MODULE = '''
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.warmup.jit_warmup_triton_helper import (
+    TritonWarmupTensor, triton_kernel_dispatcher_with_warmup)
+from vllm.utils.deep_gemm import fp8_fp4_mqa_logits
+from vllm.utils.import_utils import has_deep_gemm
+
+
+@triton.jit
+def _copy_fp8_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def _copy_inputs():
+    fp8 = torch.float8_e4m3fn
+    return {"grid": (1,), "src_ptr": TritonWarmupTensor(fp8), "dst_ptr": TritonWarmupTensor(fp8),
+            "n": 16, "BLOCK": 128}
+
+
+_COPY_FP8_KERNEL = triton_kernel_dispatcher_with_warmup(warmup_inputs=_copy_inputs)(_copy_fp8_kernel)
+
+
+@triton.jit
+def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def _add_inputs():
+    return {"grid": (1,), "x_ptr": TritonWarmupTensor(torch.int32), "n": 16, "BLOCK": 128}
+
+
+_ADD_ONE_KERNEL = triton_kernel_dispatcher_with_warmup(warmup_inputs=_add_inputs)(_add_one_kernel)
+
+
+def copy_fp8(src, dst):
+    _COPY_FP8_KERNEL[(1,)](src, dst, src.numel(), BLOCK=128)
+    _ADD_ONE_KERNEL[(1,)](dst, dst.numel(), BLOCK=128)
+
+
+def logits(q, k, w, ks, ke):
+    if has_deep_gemm():
+        return fp8_fp4_mqa_logits(q, k, w, ks, ke)
+    return None
+'''
+
+
+@pytest.fixture(scope="module")
+def fake_result(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_vllm_code")
+    (root / "dsv4_audit_fake_case.py").write_text(textwrap.dedent(FAKE_MODULE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + sys.path))
+    return audit.run(modules=("dsv4_audit_fake_case",), arch=80, jobs=1, cache=None, env=env)
+
+
+def test_made_up_fp8_triton_kernel_is_dead_and_open(fake_result):
+    rows = {r.kernel.rsplit(".", 1)[-1]: r for r in fake_result.rows}
+    fp8 = rows["_COPY_FP8_KERNEL"]
+    assert fp8.status == "dead" and fp8.open, fp8
+    assert "fp8e4nv" in fp8.evidence and "src_ptr" in fp8.evidence
+    ok = rows["_ADD_ONE_KERNEL"]  # the control: same harness, no fp8 -> runs
+    assert ok.status == "runs" and not ok.open, ok
+
+
+def test_made_up_deep_gemm_call_site_is_dead_and_open(fake_result):
+    dg = [r for r in fake_result.rows if r.kernel == "DeepGEMM.fp8_fp4_mqa_logits"]
+    assert len(dg) == 1 and dg[0].status == "dead" and dg[0].open
+    assert "dsv4_audit_fake_case:logits" in dg[0].location
+    assert "has_deep_gemm() only checks" in dg[0].evidence
+
+
+# ------------------------------------------------------------------ the JIT-warmup filter
+
+class _Kernel:
+    """A warmup owner: ``compile`` raises ``error`` (or not), and records its keys."""
+
+    def __init__(self, error=None):
+        self.error, self.compiled = error, []
+
+    def get_warmup_keys(self, **kwargs):
+        return [("key", tuple(sorted(kwargs.items())))]
+
+    def compile(self, key):
+        self.compiled.append(key)
+        if self.error:
+            raise self.error
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    seen = []
+    reg = JitWarmupRegistry(vllm_config=None)
+    monkeypatch.setattr(reg, "_add", lambda kernel, args, kwargs: seen.append(kernel))
+    register = warmup.register_filtered(JitWarmupRegistry.__dict__["register"])
+    warmup._COMPILED.clear()
+    return reg, (lambda k, **kw: register.__get__(None, JitWarmupRegistry)(k, **kw)), seen
+
+
+def test_warmup_drops_only_failing_and_replaced_kernels(registry, monkeypatch, caplog):
+    reg, register, seen = registry
+    good = _Kernel()
+    bad_replaced = _Kernel(RuntimeError("type fp8e4nv not supported in this architecture"))
+    bad_open = _Kernel(RuntimeError("type fp8e4nv not supported in this architecture"))
+    covered = {id(bad_replaced): "vllm.models.deepseek_v4.nvidia.flashmla.dequantize_and_gather_k_cache"}
+    monkeypatch.setattr(warmup, "kernel_name", lambda k: ("fake", str(id(k))))
+    monkeypatch.setattr(warmup, "replaced_by", lambda module, name: covered.get(int(name)))
+    with caplog.at_level(logging.INFO, logger=warmup.logger.name), reg.activate():
+        for k in (good, bad_replaced, bad_open):
+            register(k, dtype="fp8")
+    assert seen == [good, bad_open]
+    assert good.compiled and bad_replaced.compiled and bad_open.compiled  # decided by compiling
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and str(id(bad_open)) in errors[0].getMessage()
+    assert "NOT replaced" in errors[0].getMessage()
+
+
+def test_warmup_coverage_comes_from_the_patch_table():
+    # the plugin's prefill-gather patch covers vLLM's Triton gather kernel; a made-up name is not covered
+    row = warmup.replaced_by("vllm.models.deepseek_v4.common.ops.cache_utils", "_DEQUANTIZE_AND_GATHER_K_CACHE_KERNEL")
+    assert row and "dequantize_and_gather_k_cache" in row
+    assert warmup.replaced_by("vllm.models.deepseek_v4.common.ops.cache_utils", "_NO_SUCH_KERNEL_X") is None
