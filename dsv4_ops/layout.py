@@ -115,3 +115,91 @@ def check_cache(cache, block_size) -> None:
     if (num_blocks > 1 and cache.stride(0) % 2) or cache.storage_offset() % 2:
         raise ValueError(f"cache: page_bytes (stride(0) {cache.stride(0)}) and the storage offset "
                          f"({cache.storage_offset()}) must be even: RoPE dims are 2-byte bf16 values")
+
+
+# ---- indexer cache ----
+# The sparse-attention indexer's paged K cache (vLLM 0.33.0, FP8 path below sm_100), one
+# compressed token a row: 128 E4M3 bytes (dims 0..127) and one fp32 scale 2**e (4 bytes,
+# little-endian), e = ceil(log2(max(amax, 1e-4) / 448)) over the row. A page (one row of
+# ``cache``, uint8 ``[num_blocks, page_bytes]``; vLLM allocates ``[num_blocks, block_size,
+# 132]`` with a possibly padded ``stride(0)``) holds ``block_size`` rows, data rows first:
+#
+#     byte 0                    block_size*128             block_size*132      page_bytes
+#     | data[0] | ... | data[bs-1] | sc[0] | ... | sc[bs-1] | (unused) |
+#
+# Slot s: block b = s // block_size, position p = s % block_size; data at
+# ``b * page_bytes + p * 128``, scale at ``b * page_bytes + block_size * 128 + p * 4``
+# (int64 arithmetic). ``block_size`` counts compressed rows (V4: 256 tokens / ratio 4 = 64).
+INDEXER_HEAD_DIM = 128  # dims of one indexer key / query head
+INDEXER_DATA_BYTES = 128  # E4M3 bytes of one row
+INDEXER_SCALE_BYTES = 4  # one fp32 scale
+INDEXER_RECORD_BYTES = INDEXER_DATA_BYTES + INDEXER_SCALE_BYTES  # 132
+INDEXER_ROPE_DIM = 64  # Q side: GPT-J RoPE on dims 64..127 (the last 64)
+INDEXER_NOPE_DIM = INDEXER_HEAD_DIM - INDEXER_ROPE_DIM  # 64
+
+
+def indexer_min_page_bytes(block_size: int) -> int:
+    """Smallest indexer page holding ``block_size`` rows: ``block_size * 132``."""
+    return int(block_size) * INDEXER_RECORD_BYTES
+
+
+def indexer_data_offset(slot: int, block_size: int, page: int) -> int:
+    """Byte offset of slot's 128 E4M3 bytes."""
+    return (slot // block_size) * page + (slot % block_size) * INDEXER_DATA_BYTES
+
+
+def indexer_scale_offset(slot: int, block_size: int, page: int) -> int:
+    """Byte offset of slot's fp32 scale."""
+    return (slot // block_size) * page + block_size * INDEXER_DATA_BYTES + (slot % block_size) * INDEXER_SCALE_BYTES
+
+
+def indexer_cache_pages(cache, block_size=None, name: str = "cache"):
+    """(2-D uint8 ``[num_blocks, page_bytes]`` view, block_size) of an indexer cache given as
+    uint8 or float8 ``[num_blocks, page_bytes]`` (block_size required), ``[num_blocks,
+    block_size, 132]`` or ``[num_blocks, block_size, 1, 132]`` (vLLM's views; block_size
+    taken from shape[1], and must equal the one given if any). ValueError naming ``name``
+    on anything else: wrong dtype, rows that overlap, non-contiguous page bytes, pages too
+    small for block_size rows, a page stride or start that is not 4-byte aligned (scales
+    are read as fp32)."""
+    if not isinstance(cache, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"{name}: expected dtype uint8 (or float8_e4m3fn bytes), got {str(cache.dtype).replace('torch.', '')}")
+    if cache.dtype != torch.uint8:
+        cache = cache.view(torch.uint8)
+    if cache.dim() in (3, 4):
+        if cache.shape[-1] != INDEXER_RECORD_BYTES or (cache.dim() == 4 and cache.shape[2] != 1):
+            raise ValueError(f"{name}: expected [num_blocks, block_size, 132] or [num_blocks, block_size, 1, 132], "
+                             f"got shape {tuple(cache.shape)}")
+        bs = int(cache.shape[1])
+        if block_size is not None and int(block_size) != bs:
+            raise ValueError(f"block_size: {block_size} does not match {name}.shape[1] = {bs}")
+        if cache.shape[0] > 0 and bs > 0 and (cache.stride(-1) != 1 or (bs > 1 and cache.stride(1) != INDEXER_RECORD_BYTES)):
+            raise ValueError(f"{name}: expected the {bs} rows of a page contiguous, got strides {cache.stride()}")
+        flat = torch.as_strided(cache, (cache.shape[0], bs * INDEXER_RECORD_BYTES), (cache.stride(0), 1))
+        block_size = bs
+    elif cache.dim() == 2:
+        if block_size is None or block_size == 0:
+            if cache.shape[1] % INDEXER_RECORD_BYTES:
+                raise ValueError(f"{name}: a 2-D cache of {cache.shape[1]}-byte pages needs block_size "
+                                 f"(or pass it as [num_blocks, block_size, 132])")
+            block_size = cache.shape[1] // INDEXER_RECORD_BYTES
+        flat = cache
+    else:
+        raise ValueError(f"{name}: expected 2, 3 or 4 dims, got shape {tuple(cache.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    num_blocks, row_bytes = flat.shape
+    if row_bytes > 1 and flat.stride(1) != 1:
+        raise ValueError(f"{name}: expected stride(1) == 1 (bytes of a page contiguous), got strides {flat.stride()}")
+    if row_bytes < indexer_min_page_bytes(block_size):
+        raise ValueError(f"{name}: pages of {row_bytes} bytes are too small for block_size {block_size} "
+                         f"(need >= {block_size} * {INDEXER_RECORD_BYTES} = {indexer_min_page_bytes(block_size)})")
+    if num_blocks > 1 and flat.stride(0) < row_bytes:
+        raise ValueError(f"{name}: rows overlap (stride(0) {flat.stride(0)} < {row_bytes} bytes a page)")
+    if (num_blocks > 1 and flat.stride(0) % 4) or flat.storage_offset() % 4:
+        raise ValueError(f"{name}: page_bytes (stride(0) {flat.stride(0)}) and the storage offset "
+                         f"({flat.storage_offset()}) must be multiples of 4: scales are fp32")
+    if indexer_min_page_bytes(block_size) >= 2**31:
+        raise ValueError(f"block_size: {block_size} rows do not fit an int32 page offset")
+    return flat, block_size

@@ -6,7 +6,11 @@ the ``dsv4_ampere`` ops.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from . import layout as _kvl
 
 E4M3_MAX = 448.0
 E4M3_NAN_CODE = 0x7F
@@ -164,7 +168,6 @@ def ref_merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, sink, out_dty
 # Paged fp8 KV cache (ops kv_cache_insert, kv_cache_gather): records of dsv4_ops.layout
 # ---------------------------------------------------------------------------------------
 
-from . import layout as _kvl  # noqa: E402
 
 
 def ref_ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -237,3 +240,254 @@ def ref_kv_cache_gather(cache: torch.Tensor, slots: torch.Tensor, block_size: in
         blk, cols = _ref_record_columns(flat[valid], block_size)
         out[valid] = ref_unpack_records(cache[blk, cols])
     return out.view(tuple(slots.shape) + (_kvl.HEAD_DIM,))
+
+
+def ref_decode_indices(topk_slots: torch.Tensor, topk_length: Optional[torch.Tensor], swa_slots: torch.Tensor,
+                       compressed_capacity: int, swa_capacity: int) -> torch.Tensor:
+    """DSv4 decode workspace indices int32 [T, K1 + K2] (layout: dsv4_ops.dsv4_decode).
+
+    Top-k column j of token t -> row t*K1 + j, window column j -> row T*K1 + t*K2 + j; -1
+    where the slot is outside [0, capacity) or (top-k part) j >= topk_length[t].
+    """
+    T, K1 = topk_slots.shape
+    K2 = swa_slots.shape[1]
+    dev = topk_slots.device
+    t = torch.arange(T, device=dev, dtype=torch.int64)[:, None]
+    j1 = torch.arange(K1, device=dev, dtype=torch.int64)[None, :]
+    j2 = torch.arange(K2, device=dev, dtype=torch.int64)[None, :]
+    sc, sw = topk_slots.to(torch.int64), swa_slots.to(torch.int64)
+    ok_c = (sc >= 0) & (sc < compressed_capacity)
+    if topk_length is not None:
+        ok_c = ok_c & (j1 < topk_length.to(torch.int64)[:, None])
+    ok_w = (sw >= 0) & (sw < swa_capacity)
+    idx_c = torch.where(ok_c, t * K1 + j1, -1)
+    idx_w = torch.where(ok_w, T * K1 + t * K2 + j2, -1)
+    return torch.cat([idx_c, idx_w], dim=1).to(torch.int32).contiguous()
+
+
+# ---- decode gather (one launch: both gathers + the index build) ----
+
+
+def ref_dsv4_decode_gather(compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
+                           topk_length: Optional[torch.Tensor], compressed_block_size: int,
+                           swa_cache: torch.Tensor, swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor],
+                           swa_block_size: int, workspace: torch.Tensor) -> torch.Tensor:
+    """Op ``dsv4_decode_gather``: writes workspace rows [0, T*(K1+K2)) (layout:
+    dsv4_ops.dsv4_decode) and returns the indices int32 [T, K1 + K2].
+
+    Row t*K1 + j = record of topk_slots[t, j] and row T*K1 + t*K2 + j = record of
+    swa_slots[t, j]: a zero row (and index -1) where the slot is outside [0, capacity) or the
+    entry is past the token's length (topk_length[t] / swa_length[t], the first T values
+    read; None: no limit).
+    """
+    T, K1 = topk_slots.shape
+    K2 = swa_slots.shape[1]
+
+    def masked(slots, length, K):
+        slots = slots.to(torch.int64)
+        if length is None:
+            return slots
+        j = torch.arange(K, device=slots.device)[None, :]
+        return torch.where(j < length[:T].to(torch.int64)[:, None], slots, -1)
+
+    sc, sw = masked(topk_slots, topk_length, K1), masked(swa_slots, swa_length, K2)
+    rows = torch.cat([ref_kv_cache_gather(compressed_cache, sc, compressed_block_size).reshape(-1, _kvl.HEAD_DIM),
+                      ref_kv_cache_gather(swa_cache, sw, swa_block_size).reshape(-1, _kvl.HEAD_DIM)])
+    workspace[:rows.shape[0]] = rows.to(workspace.dtype)
+    return ref_decode_indices(sc, None, sw, _kvl.capacity(compressed_cache, compressed_block_size),
+                              _kvl.capacity(swa_cache, swa_block_size))
+
+
+# ---- engram ----
+
+
+def ref_engram_lookup(weight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                      vocab_start: int, vocab_end: int, head_start: int, total_heads: int,
+                      sorted_dst: Optional[torch.Tensor] = None) -> None:
+    """Op ``engram_lookup`` (semantics: ``dsv4_ops.engram``), written into ``out`` in place.
+
+    weight uint8/float8_e4m3fn [R, D]; scales uint8 [R, D // Q]; ids int [T, >= total_heads]
+    (sorted: [n] local rows and sorted_dst [n] output rows); out bf16 [T', L, D] (value =
+    e4m3 * 2**(byte - 127), byte 0 -> 0) or uint8 [T', L, D + D // Q] (code bytes, scale
+    bytes). Rows not owned (id outside [vocab_start, vocab_end), past the table, or head >=
+    total_heads) are zeros.
+    """
+    codes = weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn else weight
+    n_tab, dim = codes.shape
+    n_local = out.shape[1]
+    if sorted_dst is not None:
+        local = ids.to(torch.int64)
+        dst = sorted_dst.to(torch.int64)
+        keep = (dst >= 0) & (dst < ids.shape[0])
+        local, dst = local[keep], dst[keep]
+    else:
+        T = ids.shape[0]
+        heads = head_start + torch.arange(n_local, device=ids.device)
+        col_ok = heads < total_heads
+        gid = torch.full((T, n_local), -1, dtype=torch.int64, device=ids.device)
+        gid[:, col_ok] = ids[:, heads[col_ok]].to(torch.int64)
+        local = torch.where(col_ok[None, :], gid - vocab_start, -1).reshape(-1)
+        dst = torch.arange(T * n_local, device=ids.device)
+    owned = (local >= 0) & (local < min(vocab_end - vocab_start, n_tab))
+    row = torch.where(owned, local, 0)
+    c = codes[row]  # [n, D] uint8
+    s = scales[row]  # [n, D // Q] uint8
+    if out.dtype == torch.uint8:
+        rows = torch.cat([c, s], dim=1)
+    else:
+        q = dim // scales.shape[1]
+        scale = (s.to(torch.int32) << 23).view(torch.float32).repeat_interleave(q, dim=1)
+        rows = (ref_e4m3_decode(c) * scale).to(torch.bfloat16)
+    rows = torch.where(owned[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    out[dst // n_local, dst % n_local] = rows
+
+
+# ---------------------------------------------------------------------------------------
+# ---- indexer ----
+# Sparse-attention indexer (ops indexer_k_insert, indexer_q_quant, mqa_logits,
+# paged_mqa_logits); cache layout: dsv4_ops.layout, section "indexer cache".
+# ---------------------------------------------------------------------------------------
+
+
+def _ref_codes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of E4M3 bytes given as uint8 or float8_e4m3fn."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _ref_pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """float32 2**e of int64 exponents (exact for |e| <= 126)."""
+    return torch.exp2(e.to(torch.float64)).to(torch.float32)
+
+
+def ref_indexer_pack_rows(k: torch.Tensor):
+    """bf16 [N, 128] -> (uint8 codes [N, 128], float32 scales [N]): e = UE8M0 exponent of the
+    row amax, codes e4m3(k / 2**e) (RNE), scale 2**e."""
+    x = k.to(torch.float64)
+    e = ref_ue8m0_exponent(x.abs().amax(dim=1))
+    codes = ref_e4m3_encode((x / torch.exp2(e.to(torch.float64))[:, None]).clamp(-E4M3_MAX, E4M3_MAX))
+    return codes, _ref_pow2_f32(e)
+
+
+def ref_indexer_k_insert(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """Write the indexer row of k[i] (bf16 [N, 128]) at slot slot_mapping[i] ([M], M <= N) of the
+    indexer cache (any form ``layout.indexer_cache_pages`` takes), in place; slots outside
+    [0, num_blocks * block_size) are skipped."""
+    flat, block_size = _kvl.indexer_cache_pages(cache, block_size)
+    slots = slot_mapping.to(torch.int64)
+    keep = (slots >= 0) & (slots < flat.shape[0] * block_size)
+    if not bool(keep.any()):
+        return
+    codes, scales = ref_indexer_pack_rows(k[:slots.shape[0]][keep])
+    s = slots[keep]
+    blk = torch.div(s, block_size, rounding_mode="floor")
+    pos = s - blk * block_size
+    d = torch.arange(_kvl.INDEXER_DATA_BYTES, device=s.device)
+    flat[blk[:, None], (pos * _kvl.INDEXER_DATA_BYTES)[:, None] + d] = codes
+    c = torch.arange(_kvl.INDEXER_SCALE_BYTES, device=s.device)
+    flat[blk[:, None], (block_size * _kvl.INDEXER_DATA_BYTES + pos * _kvl.INDEXER_SCALE_BYTES)[:, None] + c] = \
+        scales.contiguous().view(torch.uint8).view(-1, _kvl.INDEXER_SCALE_BYTES)
+
+
+def ref_indexer_read_rows(cache: torch.Tensor, block_size, blk: torch.Tensor, pos: torch.Tensor):
+    """(uint8 codes [..., 128], float32 scales [...]) of rows (blk, pos) of an indexer cache;
+    blk and pos int64 of one shape, all valid."""
+    flat, block_size = _kvl.indexer_cache_pages(cache, block_size)
+    d = torch.arange(_kvl.INDEXER_DATA_BYTES, device=flat.device)
+    c = torch.arange(_kvl.INDEXER_SCALE_BYTES, device=flat.device)
+    codes = flat[blk[..., None], (pos * _kvl.INDEXER_DATA_BYTES)[..., None] + d]
+    sb = flat[blk[..., None], (block_size * _kvl.INDEXER_DATA_BYTES + pos * _kvl.INDEXER_SCALE_BYTES)[..., None] + c]
+    return codes, sb.contiguous().view(torch.float32).squeeze(-1)
+
+
+def ref_round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float32 rounded to bfloat16 (round half to even)."""
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def ref_indexer_q_quant(positions: torch.Tensor, index_q: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        index_weights: torch.Tensor, softmax_scale: float, head_scale: float):
+    """The FP8 path of vLLM 0.33.0's fused_indexer_q_rope_quant, in its CUDA kernel's (CuTeDSL
+    ``IndexerQFp8Kernel``) rounding sequence, every step an IEEE fp32 operation:
+
+    - dims 64 + 2i, 65 + 2i (i < 32): x0' = x0*cos_i - x1*sin_i, x1' = x0*sin_i + x1*cos_i
+      (products rounded, then the sum), rounded to bf16 (RNE); dims 0..63 unchanged;
+    - e = ceil(log2(max(amax, 1e-4) / 448)) over the head's 128 values (exact integer);
+    - codes = e4m3(value * 2**-e) (RNE; |value * 2**-e| <= 448 by construction);
+    - weights_out = (float32(w) * float32(softmax_scale * head_scale)) * 2**e.
+    Returns (uint8 [T, H, 128], float32 [T, H]).
+    """
+    T, H, Dq = index_q.shape
+    x = index_q.to(torch.float32)
+    cs = cos_sin_cache.to(torch.float32)[positions.to(torch.int64)]  # [T, 64]
+    half = _kvl.INDEXER_ROPE_DIM // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x0 = x[..., _kvl.INDEXER_NOPE_DIM::2]
+    x1 = x[..., _kvl.INDEXER_NOPE_DIM + 1::2]
+    r0 = ref_round_bf16(x0 * cos - x1 * sin)
+    r1 = ref_round_bf16(x0 * sin + x1 * cos)
+    v = x.clone()
+    v[..., _kvl.INDEXER_NOPE_DIM::2] = r0
+    v[..., _kvl.INDEXER_NOPE_DIM + 1::2] = r1
+    e = ref_ue8m0_exponent(v.abs().amax(dim=-1))  # [T, H]
+    codes = ref_e4m3_encode(v.to(torch.float64) / torch.exp2(e.to(torch.float64))[..., None])
+    scale = torch.tensor(softmax_scale * head_scale, dtype=torch.float32)
+    w = (index_weights.to(torch.float32) * scale) * _ref_pow2_f32(e)
+    return codes, w
+
+
+def ref_mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                   ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int = -1) -> torch.Tensor:
+    """float64 prefill indexer logits, returned as float32: out[m, n] = k_scale[n] *
+    sum_h weights[m, h] * relu(<q[m, h], k[n]>) for ks[m] <= n < ke[m], -inf elsewhere;
+    [M, N], or [M, max_seqlen_k] with column j = key ks[m] + j when max_seqlen_k >= 0."""
+    qf = ref_e4m3_decode(_ref_codes(q)).to(torch.float64)  # [M, H, 128]
+    kf = ref_e4m3_decode(_ref_codes(k)).to(torch.float64)  # [N, 128]
+    M, H, _ = qf.shape
+    N = kf.shape[0]
+    w = weights.to(torch.float64)
+    acc = torch.zeros((M, N), dtype=torch.float64, device=qf.device)
+    for h in range(H):
+        acc += (qf[:, h] @ kf.T).clamp(min=0) * w[:, h:h + 1]
+    acc *= k_scale.reshape(-1).to(torch.float64)[None, :]
+    n = torch.arange(N, device=qf.device)[None, :]
+    valid = (n >= ks.to(torch.int64)[:, None]) & (n < ke.to(torch.int64)[:, None])
+    full = torch.where(valid, acc, float("-inf")).to(torch.float32)
+    if max_seqlen_k < 0:
+        return full
+    j = torch.arange(max_seqlen_k, device=qf.device)[None, :]
+    key = ks.to(torch.int64).clamp(min=0)[:, None] + j
+    ok = (key < ke.to(torch.int64)[:, None]) & (key < N)
+    return torch.where(ok, full.gather(1, key.clamp(max=max(N - 1, 0))) if N else full.new_zeros(key.shape),
+                       float("-inf"))
+
+
+def ref_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                         block_size: int = 0) -> torch.Tensor:
+    """float64 decode indexer logits over the paged indexer cache, returned as float32
+    [B * next_n, max_context_len]. Row r = b * next_n + j sees context positions n < L_r,
+    L_r = context_lens[b, j] ([B, next_n]) or context_lens[b] - next_n + j + 1 ([B]); position
+    n is key row n % block_size of page block_table[b, n // block_size]; -inf where n >= L_r,
+    the block-table column is past its end, or the page id is outside [0, num_blocks)."""
+    flat, block_size = _kvl.indexer_cache_pages(kv_cache, block_size or None, "kv_cache")
+    qc = _ref_codes(q)
+    B, next_n, H, _ = qc.shape
+    dev = qc.device
+    n = torch.arange(max_context_len, device=dev, dtype=torch.int64)
+    if context_lens.dim() == 2:
+        L = context_lens.to(torch.int64).reshape(B * next_n)
+    else:
+        L = (context_lens.to(torch.int64)[:, None] - next_n + 1 + torch.arange(next_n, device=dev)[None, :]).reshape(-1)
+    col = torch.div(n, block_size, rounding_mode="floor")  # [C]
+    in_table = col < block_table.shape[1]
+    blk = torch.where(in_table[None, :], block_table.to(torch.int64)[:, col.clamp(max=max(block_table.shape[1] - 1, 0))]
+                      if block_table.shape[1] else torch.full((B, n.numel()), -1, device=dev, dtype=torch.int64), -1)
+    page_ok = (blk >= 0) & (blk < flat.shape[0])  # [B, C]
+    codes, scales = ref_indexer_read_rows(flat, block_size, torch.where(page_ok, blk, 0),
+                                          (n - col * block_size)[None, :].expand(B, -1))
+    kf = ref_e4m3_decode(codes).to(torch.float64)  # [B, C, 128]
+    qf = ref_e4m3_decode(qc).to(torch.float64).reshape(B, next_n, H, -1)
+    s = torch.einsum("bjhd,bcd->bjhc", qf, kf).clamp(min=0)  # [B, next_n, H, C]
+    logit = (s * weights.to(torch.float64).reshape(B, next_n, H, 1)).sum(dim=2) * scales.to(torch.float64)[:, None, :]
+    valid = page_ok[:, None, :] & (n[None, None, :] < L.reshape(B, next_n, 1))
+    return torch.where(valid, logit, float("-inf")).reshape(B * next_n, max_context_len).to(torch.float32)

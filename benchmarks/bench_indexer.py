@@ -1,0 +1,144 @@
+"""Benchmark: the sparse-attention indexer ops against same-run floors.
+
+Floors (both measured in this run, on this GPU):
+  bytes / copy bandwidth   (a device copy; read + written bytes, benchmarks/common.copy_bandwidth_gbs)
+  flops / cuBLAS rate      (torch.mm bf16 of a square GEMM with the same flops, do_bench median)
+Cases (portable and, on sm_89+, native):
+  decode   paged_mqa_logits, B in {1, 8, 64}, next_n 1, H in {64, 32}, 32K compressed tokens a
+           request, 64-row pages; bytes = K rows (132 B) + logits (4 B) + Q + weights;
+           flops = 2 * B * H * 128 * 32768. Goal at B = 64: <= 1.6x max(floors).
+  prefill  mqa_logits, M = 8192 queries, H = 64, causal ragged [0, (m+1)//4) over 2048 keys,
+           compressed output [M, 2048] (what vLLM's prefill uses) and the full form;
+           flops over the valid pairs. Goal: <= 2x the flop floor.
+  q quant  indexer_q_quant, 4096 tokens x 64 heads (262144 rows of 128); bytes: 256 in + 128 + 4
+           out a row, + weights. Goal >= 70% of copy bandwidth.
+  k insert indexer_k_insert, 262144 rows to random slots; bytes: 256 in + 132 out a row. Goal >= 70%.
+Floors and predictions: benchmarks/NOTES.md ("indexer"). Usage: python benchmarks/bench_indexer.py --out DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import copy_bandwidth_gbs, parse_args, time_graph_us, time_us, write_results  # noqa: E402
+
+from dsv4_ops import indexer  # noqa: E402
+
+CTX = 32768
+BS = 64
+D = 128
+
+
+def gemm_rate_tflops(flops: float) -> float:
+    """cuBLAS bf16 rate (TFLOP/s) of a square GEMM doing about ``flops`` flops."""
+    n = max(256, int(round((flops / 2) ** (1 / 3) / 128)) * 128)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = time_us(lambda: torch.mm(a, b))
+    return 2 * n ** 3 / us / 1e6
+
+
+def codes(shape):
+    c = torch.randint(0, 256, shape, device="cuda", dtype=torch.int32)
+    return torch.where((c & 0x7F) == 0x7F, c - 1, c).to(torch.uint8)
+
+
+def bench_decode(rows, variants, copy_gbs, quick):
+    for H in (64, 32):
+        for B in ((1, 64) if quick else (1, 8, 64)):
+            pages = CTX // BS
+            nb = B * pages
+            cache = codes((nb, BS * 132))
+            cache.view(nb, -1)[:, BS * D:].view(torch.float32).fill_(1.0 / 64)  # valid fp32 scales
+            bt = torch.randperm(nb, device="cuda", dtype=torch.int64).view(B, pages).to(torch.int32)
+            q = codes((B, 1, H, D))
+            w = torch.randn(B, H, device="cuda")
+            ctx = torch.full((B, 1), CTX, dtype=torch.int32, device="cuda")
+            nbytes = B * CTX * (132 + 4) + q.numel() + w.numel() * 4
+            flops = 2.0 * B * H * D * CTX
+            rate = gemm_rate_tflops(flops)
+            floor = max(nbytes / copy_gbs / 1e3, flops / rate / 1e6)
+            for v in variants:
+                def fn():
+                    return indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS, variant=v)
+                us = time_us(fn)
+                g_us = time_graph_us(fn)
+                rows.append({"case": "decode", "variant": v, "B": B, "H": H, "us": us, "graph us": g_us,
+                             "GB/s": nbytes / us / 1e3, "TFLOP/s": flops / us / 1e6, "cuBLAS TFLOP/s": rate,
+                             "floor us": floor, "x floor": us / floor})
+
+
+def bench_prefill(rows, variants, quick):
+    M, H, N = 8192, 64, 2048
+    q = codes((M, H, D))
+    k = codes((N, D))
+    w = torch.randn(M, H, device="cuda") * 1e-2
+    ksc = torch.full((N,), 1.0 / 64, device="cuda")
+    m = torch.arange(M, device="cuda")
+    ks = torch.zeros(M, dtype=torch.int32, device="cuda")
+    ke = ((m + 1) // 4).to(torch.int32)
+    pairs = float((ke - ks).sum())
+    flops = 2.0 * H * D * pairs
+    rate = gemm_rate_tflops(flops)
+    floor = flops / rate / 1e6
+    for v in variants:
+        for cols in ((N,) if quick else (N, -1)):
+            us = time_us(lambda: indexer.mqa_logits(q, w, k, ksc, ks, ke, cols, variant=v))
+            rows.append({"case": "prefill " + ("compressed" if cols >= 0 else "full"), "variant": v, "B": M, "H": H,
+                         "us": us, "TFLOP/s": flops / us / 1e6, "cuBLAS TFLOP/s": rate, "floor us": floor,
+                         "x floor": us / floor})
+
+
+def bench_quant_insert(rows, variants, copy_gbs):
+    T, H = 4096, 64
+    q = torch.randn(T, H, D, device="cuda").to(torch.bfloat16)
+    ang = torch.rand(65536, 32, device="cuda") * 6.3
+    cs = torch.cat([ang.cos(), ang.sin()], 1)
+    pos = torch.randint(0, 65536, (T,), device="cuda")
+    wq = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    nbytes = T * H * (2 * D + D + 4 + 2) + T * 8
+    n = T * H
+    k = torch.randn(n, D, device="cuda").to(torch.bfloat16)
+    nb = 2 * n // BS
+    cache = torch.zeros(nb, BS * 132, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(nb * BS, device="cuda")[:n]
+    kbytes = n * (2 * D + 132)
+    for v in variants:
+        us = time_us(lambda: indexer.indexer_q_quant(pos, q, cs, wq, D ** -0.5, H ** -0.5, variant=v))
+        rows.append({"case": "q quant", "variant": v, "B": T, "H": H, "us": us, "GB/s": nbytes / us / 1e3,
+                     "floor us": nbytes / copy_gbs / 1e3, "x floor": us / (nbytes / copy_gbs / 1e3)})
+        us = time_us(lambda: indexer.indexer_k_insert(k, cache, slots, BS, variant=v))
+        rows.append({"case": "k insert", "variant": v, "B": n, "H": 1, "us": us, "GB/s": kbytes / us / 1e3,
+                     "floor us": kbytes / copy_gbs / 1e3, "x floor": us / (kbytes / copy_gbs / 1e3)})
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    torch.manual_seed(0)
+    variants = ["portable"] + (["native"] if torch.cuda.get_device_capability() >= (8, 9) else [])
+    copy_gbs = copy_bandwidth_gbs(256 << 20)
+    rows = []
+    for name, fn in (("decode", lambda: bench_decode(rows, variants, copy_gbs, args.quick)),
+                     ("prefill", lambda: bench_prefill(rows, variants, args.quick)),
+                     ("quant/insert", lambda: bench_quant_insert(rows, variants, copy_gbs))):
+        try:  # one failing case must not stop the others
+            fn()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"case": name, "variant": "FAILED"})
+        torch.cuda.synchronize()
+    write_results("indexer", args.out, rows,
+                  ["case", "variant", "B", "H", "us", "graph us", "GB/s", "TFLOP/s", "cuBLAS TFLOP/s", "floor us",
+                   "x floor"],
+                  f"Copy bandwidth {copy_gbs:.0f} GB/s (read + written), measured in this run. floor = max(bytes / "
+                  "copy bandwidth, flops / cuBLAS bf16 rate of a square GEMM of the same flops); B is the batch "
+                  "(decode), the query count (prefill) or the token / row count (q quant / k insert).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The DeepSeek sparse-attention indexer on sm_8x: K-cache insert, Q RoPE + quant, logits.
+
+Indexer cache layout: ``dsv4_ops.layout`` (section "indexer cache"): per page the
+``block_size`` 128-byte E4M3 rows, then their fp32 scales ``2**e``.
+
+Logits (both kernels): ``logit[m, n] = k_scale[n] * sum_h w[m, h] * relu(<q[m, h], k[n]>)``
+with q and k E4M3 codes decoded in registers (``codec.e4m3_to_f32``) to fp16, which holds
+every E4M3 value exactly, and ``tl.dot`` in fp16 with fp32 accumulation (mma.sync on sm_80):
+each product of two E4M3 values is exact, only the fp32 sums round. Positions that are not
+valid (outside ``[ks, ke)``, past the context, or whose page id is outside
+``[0, num_blocks)``) are never read and get ``-inf``.
+"""
+
+import triton
+import triton.language as tl
+
+from dsv4_ops import layout as _L
+
+from .codec import e4m3_to_f32, f32_to_e4m3
+from .kv_cache import ue8m0_exponent
+
+HEAD_DIM = tl.constexpr(_L.INDEXER_HEAD_DIM)  # 128
+DATA_BYTES = tl.constexpr(_L.INDEXER_DATA_BYTES)  # 128
+SCALE_BYTES = tl.constexpr(_L.INDEXER_SCALE_BYTES)  # 4
+NOPE_DIM = tl.constexpr(_L.INDEXER_NOPE_DIM)  # 64: Q dims 0..63 pass through
+HALF_ROPE = tl.constexpr(_L.INDEXER_ROPE_DIM // 2)  # 32 (cos, sin) pairs
+UE8M0_BIAS = tl.constexpr(_L.UE8M0_BIAS)
+
+
+@triton.jit
+def _pow2_f32(b_e):
+    """int32 block of exponents e in [-126, 127] -> float32 2**e, exact (built from bits)."""
+    return ((b_e + UE8M0_BIAS) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(b_x):
+    """float32 block -> float32 block rounded to bfloat16, round half to even (integer bit
+    work: faithful under the interpreter, whose fp32->bf16 cast truncates). NaN: unspecified."""
+    b_bits = b_x.to(tl.uint32, bitcast=True)
+    b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
+    return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _indexer_k_insert_kernel(
+    k_ptr,  # bf16 [N, 128], row stride stride_k_0, dims contiguous
+    cache_ptr,  # uint8 [num_blocks, page_bytes]
+    slot_ptr,  # int64 or int32 [n_tokens]
+    n_tokens,
+    stride_k_0,
+    page_bytes,
+    block_size,
+    capacity,  # num_blocks * block_size
+    MODE: tl.constexpr,  # codec.ENCODE_EXACT (portable) or ENCODE_NATIVE
+    TOKENS: tl.constexpr,  # rows per program
+):
+    """Grid (cdiv(n_tokens, TOKENS),): each program quantizes TOKENS key rows into their
+    128 E4M3 bytes + fp32 scale 2**e. A slot outside [0, capacity) loads and stores nothing."""
+    o_t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
+    m_t = o_t < n_tokens
+    b_slot = tl.load(slot_ptr + o_t, mask=m_t, other=-1).to(tl.int64)
+    m_valid = m_t & (b_slot >= 0) & (b_slot < capacity)
+    b_slot = tl.where(m_valid, b_slot, 0)
+    b_blk = b_slot // block_size
+    b_pos = b_slot % block_size
+    o_data = b_blk * page_bytes + b_pos * DATA_BYTES  # [TOKENS] int64
+    o_scale = b_blk * page_bytes + block_size * DATA_BYTES + b_pos * SCALE_BYTES
+
+    o_d = tl.arange(0, HEAD_DIM)  # [128]
+    b_x = tl.load(k_ptr + (o_t * stride_k_0)[:, None] + o_d[None, :], mask=m_valid[:, None],
+                  other=0.0).to(tl.float32)  # [TOKENS, 128]
+    b_e = ue8m0_exponent(tl.max(tl.abs(b_x), axis=1))  # [TOKENS] int32, in [-22, 120]
+    b_codes = f32_to_e4m3(b_x * _pow2_f32(-b_e)[:, None], MODE)  # exact scaling: a power of two
+    tl.store(cache_ptr + o_data[:, None] + o_d[None, :], b_codes, mask=m_valid[:, None])
+    p_scale = (cache_ptr + o_scale).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(p_scale, _pow2_f32(b_e), mask=m_valid)
+
+
+@triton.jit
+def _indexer_q_quant_kernel(
+    pos_ptr,  # int64/int32 [T]
+    q_ptr,  # bf16 [T, H, 128], strides (stride_q_t, stride_q_h, 1)
+    cs_ptr,  # fp32/bf16 [max_pos, 64]: 32 cos then 32 sin, row stride stride_cs
+    w_ptr,  # bf16/fp32 [T, H], strides (stride_w_t, stride_w_h)
+    q_out_ptr,  # uint8 [T, H, 128] contiguous
+    w_out_ptr,  # fp32 [T, H], row stride stride_wo_t, heads contiguous
+    n_heads,
+    stride_q_t,
+    stride_q_h,
+    stride_cs,
+    stride_w_t,
+    stride_w_h,
+    stride_wo_t,
+    w_scale,  # fp32: softmax_scale * head_scale, rounded once to fp32
+    MODE: tl.constexpr,  # codec.ENCODE_EXACT (portable) or ENCODE_NATIVE
+    HEADS: tl.constexpr,  # heads per program (power of two)
+):
+    """Grid (T, cdiv(H, HEADS)): each program ropes, scales and encodes HEADS heads of one token.
+
+    Dims 64..127: GPT-J (interleaved) RoPE, even' = x0*cos - x1*sin, odd' = x0*sin + x1*cos
+    (separate fp32 products and one add each: launch with enable_fp_fusion=False), then
+    rounded to bf16 (RNE). e = ceil(log2(max(amax, 1e-4) / 448)) over the head's 128 values,
+    codes = e4m3(value * 2**-e) (RNE), weight' = (w * w_scale) * 2**e.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, HEAD_DIM)  # [128]
+    m_rope = o_d >= NOPE_DIM
+    o_i = tl.where(m_rope, (o_d - NOPE_DIM) // 2, 0)  # pair index of each dim
+    b_pos = tl.load(pos_ptr + t).to(tl.int64)
+    b_cos = tl.load(cs_ptr + b_pos * stride_cs + o_i, mask=m_rope, other=1.0).to(tl.float32)  # [128]
+    b_sin = tl.load(cs_ptr + b_pos * stride_cs + HALF_ROPE + o_i, mask=m_rope, other=0.0).to(tl.float32)
+
+    p_row = q_ptr + t * stride_q_t + (o_h * stride_q_h)[:, None]  # [HEADS, 1]
+    b_x = tl.load(p_row + o_d[None, :], mask=m_h[:, None], other=0.0).to(tl.float32)  # [HEADS, 128]
+    b_p = tl.load(p_row + (o_d ^ 1)[None, :], mask=m_h[:, None] & m_rope[None, :], other=0.0).to(tl.float32)
+    # even d: x*cos + (-partner)*sin == x*cos - partner*sin; odd d: x*cos + partner*sin.
+    b_p = tl.where((o_d % 2 == 0)[None, :], -b_p, b_p)
+    b_rot = _round_bf16(b_x * b_cos[None, :] + b_p * b_sin[None, :])
+    b_v = tl.where(m_rope[None, :], b_rot, b_x)  # [HEADS, 128]; NoPE dims untouched (signed zeros too)
+
+    b_e = ue8m0_exponent(tl.max(tl.abs(b_v), axis=1))  # [HEADS] int32
+    b_codes = f32_to_e4m3(b_v * _pow2_f32(-b_e)[:, None], MODE)
+    p_out = q_out_ptr + (t * n_heads + o_h.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(p_out, b_codes, mask=m_h[:, None])
+
+    b_w = tl.load(w_ptr + t * stride_w_t + o_h * stride_w_h, mask=m_h, other=0.0).to(tl.float32)
+    tl.store(w_out_ptr + t * stride_wo_t + o_h, (b_w * w_scale) * _pow2_f32(b_e), mask=m_h)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr,  # uint8 E4M3 [M, H, 128], strides (stride_q_m, stride_q_h, 1)
+    w_ptr,  # fp32 [M, H], strides (stride_w_m, stride_w_h)
+    k_ptr,  # uint8 E4M3 [N, 128], row stride stride_k_n
+    k_scale_ptr,  # fp32 [N]
+    ks_ptr,  # int32 [M]
+    ke_ptr,  # int32 [M]
+    out_ptr,  # fp32 [M, out_cols], row stride stride_out_m
+    M,
+    N,
+    n_heads,
+    out_cols,
+    stride_q_m,
+    stride_q_h,
+    stride_w_m,
+    stride_w_h,
+    stride_k_n,
+    stride_out_m,
+    COMPRESSED: tl.constexpr,  # False: column n is key n; True: column j is key ks[m] + j
+    NATIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(M, BLOCK_M), cdiv(max(N, out_cols), BLOCK_N)): one program scores BLOCK_M
+    query rows against keys [pid_n * BLOCK_N, +BLOCK_N), looping over heads with one
+    [BLOCK_M, 128] x [128, BLOCK_N] fp16 dot each; a tile outside every row's [ks, ke) only
+    writes -inf. COMPRESSED also writes -inf to columns [ke - ks, out_cols) of its column tile.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o_r = tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this tile (int32 local offsets below)
+    o_m = pid_m.to(tl.int64) * BLOCK_M + o_r
+    m_m = o_m < M
+    b_ks = tl.maximum(tl.load(ks_ptr + o_m, mask=m_m, other=0), 0)
+    b_ke = tl.minimum(tl.load(ke_ptr + o_m, mask=m_m, other=0), N)
+    n0 = pid_n * BLOCK_N
+    o_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key ids
+    m_n = o_n < N
+    lo = tl.min(tl.where(m_m & (b_ks < b_ke), b_ks, N), axis=0)
+    hi = tl.max(tl.where(m_m & (b_ks < b_ke), b_ke, 0), axis=0)
+    o_d = tl.arange(0, HEAD_DIM)
+
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        # Tile bases in int64, offsets inside a tile in int32: keeps the [rows, 128] offset
+        # tensors small (64-bit pointer tensors held across the head loop spill).
+        p_k = k_ptr + n0.to(tl.int64) * stride_k_n
+        b_kt = tl.load(p_k + (tl.arange(0, BLOCK_N) * stride_k_n)[None, :] + o_d[:, None], mask=m_n[None, :], other=0)
+        b_kt = e4m3_to_f32(b_kt, NATIVE).to(tl.float16)  # [128, BLOCK_N], exact
+        p_q0 = q_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_q_m
+        o_q = (o_r * stride_q_m)[:, None] + o_d[None, :]  # [BLOCK_M, 128] int32
+        p_w0 = w_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_w_m
+        o_w = o_r * stride_w_m
+        for h in range(0, n_heads):
+            b_q = tl.load((p_q0 + h * stride_q_h) + o_q, mask=m_m[:, None], other=0)
+            b_q = e4m3_to_f32(b_q, NATIVE).to(tl.float16)  # [BLOCK_M, 128]
+            b_s = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_N] fp32, exact products
+            b_w = tl.load((p_w0 + h * stride_w_h) + o_w, mask=m_m, other=0.0)  # [BLOCK_M]
+            b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
+        b_acc = b_acc * tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)[None, :]
+    m_valid = m_m[:, None] & (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
+    b_out = tl.where(m_valid, b_acc, float("-inf"))
+    out_base = out_ptr + pid_m.to(tl.int64) * BLOCK_M * stride_out_m
+    p_out = out_base + (o_r * stride_out_m)[:, None]
+    if COMPRESSED:
+        o_col = o_n[None, :] - b_ks[:, None]  # [BLOCK_M, BLOCK_N]
+        tl.store(out_base + ((o_r * stride_out_m)[:, None] + o_col), b_out, mask=m_valid & (o_col < out_cols))
+        o_c = n0 + tl.arange(0, BLOCK_N)  # -inf tail [ke - ks, out_cols) of this program's column tile
+        m_tail = m_m[:, None] & (o_c[None, :] >= (b_ke - b_ks)[:, None]) & (o_c[None, :] < out_cols)
+        tl.store(p_out + o_c[None, :], tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=m_tail)
+    else:
+        tl.store(p_out + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr,  # uint8 E4M3 [B * next_n, H, 128], strides (stride_q_r, stride_q_h, 1)
+    w_ptr,  # fp32 [B * next_n, H], strides (stride_w_r, stride_w_h)
+    cache_ptr,  # uint8 [num_blocks, page_bytes]: indexer pages (dsv4_ops.layout)
+    ctx_ptr,  # int32 [B] or [B * next_n] (CTX_PER_ROW)
+    bt_ptr,  # int32 [B, bt_cols], row stride stride_bt_b
+    out_ptr,  # fp32 [B * next_n, max_ctx], row stride stride_out_r
+    next_n,
+    n_heads,
+    max_ctx,
+    num_blocks,
+    bt_cols,
+    block_size,
+    page_bytes,
+    stride_q_r,
+    stride_q_h,
+    stride_w_r,
+    stride_w_h,
+    stride_bt_b,
+    stride_out_r,
+    tiles_per_prog,
+    CTX_PER_ROW: tl.constexpr,  # context_lens [B, next_n] (one length per row) vs [B]
+    NATIVE: tl.constexpr,
+    H_BLOCK: tl.constexpr,  # power of two >= max(H, 16)
+    BLOCK_N: tl.constexpr,  # keys per tile
+):
+    """Grid (B * next_n, cdiv(cdiv(max_ctx, BLOCK_N), tiles_per_prog)): one program holds one
+    query row's [H, 128] Q in registers and scores tiles_per_prog tiles of BLOCK_N keys, each
+    with one [H, 128] x [128, BLOCK_N] fp16 dot; relu, weights and the head sum follow, then
+    the keys' scales. Row r = b * next_n + j sees keys [0, L): L = context_lens[b, j], or
+    context_lens[b] - next_n + j + 1 (causal) for 1-D context_lens; capped at max_ctx.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    b = r // next_n
+    if CTX_PER_ROW:
+        b_len = tl.load(ctx_ptr + r)
+    else:
+        b_len = tl.load(ctx_ptr + b) - next_n + 1 + (r % next_n).to(tl.int32)
+    b_len = tl.minimum(b_len, max_ctx)
+
+    o_h = tl.arange(0, H_BLOCK)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, HEAD_DIM)
+    b_q = tl.load(q_ptr + r * stride_q_r + (o_h * stride_q_h)[:, None] + o_d[None, :], mask=m_h[:, None], other=0)
+    b_q = e4m3_to_f32(b_q, NATIVE).to(tl.float16)  # [H_BLOCK, 128], exact
+    b_w = tl.load(w_ptr + r * stride_w_r + o_h * stride_w_h, mask=m_h, other=0.0)  # [H_BLOCK] fp32
+    p_bt = bt_ptr + b * stride_bt_b
+    p_out = out_ptr + r * stride_out_r
+    tile0 = tl.program_id(1) * tiles_per_prog
+    for t in range(0, tiles_per_prog):
+        n0 = (tile0 + t) * BLOCK_N
+        o_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        if n0 < b_len:
+            b_bi = o_n // block_size
+            m_in = (o_n < b_len) & (b_bi < bt_cols)
+            b_blk = tl.load(p_bt + b_bi, mask=m_in, other=-1).to(tl.int64)
+            m_k = m_in & (b_blk >= 0) & (b_blk < num_blocks)
+            b_blk = tl.where(m_k, b_blk, 0)
+            b_p = o_n % block_size
+            o_page = b_blk * page_bytes  # [BLOCK_N] int64
+            b_kt = tl.load(cache_ptr + (o_page + b_p * DATA_BYTES)[None, :] + o_d[:, None], mask=m_k[None, :], other=0)
+            b_kt = e4m3_to_f32(b_kt, NATIVE).to(tl.float16)  # [128, BLOCK_N]
+            p_sc = (cache_ptr + o_page + block_size * DATA_BYTES + b_p * SCALE_BYTES).to(
+                tl.pointer_type(tl.float32), bitcast=True)
+            b_sc = tl.load(p_sc, mask=m_k, other=0.0)  # [BLOCK_N]
+            b_s = tl.dot(b_q, b_kt)  # [H_BLOCK, BLOCK_N] fp32
+            b_l = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], axis=0) * b_sc
+            b_l = tl.where(m_k, b_l, float("-inf"))
+        else:
+            b_l = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        tl.store(p_out + o_n, b_l, mask=o_n < max_ctx)
+
+
+# Launch configs as plain data (same on every capability; no run-time autotune).
+K_INSERT_CONFIG = {"TOKENS": 8, "num_warps": 4}
+Q_QUANT_CONFIG = {"HEADS": 8, "num_warps": 4}
+MQA_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # full [M, N] output
+# compressed [M, max_seqlen_k] output (what vLLM's prefill uses): the scatter store of a
+# [64, 128] tile at 8 warps spills 80 B on sm_86 (`python -m dsv4_ops.aot`); 32 rows do not.
+MQA_COMPRESSED_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+PAGED_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+                "TARGET_PROGRAMS": 432,  # ~4 programs an SM on an A100 (108 SMs)
+                "MAX_TILES_PER_PROGRAM": 64}
