@@ -375,8 +375,8 @@ def test_prefill_sparse_fwd_matches_reference():
 
 # ------------------------------------------------------------------- compressed-cache writers
 
-def _expected_compressed_row(state, block_table, req, p, bs, sw, ratio, overlap, w, eps, cos_sin):
-    """float64, one token, straight from the Triton kernel's definition."""
+def _expected_compressed_row(state, block_table, req, p, bs, sw, ratio, overlap, w, eps, cos_sin, head=512):
+    """float64, one token, straight from the Triton kernel's definition (head 512 or 128)."""
     Wn = (1 + overlap) * ratio
     kvs, scs = [], []
     for j in range(Wn):
@@ -384,15 +384,16 @@ def _expected_compressed_row(state, block_table, req, p, bs, sw, ratio, overlap,
         if pos < 0:
             continue
         row = state[int(block_table[req, pos // bs]), pos % bs].double()
-        off = 512 if j >= ratio else 0
-        kvs.append(row[off:off + 512])
-        scs.append(row[sw + off:sw + off + 512])
+        off = head if j >= ratio else 0
+        kvs.append(row[off:off + head])
+        scs.append(row[sw + off:sw + off + head])
     kv, sc = torch.stack(kvs), torch.stack(scs)
     c = (torch.softmax(sc, 0) * kv).sum(0)
     normed = c / torch.sqrt((c * c).mean() + eps) * w.double()
     cs = cos_sin[(p // ratio) * ratio].double()
-    e, o = normed[448::2].clone(), normed[449::2].clone()
-    normed[448::2], normed[449::2] = e * cs[:32] - o * cs[32:], o * cs[:32] + e * cs[32:]
+    r = head - 64
+    e, o = normed[r::2].clone(), normed[r + 1::2].clone()
+    normed[r::2], normed[r + 1::2] = e * cs[:32] - o * cs[32:], o * cs[:32] + e * cs[32:]
     return normed
 
 
@@ -429,6 +430,47 @@ def test_v4_compressed_writer_matches_triton_kernel_math(ratio, overlap):
         torch.testing.assert_close(got[t, 448:].double(), want[448:], atol=1e-2, rtol=1e-2)  # bf16 RoPE dims
         err = (got[t, :448].double() - want[:448]).abs().view(7, 64).amax(1)
         assert (err <= want[:448].abs().view(7, 64).amax(1) / 8).all()  # within e4m3 precision per group
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (4, False)], ids=["c4-overlap", "c4"])
+def test_v4_indexer_compressor_writer_matches_triton_kernel_math(ratio, overlap):
+    """The head-128 indexer compressor (vLLM's _fused_kv_compress_norm_rope_insert_indexer_attn):
+    bf16 row -> per-row fp32 power-of-two scale + E4M3 codes, checked by decoding the bytes."""
+    g = torch.Generator().manual_seed(20 + overlap)
+    sw = (1 + overlap) * 128
+    bs, nblk = 8, 4
+    state = torch.randn(nblk, bs, 2 * sw, generator=g)
+    block_table = torch.tensor([[2, 0, 3], [1, 3, 0]], dtype=torch.int32)
+    positions = torch.tensor([3, 7, 8, 11, 15, 2, 7], dtype=torch.int64)
+    req = torch.tensor([0, 0, 0, 0, 0, 1, 1], dtype=torch.int32)
+    state_slots = torch.tensor([0, 1, 2, 3, -1, 4, 5])
+    kv_slots = torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    w = torch.rand(128, generator=g) + 0.5
+    cos_sin = torch.cat([torch.cos(torch.rand(32, 32, generator=g)), torch.sin(torch.rand(32, 32, generator=g))], 1)
+    tokens_per_block = 2
+    kv_cache = torch.full((4, tokens_per_block, 132), 0xAB, dtype=torch.uint8)
+    before = kv_cache.clone()
+    vc.compress_norm_rope_store_indexer_ampere(
+        state_cache=state, num_actual=7, token_to_req_indices=req, positions=positions, slot_mapping=state_slots,
+        block_table=block_table, block_size=bs, state_width=sw, cos_sin_cache=cos_sin, kv_cache=kv_cache,
+        k_cache_metadata=NS(slot_mapping=kv_slots), pdl_kwargs={}, head_dim=128, rope_head_dim=64,
+        compress_ratio=ratio, overlap=overlap, use_fp4_cache=False, rms_norm_weight=w, rms_norm_eps=1e-6,
+        quant_block=128, token_stride=128, scale_dim=4)
+    blk, pos = kv_slots // tokens_per_block, kv_slots % tokens_per_block
+    codes, scales = reference.ref_indexer_read_rows(kv_cache, tokens_per_block, blk, pos)
+    codes_before, _ = reference.ref_indexer_read_rows(before, tokens_per_block, blk, pos)
+    for t in range(7):
+        p = int(positions[t])
+        if not ((p + 1) % ratio == 0 and int(state_slots[t]) >= 0):
+            assert torch.equal(codes[t], codes_before[t]), f"token {t} is not a boundary and must not be written"
+            continue
+        want = _expected_compressed_row(state, block_table, int(req[t]), p, bs, sw, ratio, int(overlap), w, 1e-6,
+                                        cos_sin, head=128)
+        amax = want.abs().max().clamp(min=1e-4)
+        e = torch.ceil(torch.log2(amax / 448))
+        assert scales[t].item() == 2.0 ** e.item() or scales[t].item() == 2.0 ** (e.item() + 1)  # bf16 rounding
+        got = reference.ref_e4m3_decode(codes[t]).double() * scales[t].double()
+        assert ((got - want).abs() <= want.abs() / 8 + scales[t] * 2.0 ** -9).all()  # e4m3 precision
 
 
 def test_v41_rope_quant_insert_writes_only_boundary_tokens():

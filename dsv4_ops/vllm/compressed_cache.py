@@ -82,7 +82,7 @@ def _boundary_slots(kv_slots: torch.Tensor, positions: torch.Tensor, compress_ra
 
 def _compress_chunk(state_cache, block_table, req, pos, block_size, state_width, head_dim,
                     compress_ratio, overlap, weight, eps) -> torch.Tensor:
-    """fp32 [n, 512] RMS-normed softmax-pooled latents of n tokens (see module doc)."""
+    """fp32 [n, head_dim] RMS-normed softmax-pooled latents of n tokens (see module doc)."""
     W = (1 + int(overlap)) * compress_ratio
     tok = torch.arange(W, device=pos.device)
     p = pos[:, None] - W + 1 + tok[None, :]  # [n, W]
@@ -93,9 +93,9 @@ def _compress_chunk(state_cache, block_table, req, pos, block_size, state_width,
     blocks = torch.where(valid, blocks, torch.zeros_like(blocks)).clamp(0, state_cache.shape[0] - 1)
     offs = torch.remainder(pc, block_size)
     cols = ((tok >= compress_ratio).to(torch.int64) * head_dim)[:, None] + torch.arange(
-        head_dim, device=pos.device)[None, :]  # [W, 512]
+        head_dim, device=pos.device)[None, :]  # [W, head_dim]
     b3, o3, c3 = blocks[:, :, None], offs[:, :, None], cols[None, :, :]
-    kv = state_cache[b3, o3, c3].to(torch.float32)  # [n, W, 512]
+    kv = state_cache[b3, o3, c3].to(torch.float32)  # [n, W, head_dim]
     score = state_cache[b3, o3, c3 + state_width].to(torch.float32)
     score = score.masked_fill(~valid[:, :, None], float("-inf"))
     kv = kv.masked_fill(~valid[:, :, None], 0.0)
@@ -147,13 +147,26 @@ def compress_norm_rope_store_ampere(
     if head_dim != layout.HEAD_DIM or rope_head_dim != layout.ROPE_DIM or use_fp4_cache:
         raise NotImplementedError(f"dsv4_ops: compressed cache writer supports head_dim 512 / rope 64 / fp8, got "
                                   f"head_dim={head_dim}, rope_head_dim={rope_head_dim}, fp4={use_fp4_cache}")
+    if kv_cache.dim() != 3:
+        raise ValueError("compressed kv_cache: expected vLLM's 3-D [num_blocks, tokens_per_block, 584] view")
+    cache2d = as_paged_2d(kv_cache, "compressed kv_cache")
+
+    def store(rows, slots):
+        torch.ops.dsv4_ampere.kv_cache_insert(rows, cache2d, slots, kv_cache.shape[1])
+
+    _compress_norm_rope(store, state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
+                        block_size, state_width, cos_sin_cache, k_cache_metadata, head_dim, compress_ratio, overlap,
+                        rms_norm_weight, rms_norm_eps)
+
+
+def _compress_norm_rope(store, state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
+                        block_size, state_width, cos_sin_cache, k_cache_metadata, head_dim, compress_ratio, overlap,
+                        rms_norm_weight, rms_norm_eps) -> None:
+    """Compress, RMS-norm and rotate the boundary tokens in chunks of state rows, then
+    ``store(bf16 rows [n, head_dim], int64 slots [n])`` (-1: not a boundary token)."""
     n = int(num_actual)
     if n == 0 or positions.numel() == 0:
         return
-    cache2d = as_paged_2d(kv_cache, "compressed kv_cache")
-    tokens_per_block = kv_cache.shape[1] if kv_cache.dim() == 3 else None
-    if tokens_per_block is None:
-        raise ValueError("compressed kv_cache: expected vLLM's 3-D [num_blocks, tokens_per_block, 584] view")
     pos = positions[:n].to(torch.int64)
     slots = _boundary_slots(k_cache_metadata.slot_mapping[:n], pos, compress_ratio, slot_mapping[:n])
     W = (1 + int(overlap)) * compress_ratio
@@ -163,8 +176,53 @@ def compress_norm_rope_store_ampere(
         normed = _compress_chunk(state_cache, block_table, token_to_req_indices[start:end], pos[start:end],
                                  block_size, state_width, head_dim, compress_ratio, overlap,
                                  rms_norm_weight, rms_norm_eps)
-        rows = _rope_rows(normed, pos[start:end], cos_sin_cache, compress_ratio)
-        torch.ops.dsv4_ampere.kv_cache_insert(rows, cache2d, slots[start:end].contiguous(), tokens_per_block)
+        store(_rope_rows(normed, pos[start:end], cos_sin_cache, compress_ratio), slots[start:end].contiguous())
+
+
+def compress_norm_rope_store_indexer_ampere(
+    state_cache: torch.Tensor,
+    num_actual: int,
+    token_to_req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    state_width: int,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_cache_metadata: Any,
+    pdl_kwargs: dict,
+    head_dim: int,
+    rope_head_dim: int,
+    compress_ratio: int,
+    overlap: bool,
+    use_fp4_cache: bool,
+    rms_norm_weight: torch.Tensor,
+    rms_norm_eps: float,
+    quant_block: int,
+    token_stride: int,
+    scale_dim: int,
+) -> None:
+    """Drop-in for V4's ``compress_norm_rope_store_triton`` on CUDA, where it only serves the
+    indexer compressor (head 128; head 512 goes to the CuTeDSL kernel): the same compress,
+    RMS norm and GPT-J RoPE of the last 64 dims as the head-512 writer, rounded to bf16,
+    then ``indexer_k_insert`` (fp32 power-of-two scale, RNE E4M3) into kv_cache uint8
+    [num_blocks, tokens_per_block, 132]. Replaces ``_fused_kv_compress_norm_rope_insert_indexer_attn``
+    (``tl.float8e4nv``, sm_89+)."""
+    del pdl_kwargs, quant_block, token_stride, scale_dim
+    if use_fp4_cache:
+        raise NotImplementedError("dsv4_ops: the MXFP4 indexer cache is sm_100-only; sm_8x stores fp8")
+    if head_dim != 128 or rope_head_dim != layout.ROPE_DIM:
+        raise NotImplementedError(f"dsv4_ops: the sm_8x compressor writer for the indexer cache takes head_dim 128 "
+                                  f"/ rope 64 (head 512 is compress_norm_rope_store_ampere), got {head_dim}/"
+                                  f"{rope_head_dim}")
+
+    def store(rows, slots):
+        torch.ops.dsv4_ampere.indexer_k_insert(rows, kv_cache, slots, kv_cache.shape[1])
+
+    _compress_norm_rope(store, state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
+                        block_size, state_width, cos_sin_cache, k_cache_metadata, head_dim, compress_ratio, overlap,
+                        rms_norm_weight, rms_norm_eps)
 
 
 def rope_quant_insert_ampere(
@@ -206,6 +264,10 @@ PATCHES = (
           _COMPRESSOR_PARAMS,
           "compressed 512-d cache writer: CuTeDSL (cvt.rn.satfinite.e4m3x2.f32, sm_89+) on every CUDA GPU",
           compress_norm_rope_store_ampere, model="v4"),
+    Patch(f"{V4}.compressor", "compress_norm_rope_store_triton", _COMPRESSOR_PARAMS[:-3],
+          "V4 indexer compressor (head 128): _fused_kv_compress_norm_rope_insert_indexer_attn uses tl.float8e4nv "
+          "(sm_89+); the compressor module binds this launcher by name", compress_norm_rope_store_indexer_ampere,
+          model="v4"),
     Patch(f"{V41}.compressor", "rope_quant_insert",
           ("latent", "positions", "cos_sin_cache", "kv_cache", "slot_mapping", "compress_ratio", "fp8_scale"),
           "V4.1 compressed cache writer: Triton tl.float8e4nv (sm_89+)", rope_quant_insert_ampere, model="v41"),
