@@ -1,15 +1,97 @@
-"""Input generators and exhaustive checks shared by the tests, the self-test and benchmarks.
+"""Input generators, comparisons and exhaustive checks shared by the tests, the self-test
+and benchmarks.
 
-Host syncs are fine here: nothing in this module runs on a decode path.
+Host syncs are fine here: nothing in this module runs on a decode path. Every random input
+comes from a seeded ``torch.Generator`` (``rng(seed)``) on the CPU and is then moved, so a
+failure replays with the seed its test prints or fixes.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from . import reference
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def rng(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (draw on the CPU, then ``.to(device)``)."""
+    return torch.Generator().manual_seed(int(seed))
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no kernel writes (NaN for floats, 0xAB for uint8,
+    -1 for other ints) so elements a kernel failed to write show; returns ``t``."""
+    return t.fill_(float("nan") if t.is_floating_point() else (0xAB if t.dtype == torch.uint8 else -1))
+
+
+_SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                 torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8"}
+
+
+def short_id(v) -> str:
+    """A readable pytest id for a parameter value (dtypes as bf16 / i32 ..., None as 'none')."""
+    if isinstance(v, torch.dtype):
+        return _SHORT_DTYPES.get(v, str(v).replace("torch.", ""))
+    return "none" if v is None else str(v)
+
+
+# Attention output tolerances (bf16 out against a float64 reference):
+ATTN_OUT_RTOL = 5e-3  # relative Frobenius error over the whole output
+ATTN_ROW_RTOL = 1.5e-2  # per row (token, head): max |out - ref| <= this * max |ref row|
+# (an emulation of the kernels' bf16 p and bf16 output reaches 5.7e-3 on the GPU tests' cases)
+ATTN_ROW_ATOL = 1e-30  # a row of zeros (no valid key) must come back zero
+ATTN_LSE_ATOL = 1e-3  # natural-log LSE, absolute, per row
+
+
+def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = ATTN_LSE_ATOL, what: str = "lse"):
+    """LSE [...rows] on its own: no NaN, the same -inf rows, |lse - ref| <= atol on the rest;
+    a failure names the worst row."""
+    lse, ref_lse = lse.double().cpu(), ref_lse.double().cpu()
+    assert lse.shape == ref_lse.shape, f"{what}: shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}"
+    assert not torch.isnan(lse).any(), f"{what}: NaN at rows {torch.nonzero(torch.isnan(lse))[:5].tolist()}"
+    inf_diff = torch.isinf(lse) != torch.isinf(ref_lse)
+    assert not inf_diff.any(), f"{what}: -inf pattern differs at rows {torch.nonzero(inf_diff)[:5].tolist()}"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        err = torch.where(fin, (lse - ref_lse).abs(), 0.0)
+        worst = int(err.argmax())
+        assert err.max().item() <= atol, (f"{what}: abs err {err.max().item():.3g} > {atol:g} at row "
+                                          f"{list(torch.unravel_index(torch.tensor(worst), err.shape))}")
+
+
+def assert_attention_close(out: torch.Tensor, lse: Optional[torch.Tensor], ref_out: torch.Tensor,
+                           ref_lse: Optional[torch.Tensor], *, rtol: float = ATTN_OUT_RTOL,
+                           row_rtol: float = ATTN_ROW_RTOL, row_atol: float = ATTN_ROW_ATOL,
+                           lse_atol: float = ATTN_LSE_ATOL, what: str = "out"):
+    """Attention output [...rows, D] against a float64 reference, three ways:
+
+    1. relative Frobenius error over the whole tensor <= rtol (or absolute <= 1e-6);
+    2. per row (every leading index, e.g. (token, head)): max |out - ref| <= row_rtol *
+       max |ref row| + row_atol, so one bad head tile or split cannot hide in a large tensor;
+    3. the LSE [...rows] separately (``assert_lse_close``), when given.
+    """
+    out, ref_out = out.double().cpu(), ref_out.double().cpu()
+    assert out.shape == ref_out.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref_out.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in rows {torch.nonzero(torch.isnan(out).any(-1))[:5].tolist()}"
+    diff = (out - ref_out).norm().item()
+    err = diff / max(ref_out.norm().item(), 1e-30)
+    assert err <= rtol or diff <= 1e-6, f"{what}: relative Frobenius err {err:.3g} > {rtol:g}"
+    if out.numel():
+        row_err = (out - ref_out).abs().amax(-1)
+        row_bound = row_rtol * ref_out.abs().amax(-1) + row_atol
+        bad = row_err > row_bound
+        if bad.any():
+            first = torch.nonzero(bad)[0]
+            ratio = (row_err / row_bound.clamp_min(1e-300))[bad].max().item()
+            raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} rows exceed max|err| <= {row_rtol:g} * "
+                                 f"max|ref row|; first at row {first.tolist()} (err {row_err[tuple(first)].item():.3g},"
+                                 f" row max {ref_out.abs().amax(-1)[tuple(first)].item():.3g}); worst {ratio:.3g}x")
+    if lse is not None:
+        assert_lse_close(lse, ref_lse, lse_atol)
 
 
 def all_bf16(device="cpu") -> torch.Tensor:

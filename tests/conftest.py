@@ -1,20 +1,27 @@
-"""Test set-up: the Triton interpreter on CPU-only machines, GPU markers, variant fixture.
+"""Test set-up: the Triton interpreter on CPU-only machines, GPU markers, shared fixtures.
 
 Without a CUDA GPU, TRITON_INTERPRET=1 is set before any kernel module is imported, so the
 kernels whose numerics the interpreter reproduces (fp8 decode, integer bit arithmetic,
-fp32/fp16 tl.dot) run on the CPU. AOT checks rerun themselves without it.
+fp32/fp16 tl.dot) run on the CPU. The AOT compile runs once a session, in a subprocess
+without the interpreter (fixture ``aot_results``).
+
+Helpers the tests share live in ``dsv4_ops.testing`` (HAS_GPU, poison_like, rng, the
+attention comparison); tests import them from there, never from this file.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import dsv4_ops  # noqa: E402,F401  (registers the ops after the interpreter switch)
+from dsv4_ops.testing import HAS_GPU  # noqa: E402
 
 VARIANTS = ("portable", "native")
 
@@ -28,6 +35,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _seed_global_rng():
+    """A net under the explicit generators: whatever still draws from torch's global RNG
+    (a library, a helper) draws the same numbers on every run of a test."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
     """Each GPU test runs twice: DSV4_AMPERE_IMPL=portable (the sm_80 kernels) and native."""
@@ -39,7 +53,7 @@ def variant(request, monkeypatch):
 
 @pytest.fixture
 def interpret():
-    """Marks a CPU test that runs a kernel through the Triton interpreter."""
+    """The device a kernel test runs on: 'cuda', or 'cpu' through the Triton interpreter."""
     from triton import knobs
 
     if HAS_GPU:
@@ -48,6 +62,38 @@ def interpret():
     return "cpu"
 
 
-def poison_like(t: torch.Tensor) -> torch.Tensor:
-    """Fill with a value no kernel writes (NaN for floats, 0xAB/-1 bytes for ints)."""
-    return t.fill_(float("nan") if t.is_floating_point() else (0xAB if t.dtype == torch.uint8 else -1))
+# One AOT compile for the whole session: every portable specialization for sm_80 and sm_86,
+# plus the few native ones the negative tests need (e4m3_encode for sm_80, where it must fail,
+# and for sm_90, whose PTX holds the e4m3 cvt the sm_8x check must catch).
+_AOT_SCRIPT = """
+import dataclasses, json, multiprocessing, os
+from concurrent.futures import ProcessPoolExecutor
+from dsv4_ops import aot
+specs = aot.all_specs()
+jobs = [(i, a) for a in aot.AMPERE_ARCHS for i, s in enumerate(specs) if s.variant == "portable"]
+native_enc = [i for i, s in enumerate(specs) if s.variant == "native" and s.op == "e4m3_encode"]
+jobs += [(i, 80) for i in native_enc] + [(i, 90) for i in native_enc if "exact,fp32" in specs[i].label]
+def compile_one(job):
+    return dataclasses.asdict(aot.compile_spec(specs[job[0]], job[1]))
+workers = min(4, os.cpu_count() or 1)
+if workers > 1:  # compiles are independent; forked workers inherit the specs
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        rows = list(pool.map(compile_one, jobs))
+else:
+    rows = [compile_one(j) for j in jobs]
+print(json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="session")
+def aot_results():
+    """AotResult rows of the session's one AOT compile (see _AOT_SCRIPT), in a subprocess
+    with TRITON_INTERPRET=0 (the interpreter replaces the JIT functions AOT needs)."""
+    from dsv4_ops import aot
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, f"AOT subprocess failed ({res.returncode}):\n{res.stderr[-3000:]}"
+    rows = [aot.AotResult(**r) for r in json.loads(res.stdout.strip().splitlines()[-1])]
+    return rows

@@ -1,28 +1,26 @@
 """Split-KV sparse MLA decode and the LSE merge with sink (ops sparse_mla_split, merge_splits,
 sparse_mla_decode): references vs independent float64 formulations, the kernels under the
-interpreter where it is faithful (merge: fp32 only; split: fp16 operands), opcheck, AOT, and on
-the GPU both variants against the float64 reference, CUDA graphs and torch.compile."""
-
-import math
+interpreter where it is faithful (merge: fp32 only; split: fp16 operands), argument errors,
+the AOT specializations, and on the GPU both variants against the float64 reference (whole-
+tensor, per-row and LSE checks, ``dsv4_ops.testing.assert_attention_close``), CUDA graphs and
+torch.compile. opcheck for every op is in test_opcheck.py."""
 
 import pytest
 import torch
 
-from conftest import HAS_GPU
 from dsv4_ops import aot, attention, reference, split_heuristic
-from dsv4_ops.testing import capture_graph
+from dsv4_ops.testing import (ATTN_LSE_ATOL as LSE_ATOL, ATTN_OUT_RTOL as OUT_RTOL, assert_attention_close,
+                              capture_graph, rng, short_id)
 
 D = 512
 SM_SCALE = D ** -0.5
-OUT_RTOL = 5e-3  # relative Frobenius error of out
-LSE_ATOL = 1e-3
 
 
 def make_case(T, H, K, N=None, *, device="cpu", dtype=torch.bfloat16, seed=0, invalid=True,
               topk=True, empty_row=True, idx_dtype=torch.int32):
     """Random q, kv, indices (with -1 and >= N entries), topk_length shorter than K, and one
     token with no valid key."""
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     N = N or max(2 * K, 64)
     q = torch.randn(T, H, D, generator=g).to(dtype)
     kv = torch.randn(N, D, generator=g).to(dtype)
@@ -42,7 +40,7 @@ def make_case(T, H, K, N=None, *, device="cpu", dtype=torch.bfloat16, seed=0, in
 
 
 def make_sink(kind, H, device="cpu", seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = rng(seed)
     if kind is None:
         return None
     if kind == "finite":
@@ -83,25 +81,24 @@ def sink_as_logit(q, kv, indices, topk_length, sink, sm_scale):
 
 
 def check_close(out, lse, ref_out, ref_lse):
-    out, ref_out = out.double().cpu(), ref_out.double().cpu()
-    lse, ref_lse = lse.double().cpu(), ref_lse.double().cpu()
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    denom = max(ref_out.norm().item(), 1e-30)
-    err = (out - ref_out).norm().item() / denom
-    assert err <= OUT_RTOL or (out - ref_out).norm().item() <= 1e-6, f"out rel err {err:.3g}"
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse -inf pattern differs"
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        lerr = (lse[fin] - ref_lse[fin]).abs().max().item()
-        assert lerr <= LSE_ATOL, f"lse abs err {lerr:.3g}"
+    """out [T, H, D] vs float64: whole-tensor relative Frobenius <= OUT_RTOL, every (token,
+    head) row's max abs error within ATTN_ROW_RTOL of the row's max, and the LSE separately."""
+    assert_attention_close(out, lse, ref_out, ref_lse)
+
+
+SINKS = [None, "finite", "-inf", "large", "mixed"]
+
+
+def thk_ids(cases):
+    return [f"T{T}-H{H}-K{K}" for T, H, K in cases]
 
 
 # ------------------------------------------------------------------------------------------
 # CPU: references against independent formulations
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf", "large", "mixed"])
-@pytest.mark.parametrize("T,H,K", [(1, 1, 16), (3, 8, 100), (4, 16, 37)])
+@pytest.mark.parametrize("sink_kind", SINKS, ids=short_id)
+@pytest.mark.parametrize("T,H,K", [(1, 1, 16), (3, 8, 100), (4, 16, 37)], ids=thk_ids([(1, 1, 16), (3, 8, 100), (4, 16, 37)]))
 def test_reference_matches_sink_as_extra_logit(T, H, K, sink_kind):
     q, kv, idx, tl = make_case(T, H, K, seed=T * 100 + K)
     sink = make_sink(sink_kind, H)
@@ -134,8 +131,8 @@ def test_sink_is_the_factor_one_over_one_plus_exp(sink_kind):
     torch.testing.assert_close(lse1.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf"])
-@pytest.mark.parametrize("S", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf"], ids=short_id)
+@pytest.mark.parametrize("S", [1, 2, 3, 7, 16], ids=lambda s: f"S{s}")
 def test_reference_split_then_merge_equals_unsplit(S, sink_kind):
     T, H, K = 3, 4, 100  # 7 key blocks: S = 16 leaves empty splits
     q, kv, idx, tl = make_case(T, H, K, seed=S)
@@ -170,11 +167,11 @@ def test_split_bounds_partition_every_block_once():
 # CPU: kernels under the Triton interpreter (faithful for fp32 and fp16 tl.dot)
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf", "large"])
-@pytest.mark.parametrize("S", [1, 5, 40, 64])
+@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf", "large"], ids=short_id)
+@pytest.mark.parametrize("S", [1, 5, 40, 64], ids=lambda s: f"S{s}")
 def test_merge_kernel_matches_reference(interpret, S, sink_kind):
     T, H = 3, 5
-    g = torch.Generator().manual_seed(S)
+    g = rng(S)
     o_part = torch.randn(T, H, S, D, generator=g)
     lse_part = 3 * torch.randn(T, H, S, generator=g)
     lse_part[0, 0, : S // 2 + 1] = float("-inf")  # empty splits
@@ -199,8 +196,9 @@ def test_merge_kernel_matches_reference(interpret, S, sink_kind):
     assert lse[1, 2].item() == want_empty
 
 
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("T,H,K,S", [(2, 8, 100, 3), (3, 1, 16, 1), (2, 20, 40, 5)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=short_id)
+@pytest.mark.parametrize("T,H,K,S", [(2, 8, 100, 3), (3, 1, 16, 1), (2, 20, 40, 5)],
+                         ids=["T2-H8-K100-S3", "T3-H1-K16-S1", "T2-H20-K40-S5"])
 def test_split_kernel_fp16_matches_reference(interpret, T, H, K, S, idx_dtype):
     """The split kernel's masks, partition and online softmax, with fp16 operands (the
     interpreter's bf16 tl.dot is wrong); S = 5 over 3 key blocks leaves empty splits."""
@@ -209,16 +207,14 @@ def test_split_kernel_fp16_matches_reference(interpret, T, H, K, S, idx_dtype):
     o_part, lse_part = attention.sparse_mla_split(q.to(dev), kv.to(dev), idx.to(dev), tl.to(dev), SM_SCALE, S)
     want_o, want_lse = reference.ref_sparse_mla_split(q, kv, idx, tl, SM_SCALE, S)
     o_part, lse_part = o_part.cpu(), lse_part.cpu()
-    assert torch.equal(torch.isinf(lse_part), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse_part[fin], want_lse[fin], atol=1e-3, rtol=0)
-    err = (o_part - want_o).norm() / want_o.norm()
-    assert err < 2e-3, err
-    assert torch.all(o_part[~fin] == 0)
+    # rows (token, head, split): whole-tensor 2e-3, every row within ATTN_ROW_RTOL, lse 1e-3
+    assert_attention_close(o_part, lse_part, want_o, want_lse, rtol=2e-3, what="o_part")
+    assert torch.all(o_part[~torch.isfinite(want_lse)] == 0)
 
 
 # ------------------------------------------------------------------------------------------
 # CPU: ops (references on CPU tensors, fakes on meta), argument checks, AOT
+# (opcheck of every op: test_opcheck.py)
 # ------------------------------------------------------------------------------------------
 
 def test_ops_on_cpu_run_the_references():
@@ -230,19 +226,6 @@ def test_ops_on_cpu_run_the_references():
     o_part, lse_part = torch.ops.dsv4_ampere.sparse_mla_split(q, kv, idx, tl, SM_SCALE, 4)
     out2, lse2 = torch.ops.dsv4_ampere.merge_splits(o_part, lse_part, sink)
     check_close(out2, lse2, want_out, want_lse)
-
-
-def test_opcheck():
-    q, kv, idx, tl = make_case(2, 8, 40, seed=5)
-    sink = make_sink("finite", 8)
-    ops = torch.ops.dsv4_ampere
-    torch.library.opcheck(ops.sparse_mla_split.default, (q, kv, idx, tl, SM_SCALE, 3))
-    torch.library.opcheck(ops.sparse_mla_split.default, (q, kv, idx, None, SM_SCALE, 1))
-    o_part, lse_part = ops.sparse_mla_split(q, kv, idx, tl, SM_SCALE, 3)
-    torch.library.opcheck(ops.merge_splits.default, (o_part, lse_part, sink))
-    torch.library.opcheck(ops.merge_splits.default, (o_part, lse_part, None))
-    torch.library.opcheck(ops.sparse_mla_decode.default, (q, kv, idx, tl, sink, SM_SCALE, 0))
-    torch.library.opcheck(ops.sparse_mla_decode.default, (q, kv, idx, None, None, SM_SCALE, 2))
 
 
 def test_fakes_match_shapes_on_meta():
@@ -299,6 +282,37 @@ def test_bad_arguments_raise_value_error():
         attention.merge_splits(o_part.half(), torch.zeros(2, 8, 3), None)
 
 
+def test_device_mismatch_names_both_tensors():
+    """The _checks helpers the launchers call: a tensor on the wrong device names the tensor
+    the device came from as well (meta vs cpu stands in for cuda vs cpu on a CPU machine)."""
+    from dsv4_ops._checks import check_same_device, check_tensor
+
+    q, kv, idx, _ = make_case(2, 8, 40, seed=1)
+    kv_meta = kv.to("meta")
+    with pytest.raises(ValueError, match=r"q and kv are on different devices \(q: cpu, kv: meta\)"):
+        check_tensor("kv", kv_meta, dtypes=(q.dtype,), ndim=2, device=q.device, device_of="q")
+    with pytest.raises(ValueError, match=r"kv: on meta, but the other tensor arguments are on cpu"):
+        check_tensor("kv", kv_meta, device=q.device)  # without device_of: still names kv and both devices
+    with pytest.raises(ValueError, match=r"q and kv are on different devices"):
+        check_same_device(q=q, topk_length=None, kv=kv_meta, indices=idx)
+    with pytest.raises(ValueError, match=r"q and indices are on different devices"):
+        check_same_device(q=q, kv=kv, indices=idx.to("meta"))
+    check_same_device(q=q, kv=kv, indices=idx, sink=None)  # one device: no error
+
+
+@pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError, RuntimeError), reason=(
+    "launcher not updated yet: attention._inputs' fast path compares get_device() (-1 for both cpu "
+    "and meta), and _check_inputs calls check_tensor('kv', ..., device=q.device) without "
+    "device_of='q'; when both are fixed this XPASSes: delete this marker"))
+def test_sparse_mla_decode_with_q_and_kv_on_different_devices_says_so():
+    """The issue's case (q on the CPU, kv on the GPU), with meta standing in for the GPU."""
+    q, kv, idx, tl = make_case(2, 8, 40, seed=1)
+    with pytest.raises(ValueError, match=r"q and kv are on different devices"):
+        attention.sparse_mla_decode(q, kv.to("meta"), idx, tl, None, SM_SCALE)
+    with pytest.raises(ValueError, match=r"q and indices are on different devices"):
+        attention.sparse_mla_decode(q, kv, idx.to("meta"), tl, None, SM_SCALE)
+
+
 def test_aot_covers_every_specialization_the_launchers_pick():
     specs = [s for s in aot.all_specs() if s.op in ("sparse_mla_split", "merge_splits", "dsv4_decode_indices")]
     labels = {s.label for s in specs}
@@ -312,9 +326,9 @@ def test_aot_covers_every_specialization_the_launchers_pick():
         assert {mk.merge_config(n)["BLOCK_S"] for n in range(1, attention.MAX_SPLITS + 1)} <= merge_blocks
 
 
-def test_aot_attention_kernels_compile_for_sm80_and_sm86():
+def test_aot_attention_kernels_compile_for_sm80_and_sm86(aot_results):
     ours = ("sparse_mla_split", "merge_splits", "dsv4_decode_indices")
-    results = [r for r in aot.check(aot.AMPERE_ARCHS, ("portable",)) if r.op in ours]
+    results = [r for r in aot_results if r.op in ours and r.variant == "portable"]
     assert {r.op for r in results} == set(ours)
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
@@ -333,9 +347,9 @@ def _ref(q, kv, idx, tl, sink):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K", [16, 100, 640, 2048])
-@pytest.mark.parametrize("H", [1, 8, 16, 64, 128])
-@pytest.mark.parametrize("T", [1, 3, 8, 64])
+@pytest.mark.parametrize("K", [16, 100, 640, 2048], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("H", [1, 8, 16, 64, 128], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("T", [1, 3, 8, 64], ids=lambda t: f"T{t}")
 def test_gpu_decode_matches_reference(variant, T, H, K):
     q, kv, idx, tl = make_case(T, H, K, device="cuda", seed=T * 7 + H * 3 + K)
     sink = make_sink("finite", H, "cuda")
@@ -348,8 +362,9 @@ def test_gpu_decode_matches_reference(variant, T, H, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sink_kind", [None, "finite", "-inf", "large", "mixed"])
-@pytest.mark.parametrize("T,H,K", [(3, 8, 100), (8, 64, 640), (1, 128, 2048)])
+@pytest.mark.parametrize("sink_kind", SINKS, ids=short_id)
+@pytest.mark.parametrize("T,H,K", [(3, 8, 100), (8, 64, 640), (1, 128, 2048)],
+                         ids=thk_ids([(3, 8, 100), (8, 64, 640), (1, 128, 2048)]))
 def test_gpu_decode_sink_kinds(variant, T, H, K, sink_kind):
     q, kv, idx, tl = make_case(T, H, K, device="cuda", seed=K)
     sink = make_sink(sink_kind, H, "cuda")
@@ -360,7 +375,8 @@ def test_gpu_decode_sink_kinds(variant, T, H, K, sink_kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,K", [(1, 8, 640), (3, 16, 100), (2, 64, 2048), (1, 1, 16)])
+@pytest.mark.parametrize("T,H,K", [(1, 8, 640), (3, 16, 100), (2, 64, 2048), (1, 1, 16)],
+                         ids=thk_ids([(1, 8, 640), (3, 16, 100), (2, 64, 2048), (1, 1, 16)]))
 def test_gpu_every_num_splits(variant, T, H, K):
     q, kv, idx, tl = make_case(T, H, K, device="cuda", seed=11)
     sink = make_sink("finite", H, "cuda")
@@ -372,11 +388,8 @@ def test_gpu_every_num_splits(variant, T, H, K):
     for S in (1, 2, split_heuristic.max_splits(K)):
         o_part, lse_part = attention.sparse_mla_split(q, kv, idx, tl, SM_SCALE, S)
         want_o, want_lse = reference.ref_sparse_mla_split(q, kv, idx, tl, SM_SCALE, S)
-        assert torch.equal(torch.isinf(lse_part), torch.isinf(want_lse))
-        fin = torch.isfinite(want_lse)
-        assert (lse_part[fin] - want_lse[fin]).abs().max().item() <= LSE_ATOL
-        assert ((o_part - want_o).norm() / want_o.norm()).item() <= OUT_RTOL
-        assert torch.all(o_part[~fin] == 0)
+        assert_attention_close(o_part, lse_part, want_o, want_lse, what=f"o_part S={S}")
+        assert torch.all(o_part[~torch.isfinite(want_lse)] == 0)
 
 
 @pytest.mark.gpu
@@ -384,7 +397,7 @@ def test_gpu_int64_indices_and_strided_q(variant):
     T, H, K = 4, 16, 200
     q, kv, idx, tl = make_case(T, H, K, device="cuda", seed=2, idx_dtype=torch.int64)
     idx[0, :5] = 2 ** 33  # far out of range: masked, no wrap to a valid row
-    q_big = torch.randn(T, 2 * H, D, device="cuda", dtype=torch.bfloat16)
+    q_big = torch.randn(T, 2 * H, D, generator=rng(3)).to(torch.bfloat16).cuda()
     q_big[:, ::2] = q
     sink = make_sink("finite", H, "cuda")
     out, lse = attention.sparse_mla_decode(q_big[:, ::2], kv, idx, tl.long(), sink, SM_SCALE)
@@ -392,7 +405,7 @@ def test_gpu_int64_indices_and_strided_q(variant):
 
 
 @pytest.mark.gpu
-def test_gpu_merge_has_no_nan_and_kernels_do_not_write_past_outputs(variant):
+def test_gpu_merge_of_all_empty_splits_gives_zero_and_the_sink(variant):
     T, H, S = 2, 8, 7
     o_part = torch.zeros(T, H, S, D, device="cuda")
     lse_part = torch.full((T, H, S), float("-inf"), device="cuda")
@@ -443,10 +456,29 @@ def test_gpu_torch_compile_fullgraph_equals_eager(variant):
         assert torch.equal(a, b)
 
 
-def test_math_constants():
+def test_reference_partition_matches_the_kernels():
+    """The reference's split partition uses the kernels' key-block size (defined twice today:
+    csrc_triton.sparse_mla.PARTITION_N and reference.ATTN_PARTITION_N), and every split config
+    iterates keys in blocks of that size."""
     from dsv4_ops.csrc_triton import sparse_mla
 
-    assert math.isclose(sparse_mla.LOG2E, 1 / math.log(2)) and math.isclose(sparse_mla.LN2, math.log(2))
     assert sparse_mla.PARTITION_N == reference.ATTN_PARTITION_N
     assert all(cfg["BLOCK_N"] == sparse_mla.PARTITION_N for cfg in sparse_mla.SPLIT_CONFIG.values())
-    assert HAS_GPU in (True, False)
+
+
+def test_the_comparison_catches_one_bad_row_that_the_whole_tensor_norm_hides():
+    """One (token, head) row 5% off in a [64, 16, 512] output passes the Frobenius check
+    (5% / sqrt(1024 rows) ~ 0.16%) but fails the per-row one; a 2e-3 LSE shift fails the LSE."""
+    g = rng(41)
+    ref = torch.randn(64, 16, D, generator=g, dtype=torch.float64)
+    ref_lse = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    bad = ref.clone()
+    bad[37, 5] *= 1.05
+    assert ((bad - ref).norm() / ref.norm()).item() <= OUT_RTOL
+    with pytest.raises(AssertionError, match=r"row \[37, 5\]"):
+        assert_attention_close(bad, ref_lse, ref, ref_lse)
+    lse = ref_lse.clone()
+    lse[2, 3] += 2 * LSE_ATOL
+    with pytest.raises(AssertionError, match="lse"):
+        assert_attention_close(ref, lse, ref, ref_lse)
+    assert_attention_close(ref.bfloat16(), ref_lse.float(), ref, ref_lse)  # bf16 rounding passes

@@ -1,17 +1,21 @@
-"""E4M3 codec: references against torch, kernels (interpreter on CPU, real on GPU), opcheck."""
+"""E4M3 codec: references against torch, kernels (interpreter on CPU, real on GPU), the ops'
+CPU implementation and torch.compile. opcheck of every op: test_opcheck.py."""
 
 import pytest
 import torch
 
 from dsv4_ops import codec, reference, testing
 from dsv4_ops.csrc_triton import codec as kcodec
+from dsv4_ops.testing import rng
+
+RANDOM_SEED = 20240531  # fp32_random: the same 2**20 bit patterns on every run
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
 FINITE = (ALL_CODES & 0x7F) != 0x7F
 
 
 def _encode_inputs():
-    g = torch.Generator().manual_seed(torch.seed() % 2 ** 31)
+    g = rng(RANDOM_SEED)
     return {
         "bf16_all": testing.all_bf16(),
         "fp16_all": testing.all_fp16(),
@@ -84,7 +88,7 @@ def test_exact_encode_kernel_bit_exact(interpret, name, mode):
 
 
 def test_decode_kernel_keeps_shape_and_noncontiguous_input(interpret):
-    codes = torch.randint(0, 256, (3, 40, 7), dtype=torch.uint8).transpose(0, 2).to(interpret)
+    codes = torch.randint(0, 256, (3, 40, 7), dtype=torch.uint8, generator=rng(1)).transpose(0, 2).to(interpret)
     out = codec.e4m3_decode(codes, variant="portable")
     assert out.shape == codes.shape and out.dtype == torch.float32 and out.is_contiguous()
     want = reference.ref_e4m3_decode(codes.cpu())
@@ -97,7 +101,7 @@ def test_empty_tensors(interpret):
     assert codec.e4m3_encode(torch.empty(0, dtype=torch.bfloat16, device=interpret)).shape == (0,)
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(4, dtype=torch.int8), torch.zeros(4)])
+@pytest.mark.parametrize("bad", [torch.zeros(4, dtype=torch.int8), torch.zeros(4)], ids=["int8", "float32"])
 def test_decode_rejects_wrong_dtype(bad):
     with pytest.raises(ValueError, match="codes: expected dtype uint8"):
         codec.e4m3_decode(bad)
@@ -108,33 +112,14 @@ def test_encode_rejects_wrong_dtype():
         codec.e4m3_encode(torch.zeros(4, dtype=torch.float64))
 
 
-# ---- the ops: CPU implementation, fakes, opcheck ------------------------------------------
+# ---- the ops: CPU implementation (opcheck: test_opcheck.py) --------------------------------
 
 def test_ops_cpu_impl_is_the_reference():
-    x = testing.random_fp32_bits(4096)
+    x = testing.random_fp32_bits(4096, generator=rng(2))
     assert torch.equal(torch.ops.dsv4_ampere.e4m3_encode(x), reference.ref_e4m3_encode(x))
     assert torch.equal(torch.ops.dsv4_ampere.e4m3_encode(x, False), reference.ref_e4m3_encode(x, False))
     d = torch.ops.dsv4_ampere.e4m3_decode(ALL_CODES)
     assert torch.equal(d[FINITE], reference.ref_e4m3_decode(ALL_CODES)[FINITE])
-
-
-def _opcheck_devices():
-    return ["cpu", "meta"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _opcheck_devices())
-def test_opcheck_decode(device):
-    codes = torch.randint(0, 0x7F, (5, 33), dtype=torch.uint8)  # no NaN codes: NaN != NaN in opcheck
-    codes = (codes | (torch.randint(0, 2, codes.shape, dtype=torch.uint8) << 7)).to(device)
-    torch.library.opcheck(torch.ops.dsv4_ampere.e4m3_decode.default, (codes,))
-
-
-@pytest.mark.parametrize("device", _opcheck_devices())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("exact", [True, False])
-def test_opcheck_encode(device, dtype, exact):
-    x = (torch.randn(7, 19) * 100).to(dtype).to(device)
-    torch.library.opcheck(torch.ops.dsv4_ampere.e4m3_encode.default, (x, exact))
 
 
 # ---- GPU: both variants, exhaustive ---------------------------------------------------------
@@ -185,7 +170,7 @@ def test_gpu_exhaustive_fp32_encode(variant, mode):
 
 @pytest.mark.gpu
 def test_gpu_modes_agree_off_midpoints():
-    x = (torch.randn(1 << 20, device="cuda") * 300).bfloat16()
+    x = (torch.randn(1 << 20, generator=rng(3)) * 300).bfloat16().cuda()
     exact = codec.e4m3_encode(x, mode=kcodec.ENCODE_EXACT)
     assert torch.equal(exact, codec.e4m3_encode(x, mode=kcodec.ENCODE_EXACT_INT))
     if torch.cuda.get_device_capability() >= (8, 9):
@@ -197,6 +182,6 @@ def test_codec_ops_trace_under_torch_compile_fullgraph(device):
     def roundtrip(x):
         return torch.ops.dsv4_ampere.e4m3_decode(torch.ops.dsv4_ampere.e4m3_encode(x, True)) * 2
 
-    x = (torch.randn(64, 32) * 50).to(device)
+    x = (torch.randn(64, 32, generator=rng(4)) * 50).to(device)
     compiled = torch.compile(roundtrip, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), roundtrip(x))

@@ -1,25 +1,22 @@
 """Paged 584-byte fp8 KV cache: layout, reference packer, kernels (insert, gather), ops.
 
 CPU: the reference against an independent byte-by-byte packer, exact round trip, the
-kernels through the Triton interpreter (portable: integer encode, fp8e4b15 decode), opcheck,
-AOT sm_80/86, argument errors. GPU (both variants): kernels == reference bit for bit,
-portable == native, adversarial slots, a cache larger than 2**31 bytes, vLLM's fp32 scale
-formula replayed on the device.
+kernels through the Triton interpreter (portable: integer encode, fp8e4b15 decode), the
+ops' CPU implementations, AOT sm_80/86 (the session's compile), argument errors. GPU (both
+variants): kernels == reference bit for bit, portable == native, adversarial slots, a cache
+larger than 2**31 bytes, vLLM's fp32 scale formula replayed on the device. opcheck of every
+op: test_opcheck.py. Every random input comes from a seeded generator (``rng``).
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import HAS_GPU, poison_like
-from dsv4_ops import kv_cache, layout
+from dsv4_ops import aot, kv_cache, layout
 from dsv4_ops.reference import (ref_kv_cache_gather, ref_kv_cache_insert, ref_pack_records,
                                 ref_ue8m0_exponent, ref_unpack_records)
+from dsv4_ops.testing import HAS_GPU, poison_like, rng, short_id
 
 L = layout
 DEV = "cuda" if HAS_GPU else "cpu"
@@ -30,11 +27,12 @@ DEV = "cuda" if HAS_GPU else "cpu"
 # ---------------------------------------------------------------------------------------
 
 
-def make_kv(n: int, device=DEV) -> torch.Tensor:
+def make_kv(n: int, device=DEV, seed: int = 0) -> torch.Tensor:
     """bf16 [n, 512] spanning magnitudes 1e-6..1e4, with edge groups: all zero, amax exactly
     448 * 2**k (a power-of-two ratio), amax just above it, -0.0 entries, tiny values."""
-    x = torch.randn(n, L.HEAD_DIM, dtype=torch.float32)
-    x *= torch.exp(torch.empty(n, 8, 1).uniform_(-14, 9)).repeat_interleave(64, 1).view(n, 8, 64).reshape(n, 512)
+    g = rng(seed)
+    x = torch.randn(n, L.HEAD_DIM, dtype=torch.float32, generator=g)
+    x *= torch.exp(torch.empty(n, 8, 1).uniform_(-14, 9, generator=g)).repeat_interleave(64, 1).view(n, 8, 64).reshape(n, 512)
     kv = x.to(torch.bfloat16)
     if n >= 6:
         kv[0, 0:64] = 0
@@ -49,24 +47,29 @@ def make_kv(n: int, device=DEV) -> torch.Tensor:
     return kv.to(device)
 
 
-def make_cache(num_blocks: int, block_size: int, extra: int = 0, device=DEV) -> torch.Tensor:
-    """Poisoned uint8 cache with vLLM-sized pages; extra > 0 gives stride(0) > shape[1]."""
+def make_cache(num_blocks: int, block_size: int, extra: int = 0, device=DEV, seed: int = 1) -> torch.Tensor:
+    """Poisoned (random-byte) uint8 cache with vLLM-sized pages; extra > 0 gives stride(0) > shape[1]."""
     page = L.vllm_page_bytes(block_size)
-    base = torch.empty(num_blocks, page + extra, dtype=torch.uint8, device=device).random_(0, 256)
-    return base[:, :page]
+    base = torch.empty(num_blocks, page + extra, dtype=torch.uint8).random_(0, 256, generator=rng(seed))
+    return base.to(device)[:, :page]
 
 
-def adversarial_slots(cap: int, n: int, dtype=torch.int64, device=DEV, written=None) -> torch.Tensor:
+def randperm(n: int, seed: int, device=DEV) -> torch.Tensor:
+    return torch.randperm(n, generator=rng(seed)).to(device)
+
+
+def adversarial_slots(cap: int, n: int, dtype=torch.int64, device=DEV, written=None, seed: int = 2) -> torch.Tensor:
     """Random valid slots (from ``written`` when given: slots whose records were written),
     repeated and unsorted, plus invalid ones (-1, -5, cap, 2**31 - 1, +-2**40)."""
+    g = rng(seed)
     if written is None:
-        s = torch.randint(0, cap, (n,), dtype=torch.int64)
+        s = torch.randint(0, cap, (n,), dtype=torch.int64, generator=g)
     else:
         w = written.cpu().to(torch.int64)
         w = w[(w >= 0) & (w < cap)]
-        s = w[torch.randint(0, w.numel(), (n,))]
+        s = w[torch.randint(0, w.numel(), (n,), generator=g)]
     bad = [-1, -5, cap, 2**31 - 1] + ([2**40, -(2**40)] if dtype == torch.int64 else [])
-    s[torch.randperm(n)[:len(bad)]] = torch.tensor(bad, dtype=torch.int64)
+    s[torch.randperm(n, generator=g)[:len(bad)]] = torch.tensor(bad, dtype=torch.int64)
     s[-1] = s[0]  # a repeat
     return s.to(dtype).to(device)
 
@@ -125,7 +128,8 @@ def test_layout_constants():
 
 
 def test_exponent_all_bf16():
-    """ref_ue8m0_exponent (float64 log2) == the independent search, for every positive bf16."""
+    """ref_ue8m0_exponent (exact frexp of amax / 448) == the independent search, for every
+    positive finite bf16."""
     codes = torch.arange(1, 0x7F80, dtype=torch.int16)  # all positive finite bf16
     vals = codes.view(torch.bfloat16)
     ref = ref_ue8m0_exponent(vals)
@@ -134,7 +138,7 @@ def test_exponent_all_bf16():
     assert int(ref.min()) == -22 and int(ref.max()) == 120
 
 
-@pytest.mark.parametrize("block_size,extra", [(1, 0), (16, 0), (64, 24)])
+@pytest.mark.parametrize("block_size,extra", [(1, 0), (16, 0), (64, 24)], ids=["bs1", "bs16", "bs64-gap24"])
 def test_ref_insert_matches_independent(block_size, extra):
     num_blocks = 3
     cap = num_blocks * block_size
@@ -167,15 +171,18 @@ def test_ref_insert_matches_independent(block_size, extra):
 def test_ref_round_trip_exact():
     """Values that the record represents exactly come back bit for bit."""
     n = 16
-    codes = torch.randint(0, 256, (n, 7, 64), dtype=torch.uint8)
+    g = rng(3)
+    codes = torch.randint(0, 256, (n, 7, 64), dtype=torch.uint8, generator=g)
     codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
-    codes[:, :, 0] = torch.randint(0x77, 0x7F, (n, 7), dtype=torch.uint8) | (torch.randint(0, 2, (n, 7)) << 7).to(torch.uint8)  # |code| in (224, 448]: fixes e
-    e = torch.randint(-20, 100, (n, 7, 1))
+    top = torch.randint(0x77, 0x7F, (n, 7), dtype=torch.uint8, generator=g)  # |code| in (224, 448]: fixes e
+    sign = (torch.randint(0, 2, (n, 7), generator=g) << 7).to(torch.uint8)
+    codes[:, :, 0] = top | sign
+    e = torch.randint(-20, 100, (n, 7, 1), generator=g)
     vals = codes.view(torch.float8_e4m3fn).to(torch.float64) * torch.exp2(e.double())
-    kv = torch.cat([vals.reshape(n, 448).to(torch.bfloat16), torch.randn(n, 64).to(torch.bfloat16)], dim=1)
+    kv = torch.cat([vals.reshape(n, 448).to(torch.bfloat16), torch.randn(n, 64, generator=g).to(torch.bfloat16)], dim=1)
     kv[3, :64] = 0  # an all-zero group
     cache = make_cache(2, 8, device="cpu")
-    slots = torch.randperm(16)
+    slots = torch.randperm(16, generator=g)
     ref_kv_cache_insert(kv, cache, slots, 8)
     back = ref_kv_cache_gather(cache, slots, 8)
     assert torch.equal(bits(back), bits(kv))
@@ -199,14 +206,14 @@ def test_ref_gather_invalid_and_shapes():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=short_id)
 def test_kernels_interpreter(interpret, slot_dtype):
     if interpret != "cpu":
         pytest.skip("GPU runs the kernel tests below")
     bs, nb = 16, 4
     cap = bs * nb
     kv = make_kv(24, "cpu")
-    slots = torch.randperm(cap)[:24]
+    slots = randperm(cap, seed=4, device="cpu")[:24]
     slots[[2, 9, 15]] = torch.tensor([-1, -5, cap])
     cache = make_cache(nb, bs, extra=32, device="cpu")
     c_k, c_r = cache.clone(), cache.clone()
@@ -225,26 +232,8 @@ def test_kernels_interpreter(interpret, slot_dtype):
 
 
 # ---------------------------------------------------------------------------------------
-# CPU: ops, errors, AOT
+# CPU: ops, errors, AOT (opcheck of every op: test_opcheck.py)
 # ---------------------------------------------------------------------------------------
-
-
-def test_opcheck():
-    bs = 8
-    cache = make_cache(3, bs, device="cpu")
-    kv = make_kv(10, "cpu")
-    slots = torch.randperm(24)[:10]
-    slots[4] = -1
-    torch.library.opcheck(torch.ops.dsv4_ampere.kv_cache_insert.default, (kv, cache.clone(), slots, bs))
-    ref_kv_cache_insert(kv, cache, slots, bs)
-    g = adversarial_slots(24, 12, device="cpu", written=slots).view(3, 4)
-    torch.library.opcheck(torch.ops.dsv4_ampere.kv_cache_gather.default, (cache, g, bs))
-    g32 = adversarial_slots(24, 12, torch.int32, "cpu", written=slots).view(2, 6)
-    torch.library.opcheck(torch.ops.dsv4_ampere.kv_cache_gather.default, (cache, g32, bs))
-    ws = torch.zeros(20, 512, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.dsv4_ampere.kv_cache_gather_into.default, (cache, g, bs, ws, 5))
-    torch.ops.dsv4_ampere.kv_cache_gather_into(cache, g, bs, ws, 5)
-    assert torch.equal(bits(ws[5:17]), bits(ref_kv_cache_gather(cache, g, bs).view(12, 512)))
 
 
 def test_errors():
@@ -285,19 +274,17 @@ def test_errors():
         torch.ops.dsv4_ampere.kv_cache_gather(cache, slots, bs + 1)
 
 
-def test_aot_sm80_sm86():
-    """Both kernels, every specialization, compile for sm_80/86: no spills, no e4m3 cvt."""
-    code = ("import json, dataclasses\nfrom dsv4_ops import aot, kv_cache\n"
-            "r=[aot.compile_spec(s,a) for a in (80,86) for s in kv_cache.aot_specs() if s.variant=='portable']\n"
-            "print(json.dumps([dataclasses.asdict(x) for x in r]))")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
-    assert {r["op"] for r in rows} == {"kv_cache_insert", "kv_cache_gather"} and len(rows) == 8
+def test_aot_sm80_sm86(aot_results):
+    """The insert and gather kernels, every portable specialization this module lists,
+    compile for sm_80/86: no spills, no e4m3 cvt."""
+    specs = [s for s in kv_cache.aot_specs() if s.variant == "portable"]
+    assert {"kv_cache_insert", "kv_cache_gather"} <= {s.op for s in specs}
+    want = {(s.label, a) for s in specs for a in aot.AMPERE_ARCHS}
+    rows = [r for r in aot_results if (r.label, r.arch) in want]
+    assert {(r.label, r.arch) for r in rows} == want
     for r in rows:
-        assert r["ok"], r
-        assert r["spill_bytes"] == 0, r
+        assert r.ok, r
+        assert r.spill_bytes == 0, r
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,15 +293,15 @@ def test_aot_sm80_sm86():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [1, 64, 256])
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("block_size", [1, 64, 256], ids=lambda b: f"bs{b}")
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=short_id)
 def test_gpu_insert_gather_match_reference(variant, block_size, slot_dtype):
     nb = max(4, 4096 // block_size)
     cap = nb * block_size
     n = min(cap, 3000)
     kv = make_kv(n)
-    slots = torch.randperm(cap, device="cuda")[:n]
-    slots[torch.randperm(n, device="cuda")[:4]] = torch.tensor([-1, -5, cap, 2**31 - 1], device="cuda")
+    slots = randperm(cap, seed=block_size)[:n]
+    slots[randperm(n, seed=block_size + 1)[:4]] = torch.tensor([-1, -5, cap, 2**31 - 1], device="cuda")
     cache = make_cache(nb, block_size, extra=64)
     c_k, c_r = cache.clone(), cache.clone()
     kv_cache.kv_cache_insert(kv, c_k, slots.to(slot_dtype), block_size)
@@ -357,7 +344,7 @@ def test_gpu_portable_equals_native():
     bs, nb = 64, 64
     cap = bs * nb
     kv = make_kv(cap)
-    slots = torch.randperm(cap, device="cuda")
+    slots = randperm(cap, seed=5)
     cache = make_cache(nb, bs)
     c_p, c_n = cache.clone(), cache.clone()
     kv_cache.kv_cache_insert(kv, c_p, slots, bs, variant="portable")
@@ -375,10 +362,12 @@ def test_gpu_gather_random_bytes(variant):
     bs, nb = 32, 16
     cache = make_cache(nb, bs, extra=16)
     cache[(cache & 0x7F) == 0x7F] = 0x11
+    g = rng(8)
     for p in range(bs):
-        cache[:, bs * 576 + p * 8:bs * 576 + p * 8 + 8] = torch.randint(90, 161, (nb, 8), dtype=torch.uint8, device="cuda")
-    g = adversarial_slots(bs * nb, 3000)
-    assert torch.equal(bits(kv_cache.kv_cache_gather(cache, g, bs)), bits(ref_kv_cache_gather(cache, g, bs)))
+        cache[:, bs * 576 + p * 8:bs * 576 + p * 8 + 8] = torch.randint(90, 161, (nb, 8), dtype=torch.uint8,
+                                                                        generator=g).cuda()
+    slots = adversarial_slots(bs * nb, 3000)
+    assert torch.equal(bits(kv_cache.kv_cache_gather(cache, slots, bs)), bits(ref_kv_cache_gather(cache, slots, bs)))
 
 
 @pytest.mark.gpu
@@ -391,7 +380,7 @@ def test_gpu_cache_over_2gib(variant):
     cache = torch.zeros(nb, page, dtype=torch.uint8, device="cuda")
     cap = nb * bs
     n = 2048
-    slots = cap - 1 - torch.randperm(8 * bs, device="cuda")[:n]  # the last 8 blocks
+    slots = cap - 1 - randperm(8 * bs, seed=6)[:n]  # the last 8 blocks
     slots[:4] = torch.tensor([2100 * bs + 5, 2048 * bs, 2047 * bs + bs - 1, 0], device="cuda")
     assert L.data_offset(int(slots.max()), bs, page) > 2**31 + 2**30  # past int32 by a wide margin
     kv = make_kv(n)
@@ -439,14 +428,15 @@ def test_gpu_exponent_matches_vllm_formula(variant):
         pytest.skip("the vLLM formula uses the e4nv cvt (sm_89+)")
     amax = torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16)  # 32639 values
     ngroups = 7 * ((amax.numel() + 6) // 7)
-    grp = (torch.rand(ngroups, 64) * 2 - 1)
+    g = rng(7)
+    grp = (torch.rand(ngroups, 64, generator=g) * 2 - 1)
     a = torch.cat([amax.float(), amax.float()[: ngroups - amax.numel()]])
     grp = (grp * a[:, None]).to(torch.bfloat16)
-    grp[torch.arange(ngroups), torch.randint(0, 64, (ngroups,))] = a.to(torch.bfloat16) * torch.where(
-        torch.rand(ngroups) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+    grp[torch.arange(ngroups), torch.randint(0, 64, (ngroups,), generator=g)] = a.to(torch.bfloat16) * torch.where(
+        torch.rand(ngroups, generator=g) < 0.5, -1.0, 1.0).to(torch.bfloat16)
     grp = grp.cuda()
     n = ngroups // 7
-    kv = torch.cat([grp.view(n, 448), torch.randn(n, 64, device="cuda").to(torch.bfloat16)], dim=1)
+    kv = torch.cat([grp.view(n, 448), torch.randn(n, 64, generator=g).to(torch.bfloat16).cuda()], dim=1)
     codes = torch.empty(ngroups, 64, dtype=torch.uint8, device="cuda")
     scales = torch.empty(ngroups, dtype=torch.uint8, device="cuda")
     _vllm_formula_kernel[(ngroups,)](grp, codes, scales)
