@@ -33,6 +33,8 @@ from . import kv_cache as _kv
 from .csrc_triton import kv_cache as _kk
 from .csrc_triton import merge as _mk
 from .csrc_triton import sparse_mla as _sk
+from .csrc_triton import sparse_mla_heads as _hk
+from . import decode_plan as _dp
 from .split_heuristic import num_splits as _heuristic_splits
 from .dispatch import variant_for
 
@@ -46,6 +48,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _split_kernel = fast(_sk._sparse_mla_split_kernel)
+_heads_kernel = fast(_hk._sparse_mla_heads_kernel)
 _merge_kernel = fast(_mk._merge_splits_kernel)
 _indices_kernel = fast(_sk._dsv4_decode_indices_kernel)
 _decode_gather_kernel = fast(_kk._dsv4_decode_gather_kernel)
@@ -214,22 +217,72 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, sink: Optional[to
 def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                       topk_length: Optional[torch.Tensor], sink: Optional[torch.Tensor],
                       sm_scale: float, num_splits: int = 0,
-                      variant: Optional[str] = None, out: Optional[torch.Tensor] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA decode with sink: split + merge. num_splits=0 picks the heuristic from the
-    static shapes (T, H, K). out: bf16 [T, H, 512] to write (dims unit-stride) or None.
-    Returns out bf16 [T, H, 512], lse fp32 [T, H]."""
+                      variant: Optional[str] = None, out: Optional[torch.Tensor] = None,
+                      kernel: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode with sink. num_splits=0 picks the split count from the static shapes
+    (T, H, K). out: bf16 [T, H, 512] to write (dims unit-stride) or None. kernel: 'auto' |
+    'tiles' | 'heads' or None (= env DSV4_AMPERE_DECODE_KERNEL, default auto); see
+    dsv4_ops.decode_plan. tiles: split kernel + merge; heads (int32 indices only, else tiles):
+    the all-heads kernel, + merge when it splits. Returns out bf16 [T, H, 512], lse fp32 [T, H]."""
     q, kv, indices, topk_length = _inputs(q, kv, indices, topk_length)
     T, H = q.shape[0], q.shape[1]
-    if num_splits == 0:
-        num_splits = heuristic_splits(T, H, indices.shape[1])
+    if kernel is None:
+        kernel_mode = _dp.mode()
+    elif kernel in _dp.MODES:
+        kernel_mode = kernel
     else:
+        raise ValueError(f"kernel: expected one of {', '.join(_dp.MODES)} or None, got {kernel!r}")
+    if num_splits:
         check_splits(num_splits)
     sink = _sink(sink, H, q)
     if out is not None:
         _check_out(out, T, H, q)
     variant = variant or variant_for(q)
+    if (kernel_mode == "heads" or (kernel_mode == "auto" and _dp.AUTO_HEADS)) and indices.dtype == torch.int32:
+        # the heads kernel takes int32 indices only (int64 runs the tiles)
+        plan = _decode_plan(T, H, indices.shape[1], q, kernel_mode, num_splits)
+        if plan.kernel == "heads":
+            return _launch_heads(q, kv, indices, topk_length, sink, sm_scale, plan, out, variant)
+    if num_splits == 0:
+        num_splits = heuristic_splits(T, H, indices.shape[1])
     o_part, lse_part = _launch_split(q, kv, indices, topk_length, sm_scale, num_splits, variant)
+    return _launch_merge(o_part, lse_part, sink, out, variant)
+
+
+def _decode_plan(T: int, H: int, K: int, q: torch.Tensor, kernel_mode: str, num_splits: int):
+    """dsv4_ops.decode_plan.plan on q's device (CPU / interpreter: an A100's 108 SMs)."""
+    dev = q.get_device()
+    return _dp.plan(T, H, K, _dp.num_sms(dev) if dev >= 0 else 108, kernel_mode, num_splits)
+
+
+def _launch_heads(q, kv, indices, topk_length, sink, sm_scale, plan, out, variant):
+    """The heads kernel (csrc_triton.sparse_mla_heads); one split writes out/lse directly,
+    more write the partials and merge. Inputs already checked; indices int32."""
+    T, H = q.shape[0], q.shape[1]
+    K = indices.shape[1]
+    cfg = _hk.HEADS_CONFIG[plan.block_h]
+    consts_tail = (HEAD_DIM, plan.block_h, cfg["BLOCK_N"], topk_length is not None)
+    if plan.direct:
+        if out is None:
+            out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T and H:
+            _heads_kernel(
+                (T * plan.groups,),
+                (q, kv, indices, topk_length, sink, out, lse,
+                 H, K, kv.shape[0], 1, plan.groups, float(sm_scale),
+                 q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1)),
+                consts_tail + (sink is not None, True), cfg["num_warps"], cfg["num_stages"])
+        return out, lse
+    S = plan.splits
+    o_part, lse_part = split_outputs_like(q, S)
+    if T and H:
+        _heads_kernel(
+            (T * S * plan.groups,),
+            (q, kv, indices, topk_length, None, o_part, lse_part,
+             H, K, kv.shape[0], S, plan.groups, float(sm_scale),
+             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), 0, 0),
+            consts_tail + (False, False), cfg["num_warps"], cfg["num_stages"])
     return _launch_merge(o_part, lse_part, sink, out, variant)
 
 
@@ -368,6 +421,32 @@ def dsv4_decode_gather(compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
     return indices
 
 
+def _heads_specs(variant, KernelSpec, optional_pointer):
+    """Specializations of the heads kernel _launch_heads can pick: every head-group config x
+    topk_length or not x (partials | direct | direct with sink); int32 indices only."""
+    specs = []
+    for bh, cfg in sorted(_hk.HEADS_CONFIG.items()):
+        for has_len in (False, True):
+            for direct, has_sink in ((False, False), (True, False), (True, True)):
+                sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "indices_ptr": "*i32", "topk_length_ptr": None,
+                       "sink_ptr": None, "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32",
+                       "H": "i32", "K": "i32", "N": "i32", "S": "i32", "G": "i32", "sm_scale": "fp32",
+                       "stride_q_t": "i32", "stride_q_h": "i32", "stride_kv_n": "i32",
+                       "stride_indices_t": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
+                       "D": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+                       "HAS_TOPK_LENGTH": "constexpr", "HAS_SINK": "constexpr", "DIRECT": "constexpr"}
+                consts = {"D": HEAD_DIM, "BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "HAS_TOPK_LENGTH": has_len,
+                          "HAS_SINK": has_sink, "DIRECT": direct}
+                optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
+                optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
+                epi = "direct,sink" if has_sink else ("direct" if direct else "part")
+                specs.append(KernelSpec(
+                    "sparse_mla_decode", f"heads[{variant},bh{bh},{'len' if has_len else 'nolen'},{epi}]",
+                    _hk._sparse_mla_heads_kernel, sig, consts, variant,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return specs
+
+
 def aot_specs():
     """Every split/merge kernel specialization a launcher can pick (see dsv4_ops.aot)."""
     from .aot import KernelSpec, optional_pointer
@@ -392,6 +471,7 @@ def aot_specs():
                     "sparse_mla_split", f"split[{variant},{idx_ty},{'len' if has_len else 'nolen'}]",
                     _sk._sparse_mla_split_kernel, sig, consts, variant,
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        specs.extend(_heads_specs(variant, KernelSpec, optional_pointer))
         s = 1
         while s <= MAX_SPLITS:
             mcfg = _mk.merge_config(s, HEAD_DIM)

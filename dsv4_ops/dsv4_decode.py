@@ -26,6 +26,32 @@ import torch
 from .layout import HEAD_DIM
 
 
+# Workspace rows up to which the one-launch gather (both caches + indices) is used; above it,
+# two gathers and the index kernel. H200, portable, in-graph (benchmarks/results/host_cost.md):
+# T=4 x 640 rows: fused 4.6 us vs ~7 us for three launches; T=64: fused 34 us vs ~20 us (the
+# fused kernel runs 8 rows a program to avoid sm_80 spills, the plain gather 16).
+FUSED_GATHER_MAX_ROWS = 8192
+
+
+def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                         swa_slots, swa_length, swa_block_size, workspace):
+    """The large-T path: two kv_cache_gather_into + dsv4_decode_indices (same workspace layout
+    and indices as dsv4_decode_gather)."""
+    T, K1 = topk_slots.shape
+    K2 = swa_slots.shape[1]
+    if swa_length is not None:
+        j = torch.arange(K2, device=swa_slots.device)
+        swa_slots = torch.where(j[None, :] < swa_length[:T, None], swa_slots, -1)
+    if topk_length is not None:
+        topk_length = topk_length[:T]
+    if T * K1:
+        ops.kv_cache_gather_into(compressed_cache, topk_slots, compressed_block_size, workspace, 0)
+    if T * K2:
+        ops.kv_cache_gather_into(swa_cache, swa_slots, swa_block_size, workspace, T * K1)
+    return ops.dsv4_decode_indices(topk_slots, topk_length, swa_slots, compressed_cache.shape[0] * compressed_block_size,
+                                   swa_cache.shape[0] * swa_block_size)
+
+
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
                           swa_cache: torch.Tensor, swa_slots: torch.Tensor, sink: Optional[torch.Tensor],
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
@@ -56,8 +82,12 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):
         raise ValueError(f"workspace: expected at least ({rows}, {HEAD_DIM}), got {tuple(workspace.shape)}")
     ops = torch.ops.dsv4_ampere
-    indices = ops.dsv4_decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size,
-                                     swa_cache, swa_slots, swa_length, swa_block_size, workspace)
+    if rows <= FUSED_GATHER_MAX_ROWS:
+        indices = ops.dsv4_decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size,
+                                         swa_cache, swa_slots, swa_length, swa_block_size, workspace)
+    else:
+        indices = _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compressed_block_size,
+                                       swa_cache, swa_slots, swa_length, swa_block_size, workspace)
     if out is None:
         return ops.sparse_mla_decode(q, workspace, indices, None, sink, sm_scale, num_splits)
     lse = ops.sparse_mla_decode_out(q, workspace, indices, None, sink, sm_scale, num_splits, out)

@@ -123,8 +123,15 @@ def check(out, lse, want_out, want_lse):
     assert_attention_close(out, lse, want_out, want_lse)
 
 
+@pytest.fixture(params=["fused_gather", "two_gathers"])
+def gather_path(request, monkeypatch):
+    """Both gather paths of the composite: one launch (small T) and two gathers + indices."""
+    monkeypatch.setattr(dsv4_decode, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("swa_length", [False, True], ids=["no_swa_length", "swa_length"])
-def test_composite_on_cpu_matches_independent_gather(swa_length):
+def test_composite_on_cpu_matches_independent_gather(swa_length, gather_path):
     args = composite_inputs(swa_length=swa_length)
     out, lse = dsv4_decode.dsv4_decode_attention(**args)
     assert out.shape == args["q"].shape and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
@@ -145,9 +152,9 @@ def test_composite_bad_workspace_raises():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H", [(1, 64), (3, 8), (8, 16)], ids=["T1-H64", "T3-H8", "T8-H16"])
-def test_gpu_composite_matches_reference(variant, T, H):
+def test_gpu_composite_matches_reference(variant, T, H, gather_path):
     args = composite_inputs(T=T, H=H, K1=512, K2=128, block_c=64, block_w=64, nblk_c=16, nblk_w=8,
-                            device="cuda", seed=T)
+                            device="cuda", seed=T, swa_length=True)
     out, lse = dsv4_decode.dsv4_decode_attention(**args)
     check(out, lse, *independent(args))
 

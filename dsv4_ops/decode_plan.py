@@ -1,0 +1,142 @@
+"""Which sparse-MLA decode kernel runs, with how many splits: static shapes only, no host sync.
+
+    DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads     (read at each call; default auto)
+      tiles  the split-KV tile kernel (csrc_triton.sparse_mla: 16-head tiles x 16-key
+             blocks, every key re-read cdiv(H, 16) times) + the merge; splits from
+             dsv4_ops.split_heuristic
+      heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
+             BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
+             the final out + lse in its epilogue (no merge launch)
+      auto   tiles, until the GPU numbers (benchmarks/bench_decode_kernels.py) say per regime
+             where heads wins; then ``AUTO_HEADS`` is the one place to flip
+
+The heads split count minimises a cost model (constants: H200 guesses, NOT measured; refit
+from bench_decode_kernels.py):
+
+    programs  P = T * G * S                 (G = cdiv(H, BLOCK_H) head groups)
+    waves     w = cdiv(P, SMs * PROGRAMS_PER_SM)
+    block     t_blk = max(BLOCK_LATENCY_US, bytes of a key block / bandwidth share,
+                          mma flops of a block / per-SM rate)
+    time(S) = w * (PROGRAM_US + cdiv(nb, S) * t_blk)
+              + [S > 1] * (MERGE_LAUNCH_US + 2 * T*H*S*512*4 B / BANDWIDTH)
+
+so the merge's partial bytes are counted, not a program-count target. Only balanced split
+counts (those that shorten the longest split) are candidates; S = 1 has no merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+from .csrc_triton import sparse_mla_heads as _hk
+from .csrc_triton.sparse_mla import MAX_SPLITS, PARTITION_N
+from .split_heuristic import num_splits as _tile_splits
+
+ENV_VAR = "DSV4_AMPERE_DECODE_KERNEL"
+MODES = ("auto", "tiles", "heads")
+HEAD_DIM = 512
+
+# Cost-model constants (H200 guesses; refit from bench_decode_kernels.py).
+BANDWIDTH_BPS = 4.0e12  # device bytes/s a full grid reaches on the gathered workspace
+MMA_FLOPS_PER_SM = 5.0e12  # mma.sync bf16 flop/s of one SM (~660 TFLOP/s / 132)
+BLOCK_LATENCY_US = 0.35  # one pipelined key block of one program, latency-bound
+PROGRAM_US = 1.5  # q load, epilogue, program start
+MERGE_LAUNCH_US = 1.2  # the merge kernel's in-graph launch + its fixed latency
+PROGRAMS_PER_SM = {16: 2, 32: 1}  # co-resident heads programs an SM (smem/regs, AOT table)
+
+# Regimes where auto picks heads: (max T or None, max H or None) boxes. Empty until measured.
+AUTO_HEADS: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """kernel 'tiles' or 'heads'; splits S; block_h / block_n / groups of the kernel's
+    programs (tiles: 16 heads x PARTITION_N keys); direct: heads with S == 1 (no merge)."""
+
+    kernel: str
+    splits: int
+    block_h: int
+    block_n: int
+    groups: int
+    direct: bool
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def mode() -> str:
+    """The DSV4_AMPERE_DECODE_KERNEL value (ValueError on an unknown one)."""
+    m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{ENV_VAR}: expected one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+@functools.lru_cache(maxsize=16)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached; 108 on an A100, 132 on an H200)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def balanced_splits(nb: int) -> list:
+    """Split counts that each shorten the longest split (ceil(nb / S)), ascending, <= MAX_SPLITS."""
+    out = sorted({_cdiv(nb, b) for b in range(1, nb + 1)})
+    return [s for s in out if s <= MAX_SPLITS] or [1]
+
+
+def heads_time_us(T: int, H: int, K: int, sms: int, S: int) -> float:
+    """The cost model of the heads kernel + merge (module doc), microseconds."""
+    bh = _hk.block_h_for(H)
+    bn = _hk.HEADS_CONFIG[bh]["BLOCK_N"]
+    groups = _cdiv(H, bh)
+    nb = _cdiv(max(K, 1), bn)
+    programs = T * groups * S
+    slots = sms * PROGRAMS_PER_SM[bh]
+    waves = _cdiv(programs, slots)
+    active = min(programs, slots)
+    t_bytes = bn * HEAD_DIM * 2 * active / BANDWIDTH_BPS * 1e6
+    t_mma = 4.0 * bh * bn * HEAD_DIM / (MMA_FLOPS_PER_SM / PROGRAMS_PER_SM[bh]) * 1e6
+    t_blk = max(BLOCK_LATENCY_US, t_bytes, t_mma)
+    t = waves * (PROGRAM_US + _cdiv(nb, S) * t_blk)
+    if S > 1:
+        t += MERGE_LAUNCH_US + 2.0 * T * H * S * HEAD_DIM * 4 / BANDWIDTH_BPS * 1e6
+    return t
+
+
+def heads_splits(T: int, H: int, K: int, sms: int) -> int:
+    """The split count of the heads kernel minimising heads_time_us (ties: fewer splits)."""
+    bh = _hk.block_h_for(H)
+    nb = _cdiv(max(K, 1), _hk.HEADS_CONFIG[bh]["BLOCK_N"])
+    return min(balanced_splits(nb), key=lambda s: (heads_time_us(T, H, K, sms, s), s))
+
+
+def _auto_is_heads(T: int, H: int) -> bool:
+    return any((t is None or T <= t) and (h is None or H <= h) for t, h in AUTO_HEADS)
+
+
+def heads_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
+    bh = _hk.block_h_for(H)
+    s = splits or heads_splits(T, H, K, sms)
+    return DecodePlan("heads", s, bh, _hk.HEADS_CONFIG[bh]["BLOCK_N"], _cdiv(H, bh), s == 1)
+
+
+def tiles_plan(T: int, H: int, K: int, splits: int = 0) -> DecodePlan:
+    s = splits or _tile_splits(T, H, K)
+    return DecodePlan("tiles", s, 16, PARTITION_N, _cdiv(H, 16), False)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: int = 0) -> DecodePlan:
+    """The decode plan for T tokens, H heads, K key positions on a device of ``sms`` SMs.
+    kernel_mode: auto | tiles | heads (see the module doc); splits 0 = the kernel's own
+    choice, else forced (1..MAX_SPLITS). Memoised: static shapes repeat every step."""
+    if kernel_mode not in MODES:
+        raise ValueError(f"kernel_mode: expected one of {', '.join(MODES)}, got {kernel_mode!r}")
+    if kernel_mode == "heads" or (kernel_mode == "auto" and _auto_is_heads(T, H)):
+        return heads_plan(T, H, K, sms, splits)
+    return tiles_plan(T, H, K, splits)
