@@ -238,7 +238,8 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     if out is not None:
         _check_out(out, T, H, q)
     variant = variant or variant_for(q)
-    if (kernel_mode == "heads" or (kernel_mode == "auto" and _dp.AUTO_HEADS)) and indices.dtype == torch.int32:
+    if (kernel_mode == "heads" or (kernel_mode == "auto" and T >= _dp.AUTO_HEADS_MIN_T)) \
+            and indices.dtype == torch.int32:
         # the heads kernel takes int32 indices only (int64 runs the tiles)
         plan = _decode_plan(T, H, indices.shape[1], q, kernel_mode, num_splits)
         if plan.kernel == "heads":

@@ -7,8 +7,8 @@
       heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
              BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
              the final out + lse in its epilogue (no merge launch)
-      auto   tiles, until the GPU numbers (benchmarks/bench_decode_kernels.py) say per regime
-             where heads wins; then ``AUTO_HEADS`` is the one place to flip
+      auto   tiles below T = 64, heads from T = 64 with measured split counts
+             (``AUTO_HEADS_MIN_T``, ``auto_heads_splits``: benchmarks/results/decode_kernels.md)
 
 The heads split count minimises a cost model (constants: H200 guesses, NOT measured; refit
 from bench_decode_kernels.py):
@@ -46,8 +46,20 @@ PROGRAM_US = 1.5  # q load, epilogue, program start
 MERGE_LAUNCH_US = 1.2  # the merge kernel's in-graph launch + its fixed latency
 PROGRAMS_PER_SM = {16: 2, 32: 1}  # co-resident heads programs an SM (smem/regs, AOT table)
 
-# Regimes where auto picks heads: (max T or None, max H or None) boxes. Empty until measured.
-AUTO_HEADS: tuple = ()
+# Where auto picks heads, and with how many splits: measured, not modelled (H200, portable,
+# in-graph, K = 640; benchmarks/results/decode_kernels.md, the same within 1% at 108 SMs).
+# From T = 64 heads with these splits beats tiles 1.04-1.29x (T=64 H=8: 20.7 vs 26.6 us;
+# T=128 H=8: 34.8 vs 44.9 us); at T <= 8 tiles wins at every H. The cost model above
+# mispredicts (its splits were 1.2-2.6x slower than the best measured), so auto does not use it.
+AUTO_HEADS_MIN_T = 64
+
+
+def auto_heads_splits(T: int, H: int) -> int:
+    """The measured best heads split count for T >= AUTO_HEADS_MIN_T (one 16-head group: the
+    key loop is long, so 3-4 splits; 32-head groups: 2)."""
+    if H <= 16:
+        return 4 if T < 96 else 3
+    return 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +128,7 @@ def heads_splits(T: int, H: int, K: int, sms: int) -> int:
 
 
 def _auto_is_heads(T: int, H: int) -> bool:
-    return any((t is None or T <= t) and (h is None or H <= h) for t, h in AUTO_HEADS)
+    return T >= AUTO_HEADS_MIN_T
 
 
 def heads_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
@@ -137,6 +149,10 @@ def plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: in
     choice, else forced (1..MAX_SPLITS). Memoised: static shapes repeat every step."""
     if kernel_mode not in MODES:
         raise ValueError(f"kernel_mode: expected one of {', '.join(MODES)}, got {kernel_mode!r}")
-    if kernel_mode == "heads" or (kernel_mode == "auto" and _auto_is_heads(T, H)):
+    if kernel_mode == "auto" and _auto_is_heads(T, H):
+        bn = _hk.HEADS_CONFIG[_hk.block_h_for(H)]["BLOCK_N"]
+        nb = _cdiv(max(K, 1), bn)
+        return heads_plan(T, H, K, sms, splits or min(auto_heads_splits(T, H), nb, MAX_SPLITS))
+    if kernel_mode == "heads":
         return heads_plan(T, H, K, sms, splits)
     return tiles_plan(T, H, K, splits)

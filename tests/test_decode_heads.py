@@ -113,7 +113,7 @@ def test_heads_mode_launches_the_heads_kernel_and_tiles_does_not(interpret, monk
     T, H, K = 2, 8, 40
     q, kv, idx, tl = [t.to(interpret) for t in make_case(T, H, K, seed=4)]
     stats = attention._heads_kernel.stats
-    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if not decode_plan.AUTO_HEADS else None)):
+    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if T < decode_plan.AUTO_HEADS_MIN_T else 1)):
         monkeypatch.setenv(decode_plan.ENV_VAR, env)
         before = dict(stats)
         out, lse = attention.sparse_mla_decode(q, kv, idx, tl, None, SM_SCALE)
@@ -160,8 +160,11 @@ def test_plan_is_consistent(T, H, sms):
     best = min(decode_plan.heads_time_us(T, H, K, sms, s) for s in decode_plan.balanced_splits(-(-K // p.block_n)))
     assert decode_plan.heads_time_us(T, H, K, sms, p.splits) == best
     assert decode_plan.plan(T, H, K, sms, "tiles").kernel == "tiles"
-    if not decode_plan.AUTO_HEADS:
-        assert decode_plan.plan(T, H, K, sms, "auto") == decode_plan.plan(T, H, K, sms, "tiles")
+    auto = decode_plan.plan(T, H, K, sms, "auto")
+    if T < decode_plan.AUTO_HEADS_MIN_T:
+        assert auto == decode_plan.plan(T, H, K, sms, "tiles")
+    else:
+        assert auto.kernel == "heads" and auto.splits == min(decode_plan.auto_heads_splits(T, H), -(-K // auto.block_n))
     assert decode_plan.plan(T, H, K, sms, "heads", 5).splits == 5
 
 
@@ -170,6 +173,17 @@ def test_plan_skips_the_merge_once_the_programs_fill_the_gpu():
     for sms in (108, 132):
         assert decode_plan.plan(4 * sms, 8, 640, sms, "heads").splits == 1
         assert decode_plan.plan(1, 8, 640, sms, "heads").splits > 1
+
+
+@pytest.mark.parametrize("T,H,want", [(64, 8, 4), (64, 16, 4), (128, 8, 3), (64, 64, 2), (128, 128, 2)],
+                         ids=["T64-H8", "T64-H16", "T128-H8", "T64-H64", "T128-H128"])
+def test_auto_uses_the_measured_heads_plan_from_t64(T, H, want):
+    """Pinned to benchmarks/results/decode_kernels.md (H200, portable): from T = 64 the heads
+    kernel with these split counts beat the tiles; below T = 64 auto keeps the tiles."""
+    for sms in (108, 132):
+        p = decode_plan.plan(T, H, 640, sms, "auto")
+        assert (p.kernel, p.splits) == ("heads", want)
+        assert decode_plan.plan(8, H, 640, sms, "auto").kernel == "tiles"
 
 
 def test_balanced_splits():

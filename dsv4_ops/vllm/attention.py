@@ -32,6 +32,7 @@ import torch
 
 from .. import layout
 from ..dsv4_decode import dsv4_decode_attention
+from . import decode_graph
 from .compressed_cache import as_paged_2d
 from .o_proj import ampere_o_proj, install_wo_a_bf16_hook, wo_a_weight_bf16
 from .table import V4, V41, Reads, Patch, per_model
@@ -194,17 +195,26 @@ class _AmpereAttentionMixin:
         return global_indices.view(num_decode_tokens, 1, -1), lens
 
     def _forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output) -> None:
-        """Replaces the FlashMLA ``flash_mla_with_kvcache`` call; same arguments as the base."""
+        """Replaces the FlashMLA ``flash_mla_with_kvcache`` call; same arguments as the base.
+        With ``DSV4_AMPERE_DECODE_GRAPHS=1`` the step replays a private CUDA graph per input
+        key (``dsv4_ops.vllm.decode_graph``)."""
         T = swa_metadata.num_decode_tokens
-        topk_indices = topk_lens = None
-        comp_bs = 1
-        if not swa_only:
-            topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
-            comp_bs = attn_metadata.block_size // self.compress_ratio
-        ampere_decode(q[:T], output[:T], self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
-                      swa_metadata.decode_swa_lens, swa_metadata.block_size,
-                      None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
-                      self.attn_sink, self.scale)
+
+        def step() -> None:
+            topk_indices = topk_lens = None
+            comp_bs = 1
+            if not swa_only:
+                topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
+                comp_bs = attn_metadata.block_size // self.compress_ratio
+            ampere_decode(q[:T], output[:T], self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
+                          swa_metadata.decode_swa_lens, swa_metadata.block_size,
+                          None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
+                          self.attn_sink, self.scale)
+
+        if decode_graph.enabled():
+            decode_graph.run_forward_decode(self, step, (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
+        else:
+            step()
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """bf16 o_proj: inverse RoPE (torch) + grouped bmm with the load-time bf16 wo_a + wo_b."""
