@@ -75,13 +75,13 @@ def _check_inputs(q, kv, indices, topk_length):
     """Detailed checks (ValueError naming the argument) and normalisation of the split inputs."""
     check_tensor("q", q, dtypes=QKV_DTYPES, ndim=3)
     check_last_dim("q", q, HEAD_DIM)
-    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2, device=q.device)
+    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2, device=q.device, device_of="q")
     check_last_dim("kv", kv, HEAD_DIM)
-    check_tensor("indices", indices, dtypes=INDEX_DTYPES, ndim=2, device=q.device)
+    check_tensor("indices", indices, dtypes=INDEX_DTYPES, ndim=2, device=q.device, device_of="q")
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"indices: expected {q.shape[0]} rows (one per token of q), got shape {tuple(indices.shape)}")
     if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
+        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, ndim=1, device=q.device, device_of="q")
         if topk_length.shape[0] != q.shape[0]:
             raise ValueError(f"topk_length: expected shape ({q.shape[0]},), got {tuple(topk_length.shape)}")
         if topk_length.dtype != torch.int32:
@@ -103,9 +103,9 @@ def _inputs(q, kv, indices, topk_length):
                  or (isinstance(topk_length, torch.Tensor) and topk_length.dtype == torch.int32
                      and topk_length.dim() == 1 and topk_length.shape[0] == q.shape[0]
                      and (topk_length.stride(0) == 1 or q.shape[0] <= 1)
-                     and topk_length.get_device() == q.get_device()))):
-        dev = q.get_device()
-        if kv.get_device() == dev and indices.get_device() == dev:
+                     and topk_length.device == q.device))):
+        dev = q.device
+        if kv.device == dev and indices.device == dev:
             return q, kv, indices, topk_length
     return _check_inputs(q, kv, indices, topk_length)
 

@@ -80,11 +80,11 @@ def check_cache(cache, block_size) -> None:
 def check_insert_args(kv, cache, slot_mapping, block_size) -> None:
     """ValueError naming the bad argument of kv_cache_insert."""
     check_cache(cache, block_size)
-    check_tensor("kv", kv, dtypes=(torch.bfloat16,), ndim=2, device=cache.device)
+    check_tensor("kv", kv, dtypes=(torch.bfloat16,), ndim=2, device=cache.device, device_of="cache")
     check_last_dim("kv", kv, layout.HEAD_DIM)
     if kv.stride(1) != 1:
         raise ValueError(f"kv: expected contiguous dims (stride(1) == 1), got strides {kv.stride()}")
-    check_tensor("slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=cache.device)
+    check_tensor("slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=cache.device, device_of="cache")
     if slot_mapping.shape[0] > kv.shape[0]:
         raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} slots for only {kv.shape[0]} kv rows")
 
@@ -92,13 +92,13 @@ def check_insert_args(kv, cache, slot_mapping, block_size) -> None:
 def check_gather_args(cache, slots, block_size) -> None:
     """ValueError naming the bad argument of kv_cache_gather."""
     check_cache(cache, block_size)
-    check_tensor("slots", slots, dtypes=SLOT_DTYPES, device=cache.device)
+    check_tensor("slots", slots, dtypes=SLOT_DTYPES, device=cache.device, device_of="cache")
 
 
 def check_out(out, cache, n: int, row_offset) -> None:
     """ValueError unless out is a contiguous bf16 [R, 512] on cache's device holding rows
     row_offset .. row_offset + n - 1."""
-    check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=cache.device, contiguous=True)
+    check_tensor("out", out, dtypes=(torch.bfloat16,), ndim=2, device=cache.device, device_of="cache", contiguous=True)
     check_last_dim("out", out, layout.HEAD_DIM)
     if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
         raise ValueError(f"row_offset: expected an int >= 0, got {row_offset!r}")

@@ -300,10 +300,6 @@ def test_device_mismatch_names_both_tensors():
     check_same_device(q=q, kv=kv, indices=idx, sink=None)  # one device: no error
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, ValueError, RuntimeError), reason=(
-    "launcher not updated yet: attention._inputs' fast path compares get_device() (-1 for both cpu "
-    "and meta), and _check_inputs calls check_tensor('kv', ..., device=q.device) without "
-    "device_of='q'; when both are fixed this XPASSes: delete this marker"))
 def test_sparse_mla_decode_with_q_and_kv_on_different_devices_says_so():
     """The issue's case (q on the CPU, kv on the GPU), with meta standing in for the GPU."""
     q, kv, idx, tl = make_case(2, 8, 40, seed=1)

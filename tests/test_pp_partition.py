@@ -136,3 +136,29 @@ def test_cli_reads_a_model_dir(tmp_path, capsys):
     assert "VLLM_PP_LAYER_PARTITION=20,20" in out and "not at layers 21-39" in out
     assert cli.main(["pp-partition", str(tmp_path / "config.json"), "--pp", "4", "--check", "10,10,10,10"]) == 1
     assert "8,6,6,20" in capsys.readouterr().err
+
+
+def test_v41_model_build_checks_the_partition(monkeypatch):
+    """The plugin's row wraps the real V4.1 DeepseekV4Model.__init__: an illegal PP split
+    raises before vLLM builds anything, a legal one reaches vLLM's own __init__."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from dsv4_ops.vllm import pipeline
+    from dsv4_ops.vllm import plugin as vp
+    import importlib
+
+    model_cls = importlib.import_module("vllm.models.deepseek_v41.nvidia.model").DeepseekV4Model
+    (row,) = pipeline.PATCHES
+    vp.check_signature(row)
+    reached = []
+    wrapped = pipeline.check_partition_at_build(lambda self, **kw: reached.append(kw))
+    cfg = NS(parallel_config=NS(pipeline_parallel_size=4), model_config=NS(hf_config=v41_config()))
+    monkeypatch.delenv(ppp.ENV_VAR, raising=False)  # vLLM's default 10,10,10,10 is illegal here
+    with pytest.raises(ppp.PPPartitionError, match="8,6,6,20"):
+        wrapped(object(), vllm_config=cfg, prefix="model")
+    assert reached == []
+    monkeypatch.setenv(ppp.ENV_VAR, "8,6,6,20")
+    wrapped(object(), vllm_config=cfg, prefix="model")
+    assert reached == [{"vllm_config": cfg, "prefix": "model"}]
+    assert row.module == model_cls.__module__ and row.symbol == "DeepseekV4Model.__init__"

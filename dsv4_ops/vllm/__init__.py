@@ -13,5 +13,10 @@ Modules:
   o_proj            bf16 wo_a (dequantized once at load), inverse RoPE, grouped bmm, wo_b; the
                     load hook's rows
   weights           dequantize_linear_weight: every wo_a scale format vLLM 0.33.0 loads, or raise
-  warmup            vLLM's JIT warmup minus the kernels sm_8x cannot compile
+  warmup            vLLM's JIT warmup minus the kernels sm_8x cannot compile (from the audit's evidence)
+  indexer           the sparse-attention indexer (Q quant, K stores, logits, metadata, fp8 pack_seq)
+  engram, mhc       V4.1's Engram lookup; V4's first-layer mHC prenorm GEMM
+  pipeline          the V4.1 pipeline-parallel partition check at model build
+  decode_graph      an opt-in private CUDA graph of the decode step per input-address key
+  audit             dsv4-ops audit-vllm: every kernel on the serve path, by evidence
 """
