@@ -279,13 +279,247 @@ def _paged_mqa_logits_kernel(
         tl.store(p_out + o_n, b_l, mask=o_n < max_ctx)
 
 
+# ---- v2 kernels (benchmarks/NOTES.md "Indexer v2") ----------------------------------------
+
+
+@triton.jit
+def _e4m3_to_f16(b_codes, NATIVE: tl.constexpr, BITS: tl.constexpr):
+    """uint8 E4M3 block -> fp16 block, exact: the value itself (NATIVE, cvt from fp8e4nv) or
+    the value * 2**-8 (portable: E4M3 and fp8e4b15 bits read as fp16 differ only by the 8-bit
+    exponent bias gap, so the code moved into fp16 bits is value * 2**-8, subnormals included).
+    Portable decodes by the fp8e4b15 -> fp16 cast (a bit move on the GPU) or, BITS (the
+    interpreter, whose fp8e4b15 -> fp16 cast flushes subnormals), by the same bit move spelled
+    out. Callers scale results by f16_unscale(NATIVE) per dot operand."""
+    if NATIVE:
+        b_val = b_codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif BITS:
+        b_c = b_codes.to(tl.uint16)
+        b_val = (((b_c & 0x7F) << 7) | ((b_c & 0x80) << 8)).to(tl.float16, bitcast=True)
+    else:
+        b_val = b_codes.to(tl.float8e4b15, bitcast=True).to(tl.float16)
+    return b_val
+
+
+@triton.jit
+def _dot_unscale(NATIVE: tl.constexpr):
+    """The factor that undoes _e4m3_to_f16's 2**-8 on both operands of a dot: 2**16 or 1."""
+    if NATIVE:
+        f = 1.0
+    else:
+        f = 65536.0
+    return f
+
+
+@triton.jit
+def _indexer_q_quant_pairs_kernel(
+    pos_ptr, q_ptr, cs_ptr, w_ptr, q_out_ptr, w_out_ptr, n_heads,
+    stride_q_t, stride_q_h, stride_cs, stride_w_t, stride_w_h, stride_wo_t, w_scale,
+    MODE: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """_indexer_q_quant_kernel (same arguments, grid and bits) with the RoPE partners taken
+    by splitting one contiguous [HEADS, 128] load into its (even, odd) halves instead of a
+    second, uncoalesced, xor-indexed load. Pair p = 32 + i (dims 64 + 2i, 65 + 2i) ropes
+    with (cos[i], sin[i]): even' = x0*cos - x1*sin, odd' = x0*sin + x1*cos (separate fp32
+    products, enable_fp_fusion=False), rounded to bf16."""
+    t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, HEAD_DIM)
+    o_p = tl.arange(0, HEAD_DIM // 2)  # [64] pair index
+    m_rope = o_p >= NOPE_DIM // 2
+    o_i = tl.where(m_rope, o_p - NOPE_DIM // 2, 0)
+    b_pos = tl.load(pos_ptr + t).to(tl.int64)
+    b_cos = tl.load(cs_ptr + b_pos * stride_cs + o_i, mask=m_rope, other=1.0).to(tl.float32)  # [64]
+    b_sin = tl.load(cs_ptr + b_pos * stride_cs + HALF_ROPE + o_i, mask=m_rope, other=0.0).to(tl.float32)
+
+    p_row = q_ptr + t * stride_q_t + (o_h * stride_q_h)[:, None]
+    b_x = tl.load(p_row + o_d[None, :], mask=m_h[:, None], other=0.0).to(tl.float32)  # [HEADS, 128]
+    b_x0, b_x1 = tl.split(tl.reshape(b_x, [HEADS, HEAD_DIM // 2, 2]))  # [HEADS, 64] each
+    b_r0 = _round_bf16(b_x0 * b_cos[None, :] - b_x1 * b_sin[None, :])
+    b_r1 = _round_bf16(b_x0 * b_sin[None, :] + b_x1 * b_cos[None, :])
+    b_v0 = tl.where(m_rope[None, :], b_r0, b_x0)
+    b_v1 = tl.where(m_rope[None, :], b_r1, b_x1)
+
+    b_amax = tl.maximum(tl.max(tl.abs(b_v0), axis=1), tl.max(tl.abs(b_v1), axis=1))
+    b_e = ue8m0_exponent(b_amax)  # [HEADS]
+    b_inv = _pow2_f32(-b_e)[:, None]
+    b_codes = tl.reshape(tl.join(f32_to_e4m3(b_v0 * b_inv, MODE), f32_to_e4m3(b_v1 * b_inv, MODE)),
+                         [HEADS, HEAD_DIM])
+    p_out = q_out_ptr + (t * n_heads + o_h.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :]
+    tl.store(p_out, b_codes, mask=m_h[:, None])
+
+    b_w = tl.load(w_ptr + t * stride_w_t + o_h * stride_w_h, mask=m_h, other=0.0).to(tl.float32)
+    tl.store(w_out_ptr + t * stride_wo_t + o_h, (b_w * w_scale) * _pow2_f32(b_e), mask=m_h)
+
+
+@triton.jit
+def _mqa_store_row(p_row, b_l, o_n, m_n, b_ks, b_ke, n0, out_cols, COMPRESSED: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Store one query row's logits b_l [BLOCK_N] of keys o_n (already -inf outside [ks, ke))."""
+    if COMPRESSED:
+        o_col = o_n - b_ks
+        tl.store(p_row + o_col, b_l, mask=(o_n >= b_ks) & (o_n < b_ke) & (o_col < out_cols))
+        o_c = n0 + tl.arange(0, BLOCK_N)
+        tl.store(p_row + o_c, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                 mask=(o_c >= b_ke - b_ks) & (o_c < out_cols))
+    else:
+        tl.store(p_row + o_n, b_l, mask=m_n)
+
+
+@triton.jit
+def _mqa_logits_v2_kernel(
+    q_ptr, w_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, out_ptr,
+    M, N, n_heads, out_cols,
+    stride_q_m, stride_q_h, stride_w_m, stride_w_h, stride_k_n, stride_out_m,
+    COMPRESSED: tl.constexpr,
+    NATIVE: tl.constexpr,
+    BITS: tl.constexpr,  # interpreter: bit-move portable decode (see _e4m3_to_f16)
+    H_BLOCK: tl.constexpr,  # power of two >= max(H, 16): the MMA's N dim
+    BLOCK_M: tl.constexpr,  # query rows a program walks
+    BLOCK_N: tl.constexpr,  # keys: the MMA's M dim
+):
+    """Same arguments and output as _mqa_logits_kernel. Grid (cdiv(max(N, out_cols),
+    BLOCK_N), cdiv(M, BLOCK_M)), key tiles fastest (the programs of one query block run
+    together and share its Q in L2). A program decodes its [BLOCK_N, 128] key tile once and
+    keeps it as the MMA's A operand; per query row m it does ONE dot with all heads,
+    [BLOCK_N, 128] x [128, H] (q[m] transposed), then relu, * w[m, :] and the head sum
+    (inside a warp's rows), and writes the row's BLOCK_N logits. A tile outside every
+    row's [ks, ke) only writes -inf."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    o_k = tl.arange(0, BLOCK_N)
+    o_n = n0 + o_k
+    m_n = o_n < N
+    o_d = tl.arange(0, HEAD_DIM)
+    o_h = tl.arange(0, H_BLOCK)
+    m_h = o_h < n_heads
+    m0 = pid_m * BLOCK_M
+    o_r = m0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < M
+    b_ks = tl.maximum(tl.load(ks_ptr + o_r, mask=m_r, other=0), 0)
+    b_ke = tl.minimum(tl.load(ke_ptr + o_r, mask=m_r, other=0), N)
+    lo = tl.min(tl.where(m_r & (b_ks < b_ke), b_ks, N), axis=0)
+    hi = tl.max(tl.where(m_r & (b_ks < b_ke), b_ke, 0), axis=0)
+    m_end = tl.minimum(m0 + BLOCK_M, M)
+    m0_64 = pid_m.to(tl.int64) * BLOCK_M
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        p_k = k_ptr + n0.to(tl.int64) * stride_k_n
+        b_k = tl.load(p_k + (o_k * stride_k_n)[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
+        b_k = _e4m3_to_f16(b_k, NATIVE, BITS)  # [BLOCK_N, 128]
+        b_sc = tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)
+        o_qt = o_d[:, None] + (o_h * stride_q_h)[None, :]  # [128, H_BLOCK] int32
+        for i in range(0, m_end - m0):
+            m64 = m0_64 + i
+            r_ks = tl.maximum(tl.load(ks_ptr + m64), 0)
+            r_ke = tl.minimum(tl.load(ke_ptr + m64), N)
+            b_qt = tl.load(q_ptr + m64 * stride_q_m + o_qt, mask=m_h[None, :], other=0)
+            b_qt = _e4m3_to_f16(b_qt, NATIVE, BITS)  # [128, H_BLOCK]
+            b_w = tl.load(w_ptr + m64 * stride_w_m + o_h * stride_w_h, mask=m_h, other=0.0)
+            b_s = tl.dot(b_k, b_qt)  # [BLOCK_N, H_BLOCK] fp32
+            # unscale before the key scale (2**16 * k_scale could overflow; the sum cannot)
+            b_l = (tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * _dot_unscale(NATIVE)) * b_sc
+            b_l = tl.where((o_n >= r_ks) & (o_n < r_ke), b_l, float("-inf"))
+            _mqa_store_row(out_ptr + m64 * stride_out_m, b_l, o_n, m_n, r_ks, r_ke, n0, out_cols,
+                           COMPRESSED, BLOCK_N)
+    else:
+        for i in range(0, m_end - m0):
+            m64 = m0_64 + i
+            r_ks = tl.maximum(tl.load(ks_ptr + m64), 0)
+            r_ke = tl.minimum(tl.load(ke_ptr + m64), N)
+            _mqa_store_row(out_ptr + m64 * stride_out_m, tl.full([BLOCK_N], float("-inf"), tl.float32), o_n, m_n,
+                           r_ks, r_ke, n0, out_cols, COMPRESSED, BLOCK_N)
+
+
+@triton.jit
+def _paged_mqa_logits_v2_kernel(
+    q_ptr, w_ptr, cache_ptr, ctx_ptr, bt_ptr, out_ptr,
+    next_n, n_heads, max_ctx, num_blocks, bt_cols, block_size, page_bytes,
+    stride_q_r, stride_q_h, stride_w_r, stride_w_h, stride_bt_b, stride_out_r, tiles_per_prog,
+    CTX_PER_ROW: tl.constexpr,
+    NATIVE: tl.constexpr,
+    BITS: tl.constexpr,  # interpreter: bit-move portable decode (see _e4m3_to_f16)
+    H_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Same arguments, grid and output as _paged_mqa_logits_kernel, with the keys as the
+    MMA's M dim: per tile ONE dot [BLOCK_N, 128] (gathered key rows, contiguous 128-byte
+    loads, decoded straight to fp16) x [128, H] (this row's Q, transposed, decoded once and
+    held), then relu, * w and the head sum along the accumulator's rows (no cross-warp
+    reduction over heads). The tiles inside the row's context run in a loop without a
+    branch (pipelinable); the rest of the program's tiles only write -inf."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // next_n
+    if CTX_PER_ROW:
+        b_len = tl.load(ctx_ptr + r)
+    else:
+        b_len = tl.load(ctx_ptr + b) - next_n + 1 + (r % next_n).to(tl.int32)
+    b_len = tl.minimum(b_len, max_ctx)
+
+    o_h = tl.arange(0, H_BLOCK)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, HEAD_DIM)
+    b_qt = tl.load(q_ptr + r * stride_q_r + o_d[:, None] + (o_h * stride_q_h)[None, :], mask=m_h[None, :], other=0)
+    b_qt = _e4m3_to_f16(b_qt, NATIVE, BITS)  # [128, H_BLOCK]
+    b_w = tl.load(w_ptr + r * stride_w_r + o_h * stride_w_h, mask=m_h, other=0.0)
+    p_bt = bt_ptr + b * stride_bt_b
+    p_out = out_ptr + r * stride_out_r
+    tile0 = tl.program_id(1) * tiles_per_prog
+    o_k = tl.arange(0, BLOCK_N)
+    n_live = tl.minimum(tl.maximum(b_len - tile0 * BLOCK_N + (BLOCK_N - 1), 0) // BLOCK_N, tiles_per_prog)
+    for t in range(0, n_live):
+        o_n = (tile0 + t) * BLOCK_N + o_k
+        b_bi = o_n // block_size
+        m_in = (o_n < b_len) & (b_bi < bt_cols)
+        b_blk = tl.load(p_bt + b_bi, mask=m_in, other=-1).to(tl.int64)
+        m_k = m_in & (b_blk >= 0) & (b_blk < num_blocks)
+        b_blk = tl.where(m_k, b_blk, 0)
+        b_p = o_n % block_size
+        o_page = b_blk * page_bytes
+        b_k = tl.load(cache_ptr + (o_page + b_p * DATA_BYTES)[:, None] + o_d[None, :], mask=m_k[:, None], other=0)
+        b_k = _e4m3_to_f16(b_k, NATIVE, BITS)  # [BLOCK_N, 128]
+        p_sc = (cache_ptr + o_page + block_size * DATA_BYTES + b_p * SCALE_BYTES).to(
+            tl.pointer_type(tl.float32), bitcast=True)
+        b_sc = tl.load(p_sc, mask=m_k, other=0.0)
+        b_s = tl.dot(b_k, b_qt)  # [BLOCK_N, H_BLOCK] fp32
+        b_l = (tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * _dot_unscale(NATIVE)) * b_sc
+        tl.store(p_out + o_n, tl.where(m_k, b_l, float("-inf")), mask=o_n < max_ctx)
+    for t in range(n_live, tiles_per_prog):
+        o_n = (tile0 + t) * BLOCK_N + o_k
+        tl.store(p_out + o_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=o_n < max_ctx)
+
+
 # Launch configs as plain data (same on every capability; no run-time autotune).
+# "KERNEL" picks the kernel variant: 1 = the first kernels above, 2 = the v2 kernels
+# (q quant: 2 = the pairs kernel). benchmarks/sweep_indexer.py times every row of
+# *_CANDIDATES on the GPU and prints the dict to ship; every candidate row AOT-compiles for
+# sm_80 and sm_86 without spills (`python -m dsv4_ops.aot --candidates`).
 K_INSERT_CONFIG = {"TOKENS": 8, "num_warps": 4}
-Q_QUANT_CONFIG = {"HEADS": 8, "num_warps": 4}
-MQA_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # full [M, N] output
+Q_QUANT_CONFIG = {"KERNEL": 1, "HEADS": 8, "num_warps": 4}
+MQA_CONFIG = {"KERNEL": 1, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # full [M, N] output
 # compressed [M, max_seqlen_k] output (what vLLM's prefill uses): the scatter store of a
 # [64, 128] tile at 8 warps spills 80 B on sm_86 (`python -m dsv4_ops.aot`); 32 rows do not.
-MQA_COMPRESSED_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
-PAGED_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+MQA_COMPRESSED_CONFIG = {"KERNEL": 1, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+PAGED_CONFIG = {"KERNEL": 1, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
                 "TARGET_PROGRAMS": 432,  # ~4 programs an SM on an A100 (108 SMs)
                 "MAX_TILES_PER_PROGRAM": 64}
+
+K_INSERT_CANDIDATES = [
+    {"TOKENS": t, "num_warps": w} for t, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
+]
+Q_QUANT_CANDIDATES = [dict(Q_QUANT_CONFIG)] + [
+    {"KERNEL": 2, "HEADS": h, "num_warps": w} for h, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
+]
+MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG)] + [  # (MQA_CONFIG, 64 x 8 warps, spills compressed on sm_86)
+    {"KERNEL": 2, "BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+    for m, n, w, st in ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 128, 8, 2), (64, 256, 8, 2),
+                        (32, 64, 4, 2), (64, 128, 8, 3))
+]
+PAGED_CANDIDATES = [dict(PAGED_CONFIG)] + [
+    {"KERNEL": 2, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TARGET_PROGRAMS": tp,
+     "MAX_TILES_PER_PROGRAM": 64}
+    # (64 keys x 4 warps spills 24 B on sm_86: not a candidate)
+    for n, w, st, tp in ((64, 2, 2, 864), (128, 4, 2, 864), (128, 4, 2, 432), (128, 4, 3, 432), (128, 8, 2, 432),
+                         (128, 8, 3, 864), (256, 8, 2, 432), (64, 2, 3, 1728))
+]

@@ -41,6 +41,7 @@ Agreement with vLLM 0.33.0:
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -62,6 +63,12 @@ def as_codes(name: str, t, ndim: int, device=None) -> torch.Tensor:
     check_tensor(name, t, dtypes=E4M3_DTYPES, ndim=ndim, device=device)
     check_last_dim(name, t, D)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _interpreting() -> bool:
+    """True under the Triton interpreter: the v2 kernels then spell out their fp16 decode
+    as a bit move (BITS=True; the interpreter's fp8e4b15 -> fp16 cast flushes subnormals)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_int(name: str, v, lo: int = 0) -> None:
@@ -88,7 +95,7 @@ def check_k_insert_args(k, cache, slot_mapping, block_size) -> Tuple[torch.Tenso
 
 
 def indexer_k_insert(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                     variant: Optional[str] = None) -> None:
+                     variant: Optional[str] = None, config: Optional[dict] = None) -> None:
     """Quantize indexer keys into the paged indexer cache, in place.
 
     k: bf16 [N, 128] (normed and roped; rows may be strided). cache: uint8 (or float8) [num_blocks,
@@ -96,14 +103,14 @@ def indexer_k_insert(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
     page_bytes = stride(0) >= block_size * 132. slot_mapping int64/int32 [M], M <= N: row i
     goes to slot slot_mapping[i]; slots outside [0, num_blocks * block_size) are skipped.
     Row: 128 bytes e4m3(k / 2**e) (RNE), fp32 scale 2**e, e = ceil(log2(max(amax, 1e-4) / 448)).
-    Never syncs the host.
+    Never syncs the host. config: a row of K_INSERT_CANDIDATES (default K_INSERT_CONFIG).
     """
     flat, block_size = check_k_insert_args(k, cache, slot_mapping, block_size)
     n = slot_mapping.shape[0]
     if n == 0 or flat.shape[0] == 0:
         return
     variant = variant or variant_for(flat)
-    cfg = _k.K_INSERT_CONFIG
+    cfg = config or _k.K_INSERT_CONFIG
     _k._indexer_k_insert_kernel[(triton.cdiv(n, cfg["TOKENS"]),)](
         k, flat, slot_mapping.contiguous(), n, k.stride(0), flat.stride(0), block_size,
         flat.shape[0] * block_size,
@@ -138,7 +145,7 @@ def check_q_quant_args(positions, index_q, cos_sin_cache, index_weights) -> None
 def indexer_q_quant(positions: torch.Tensor, index_q: torch.Tensor, index_q_cos_sin_cache: torch.Tensor,
                     index_weights: torch.Tensor, index_weights_softmax_scale: float,
                     index_weights_head_scale: float, use_fp4: bool = False,
-                    variant: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    variant: Optional[str] = None, config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The FP8 path of vLLM 0.33.0's ``fused_indexer_q_rope_quant`` (same arguments, same order).
 
     positions int64/int32 [T] (each < index_q_cos_sin_cache.shape[0]; not checked: no host
@@ -148,6 +155,7 @@ def indexer_q_quant(positions: torch.Tensor, index_q: torch.Tensor, index_q_cos_
     64..127 rounded to bf16, one power-of-two scale 2**e per (token, head) with
     e = ceil(log2(max(amax, 1e-4) / 448)), codes e4m3(value / 2**e),
     weights_out = (w * fl32(softmax_scale * head_scale)) * 2**e. use_fp4=True raises.
+    config: a row of Q_QUANT_CANDIDATES (default Q_QUANT_CONFIG).
     """
     if use_fp4:
         raise NotImplementedError("indexer_q_quant: the MXFP4 indexer path (use_fp4=True) needs sm_100")
@@ -158,9 +166,10 @@ def indexer_q_quant(positions: torch.Tensor, index_q: torch.Tensor, index_q_cos_
     if T == 0 or H == 0:
         return q_out, w_out
     variant = variant or variant_for(index_q)
-    cfg = _k.Q_QUANT_CONFIG
+    cfg = config or _k.Q_QUANT_CONFIG
     heads = min(cfg["HEADS"], triton.next_power_of_2(H))
-    _k._indexer_q_quant_kernel[(T, triton.cdiv(H, heads))](
+    kern = _k._indexer_q_quant_pairs_kernel if cfg.get("KERNEL", 1) == 2 else _k._indexer_q_quant_kernel
+    kern[(T, triton.cdiv(H, heads))](
         positions, index_q, index_q_cos_sin_cache, index_weights, q_out, w_out, H,
         index_q.stride(0), index_q.stride(1), index_q_cos_sin_cache.stride(0),
         index_weights.stride(0), index_weights.stride(1), w_out.stride(0),
@@ -202,7 +211,7 @@ def check_mqa_args(q, weights, k, k_scale, ks, ke, max_seqlen_k):
 
 def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int = -1,
-               variant: Optional[str] = None) -> torch.Tensor:
+               variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
     """Prefill indexer logits (vLLM's ``fp8_mqa_logits_torch`` semantics).
 
     q: E4M3 [M, H, 128]; weights fp32 [M, H] (q scales folded in); k: E4M3 [N, 128];
@@ -210,6 +219,7 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
     ``out[m, n] = k_scale[n] * sum_h weights[m, h] * relu(<q[m, h], k[n]>)`` for
     ``ks[m] <= n < ke[m]`` and -inf elsewhere: [M, N] when max_seqlen_k == -1, else the
     compressed [M, max_seqlen_k] (column j = key ks[m] + j; -inf past ke[m] - ks[m]).
+    config: a row of MQA_CANDIDATES (default MQA_COMPRESSED_CONFIG / MQA_CONFIG).
     """
     qc, kc, scale = check_mqa_args(q, weights, k, k_scale, ks, ke, max_seqlen_k)
     M, H, _ = qc.shape
@@ -219,7 +229,16 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
     if M == 0 or cols == 0:
         return out
     variant = variant or variant_for(qc)
-    cfg = _k.MQA_COMPRESSED_CONFIG if max_seqlen_k >= 0 else _k.MQA_CONFIG
+    cfg = config or (_k.MQA_COMPRESSED_CONFIG if max_seqlen_k >= 0 else _k.MQA_CONFIG)
+    if cfg.get("KERNEL", 1) == 2:
+        grid = (triton.cdiv(max(N, cols), cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+        _k._mqa_logits_v2_kernel[grid](
+            qc, weights, kc, scale, ks, ke, out, M, N, H, cols,
+            qc.stride(0), qc.stride(1), weights.stride(0), weights.stride(1), kc.stride(0), out.stride(0),
+            COMPRESSED=max_seqlen_k >= 0, NATIVE=variant == "native", BITS=_interpreting(),
+            H_BLOCK=max(16, triton.next_power_of_2(H)), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return out
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(max(N, cols), cfg["BLOCK_N"]))
     _k._mqa_logits_kernel[grid](
         qc, weights, kc, scale, ks, ke, out, M, N, H, cols,
@@ -255,17 +274,17 @@ def check_paged_args(q, kv_cache, weights, context_lens, block_table, max_contex
     return qc, flat, block_size
 
 
-def paged_tiles_per_program(rows: int, max_context_len: int) -> int:
+def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[dict] = None) -> int:
     """Key tiles one program scores: spreads rows * tiles over ~TARGET_PROGRAMS programs
     (static shapes only: the same for every replay of a captured graph)."""
-    cfg = _k.PAGED_CONFIG
+    cfg = config or _k.PAGED_CONFIG
     tiles = triton.cdiv(max_context_len, cfg["BLOCK_N"])
     return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], rows * tiles // cfg["TARGET_PROGRAMS"], tiles))
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int, block_size: int = 0,
-                     variant: Optional[str] = None) -> torch.Tensor:
+                     variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
     """Decode indexer logits over the paged indexer cache (``fp8_paged_mqa_logits_torch``).
 
     q: E4M3 [B, next_n, H, 128]; kv_cache: the indexer cache ([num_blocks, block_size, 132],
@@ -275,6 +294,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     or [B, next_n] (row (b, j) sees keys < context_lens[b, j]); block_table int32
     [B, max_blocks]. Returns fp32 [B * next_n, max_context_len]; -inf past each row's
     context and where the page id is outside [0, num_blocks) or past the block table.
+    config: a row of PAGED_CANDIDATES (default PAGED_CONFIG).
     """
     qc, flat, block_size = check_paged_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
                                             block_size)
@@ -284,15 +304,18 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     if rows == 0 or max_context_len == 0:
         return out
     variant = variant or variant_for(qc)
-    cfg = _k.PAGED_CONFIG
+    cfg = config or _k.PAGED_CONFIG
     q3 = qc.reshape(rows, H, D)
-    tpp = paged_tiles_per_program(rows, max_context_len)
+    tpp = paged_tiles_per_program(rows, max_context_len, cfg)
     grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
-    _k._paged_mqa_logits_kernel[grid](
+    v2 = cfg.get("KERNEL", 1) == 2
+    kern = _k._paged_mqa_logits_v2_kernel if v2 else _k._paged_mqa_logits_kernel
+    extra = {"BITS": _interpreting()} if v2 else {}
+    kern[grid](
         q3, weights, flat, context_lens.contiguous(), block_table, out,
         next_n, H, max_context_len, flat.shape[0], block_table.shape[1], block_size, flat.stride(0),
         q3.stride(0), q3.stride(1), weights.stride(0), weights.stride(1), block_table.stride(0), out.stride(0),
-        tpp, CTX_PER_ROW=context_lens.dim() == 2, NATIVE=variant == "native",
+        tpp, CTX_PER_ROW=context_lens.dim() == 2, NATIVE=variant == "native", **extra,
         H_BLOCK=max(16, triton.next_power_of_2(H)), BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
@@ -303,51 +326,97 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 # ---------------------------------------------------------------------------------------
 
 
-def aot_specs():
-    """Every indexer kernel specialization a launcher can pick (see dsv4_ops.aot)."""
+def _k_insert_spec(variant, slot_ty, cfg, tag=""):
     from .aot import KernelSpec
 
-    ki, qq, pg = _k.K_INSERT_CONFIG, _k.Q_QUANT_CONFIG, _k.PAGED_CONFIG
+    return KernelSpec(
+        "indexer_k_insert", f"k_insert[{variant},{slot_ty}{tag}]", _k._indexer_k_insert_kernel,
+        {"k_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": f"*{slot_ty}", "n_tokens": "i32",
+         "stride_k_0": "i32", "page_bytes": "i32", "block_size": "i32", "capacity": "i64",
+         "MODE": "constexpr", "TOKENS": "constexpr"},
+        {"MODE": encode_mode(True, variant), "TOKENS": cfg["TOKENS"]}, variant, num_warps=cfg["num_warps"])
+
+
+def _q_quant_spec(variant, w_ty, cfg, tag=""):
+    from .aot import KernelSpec
+
+    v2 = cfg.get("KERNEL", 1) == 2
+    return KernelSpec(
+        "indexer_q_quant", f"q_quant[{variant},w={w_ty},heads={cfg['HEADS']}{',pairs' if v2 else ''}{tag}]",
+        _k._indexer_q_quant_pairs_kernel if v2 else _k._indexer_q_quant_kernel,
+        {"pos_ptr": "*i64", "q_ptr": "*bf16", "cs_ptr": "*fp32", "w_ptr": f"*{w_ty}", "q_out_ptr": "*u8",
+         "w_out_ptr": "*fp32", "n_heads": "i32", "stride_q_t": "i32", "stride_q_h": "i32",
+         "stride_cs": "i32", "stride_w_t": "i32", "stride_w_h": "i32", "stride_wo_t": "i32",
+         "w_scale": "fp32", "MODE": "constexpr", "HEADS": "constexpr"},
+        {"MODE": encode_mode(True, variant), "HEADS": cfg["HEADS"]}, variant, num_warps=cfg["num_warps"])
+
+
+def _mqa_spec(variant, compressed, cfg, h_block=64, tag=""):
+    from .aot import KernelSpec
+
+    v2 = cfg.get("KERNEL", 1) == 2
+    sig = {"q_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "k_scale_ptr": "*fp32", "ks_ptr": "*i32",
+           "ke_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "n_heads": "i32", "out_cols": "i32",
+           "stride_q_m": "i32", "stride_q_h": "i32", "stride_w_m": "i32", "stride_w_h": "i32",
+           "stride_k_n": "i32", "stride_out_m": "i32", "COMPRESSED": "constexpr", "NATIVE": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    const = {"COMPRESSED": compressed, "NATIVE": variant == "native", "BLOCK_M": cfg["BLOCK_M"],
+             "BLOCK_N": cfg["BLOCK_N"]}
+    label = f"mqa[{variant},compressed={compressed}"
+    if v2:
+        sig.update({"BITS": "constexpr", "H_BLOCK": "constexpr"})
+        const.update({"BITS": False, "H_BLOCK": h_block})
+        label += f",v2,H={h_block},M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
+    return KernelSpec("mqa_logits", label + tag + "]", _k._mqa_logits_v2_kernel if v2 else _k._mqa_logits_kernel,
+                      sig, const, variant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _paged_spec(variant, h_block, per_row, cfg, tag=""):
+    from .aot import KernelSpec
+
+    v2 = cfg.get("KERNEL", 1) == 2
+    sig = {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_ptr": "*u8", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+           "out_ptr": "*fp32", "next_n": "i32", "n_heads": "i32", "max_ctx": "i32", "num_blocks": "i32",
+           "bt_cols": "i32", "block_size": "i32", "page_bytes": "i32", "stride_q_r": "i32",
+           "stride_q_h": "i32", "stride_w_r": "i32", "stride_w_h": "i32", "stride_bt_b": "i32",
+           "stride_out_r": "i32", "tiles_per_prog": "i32", "CTX_PER_ROW": "constexpr",
+           "NATIVE": "constexpr", "H_BLOCK": "constexpr", "BLOCK_N": "constexpr"}
+    const = {"CTX_PER_ROW": per_row, "NATIVE": variant == "native", "H_BLOCK": h_block, "BLOCK_N": cfg["BLOCK_N"]}
+    label = f"paged[{variant},H={h_block},ctx_per_row={per_row}"
+    if v2:
+        sig["BITS"] = "constexpr"
+        const["BITS"] = False
+        label += f",v2,N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
+    return KernelSpec("paged_mqa_logits", label + tag + "]",
+                      _k._paged_mqa_logits_v2_kernel if v2 else _k._paged_mqa_logits_kernel, sig, const, variant,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def aot_specs():
+    """Every indexer kernel specialization a launcher can pick with the shipped configs
+    (see dsv4_ops.aot); candidate_specs() adds the sweep's candidates."""
     specs = []
     for variant in ("portable", "native"):
-        native = variant == "native"
         for slot_ty in ("i64", "i32"):
-            specs.append(KernelSpec(
-                "indexer_k_insert", f"k_insert[{variant},{slot_ty}]", _k._indexer_k_insert_kernel,
-                {"k_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": f"*{slot_ty}", "n_tokens": "i32",
-                 "stride_k_0": "i32", "page_bytes": "i32", "block_size": "i32", "capacity": "i64",
-                 "MODE": "constexpr", "TOKENS": "constexpr"},
-                {"MODE": encode_mode(True, variant), "TOKENS": ki["TOKENS"]}, variant, num_warps=ki["num_warps"]))
-        for w_ty, heads in (("bf16", qq["HEADS"]), ("fp32", qq["HEADS"])):
-            specs.append(KernelSpec(
-                "indexer_q_quant", f"q_quant[{variant},w={w_ty},heads={heads}]", _k._indexer_q_quant_kernel,
-                {"pos_ptr": "*i64", "q_ptr": "*bf16", "cs_ptr": "*fp32", "w_ptr": f"*{w_ty}", "q_out_ptr": "*u8",
-                 "w_out_ptr": "*fp32", "n_heads": "i32", "stride_q_t": "i32", "stride_q_h": "i32",
-                 "stride_cs": "i32", "stride_w_t": "i32", "stride_w_h": "i32", "stride_wo_t": "i32",
-                 "w_scale": "fp32", "MODE": "constexpr", "HEADS": "constexpr"},
-                {"MODE": encode_mode(True, variant), "HEADS": heads}, variant, num_warps=qq["num_warps"]))
+            specs.append(_k_insert_spec(variant, slot_ty, _k.K_INSERT_CONFIG))
+        for w_ty in ("bf16", "fp32"):
+            specs.append(_q_quant_spec(variant, w_ty, _k.Q_QUANT_CONFIG))
         for compressed in (False, True):
-            mq = _k.MQA_COMPRESSED_CONFIG if compressed else _k.MQA_CONFIG
-            specs.append(KernelSpec(
-                "mqa_logits", f"mqa[{variant},compressed={compressed}]", _k._mqa_logits_kernel,
-                {"q_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "k_scale_ptr": "*fp32", "ks_ptr": "*i32",
-                 "ke_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "n_heads": "i32", "out_cols": "i32",
-                 "stride_q_m": "i32", "stride_q_h": "i32", "stride_w_m": "i32", "stride_w_h": "i32",
-                 "stride_k_n": "i32", "stride_out_m": "i32", "COMPRESSED": "constexpr", "NATIVE": "constexpr",
-                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-                {"COMPRESSED": compressed, "NATIVE": native, "BLOCK_M": mq["BLOCK_M"], "BLOCK_N": mq["BLOCK_N"]},
-                variant, num_warps=mq["num_warps"], num_stages=mq["num_stages"]))
+            cfg = _k.MQA_COMPRESSED_CONFIG if compressed else _k.MQA_CONFIG
+            for h_block in ((32, 64) if cfg.get("KERNEL", 1) == 2 else (64,)):
+                specs.append(_mqa_spec(variant, compressed, cfg, h_block))
         for h_block in (32, 64):
             for per_row in (False, True):
-                specs.append(KernelSpec(
-                    "paged_mqa_logits", f"paged[{variant},H={h_block},ctx_per_row={per_row}]",
-                    _k._paged_mqa_logits_kernel,
-                    {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_ptr": "*u8", "ctx_ptr": "*i32", "bt_ptr": "*i32",
-                     "out_ptr": "*fp32", "next_n": "i32", "n_heads": "i32", "max_ctx": "i32", "num_blocks": "i32",
-                     "bt_cols": "i32", "block_size": "i32", "page_bytes": "i32", "stride_q_r": "i32",
-                     "stride_q_h": "i32", "stride_w_r": "i32", "stride_w_h": "i32", "stride_bt_b": "i32",
-                     "stride_out_r": "i32", "tiles_per_prog": "i32", "CTX_PER_ROW": "constexpr",
-                     "NATIVE": "constexpr", "H_BLOCK": "constexpr", "BLOCK_N": "constexpr"},
-                    {"CTX_PER_ROW": per_row, "NATIVE": native, "H_BLOCK": h_block, "BLOCK_N": pg["BLOCK_N"]},
-                    variant, num_warps=pg["num_warps"], num_stages=pg["num_stages"]))
+                specs.append(_paged_spec(variant, h_block, per_row, _k.PAGED_CONFIG))
+    return specs
+
+
+def candidate_specs(variant: str = "portable"):
+    """One specialization per row of the *_CANDIDATES lists (V4 shapes: H = 64, 1-D
+    context_lens, compressed prefill output), labelled 'cand'; benchmarks/sweep_indexer.py
+    --aot compiles them for sm_80/86 on the CPU."""
+    specs = [_k_insert_spec(variant, "i64", c, ",cand") for c in _k.K_INSERT_CANDIDATES]
+    specs += [_q_quant_spec(variant, "bf16", c, ",cand") for c in _k.Q_QUANT_CANDIDATES]
+    specs += [_mqa_spec(variant, True, c, 64, ",cand") for c in _k.MQA_CANDIDATES]
+    specs += [_paged_spec(variant, 64, False, c, ",cand") for c in _k.PAGED_CANDIDATES]
     return specs

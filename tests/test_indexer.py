@@ -315,6 +315,87 @@ def test_kernel_paged_mqa_logits(interpret, next_n, per_row):
     assert_logits_close(got, ref)
 
 
+def test_kernel_q_quant_candidates(interpret):
+    """Every Q quant candidate config (both kernels, head blocks 8..64) is bit-exact."""
+    from dsv4_ops.csrc_triton import indexer as K
+
+    g = rng(12)
+    T, H = 2, 12
+    q = (torch.randn(T, H, D, generator=g) * torch.exp(torch.empty(T, H, 1).uniform_(-10, 10, generator=g))).to(torch.bfloat16)
+    q[0, 1, 64:] = 0
+    pos = torch.tensor([5, 1])
+    ang = torch.rand(8, 32, generator=g) * 6.3
+    cs = torch.cat([ang.cos(), ang.sin()], 1)
+    w = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ref_q, ref_w = ref_indexer_q_quant(pos, q, cs, w, 128 ** -0.5, 32 ** -0.5)
+    dv = interpret
+    for cfg in K.Q_QUANT_CANDIDATES:
+        got_q, got_w = indexer.indexer_q_quant(pos.to(dv), q.to(dv), cs.to(dv), w.to(dv), 128 ** -0.5, 32 ** -0.5,
+                                               config=cfg)
+        assert torch.equal(got_q.cpu(), ref_q), cfg
+        assert torch.equal(got_w.cpu().view(torch.int32), ref_w.view(torch.int32)), cfg
+
+
+@pytest.mark.parametrize("compressed,block_m,block_n", [(False, 32, 32), (True, 16, 64)],
+                         ids=["full-m32n32", "compressed-m16n64"])
+def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n):
+    """The v2 prefill kernel (keys as the MMA's M dim, one dot per query row over all heads)."""
+    M, H, N = 70, 20, 150  # partial row / key tiles, H padded to 32
+    q = make_codes((M, H, D), 31)
+    q[5] = 0
+    k = make_codes((N, D), 32)
+    w = torch.randn(M, H, generator=rng(33))
+    ksc = 2.0 ** torch.randint(-6, 6, (N,), generator=rng(34)).float()
+    m = torch.arange(M)
+    ks = torch.where(m < 30, 0, 60).to(torch.int32)
+    ke = torch.where(m < 30, (m + 1) * 2, 60 + (m - 29)).to(torch.int32)
+    ke[7] = ks[7]
+    ks[9], ke[9] = -5, N + 7  # out-of-range bounds clamp to [0, N)
+    cols = 100 if compressed else -1
+    ref = ref_mqa_logits(q, w, k, ksc, ks.clamp(min=0), ke.clamp(max=N), cols)
+    cfg = {"KERNEL": 2, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+    dv = interpret
+    got = indexer.mqa_logits(q.to(dv), w.to(dv), k.to(dv), ksc.to(dv), ks.to(dv), ke.to(dv), cols, config=cfg)
+    assert_logits_close(got, ref)
+
+
+@pytest.mark.parametrize("next_n,per_row", [(1, False), (2, False), (2, True)], ids=["n1", "n2", "n2-2d"])
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n):
+    """The v2 decode kernel (keys as the MMA's M dim), several tiles a program."""
+    B, H, bs, nb = 3, 24, 16, 10
+    q, cache, w, ctx, bt = _paged_case(B, next_n, H, bs, nb, [0 if next_n == 1 else 2, 1 + next_n, 70], per_row,
+                                       seed=6, pad=20)
+    bt[2, 1] = nb
+    bt[2, 2] = -3
+    max_len = 150
+    ref = ref_paged_mqa_logits(q, cache, w, ctx, bt, max_len)
+    cfg = {"KERNEL": 2, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "TARGET_PROGRAMS": 4,
+           "MAX_TILES_PER_PROGRAM": 3}
+    assert indexer.paged_tiles_per_program(B * next_n, max_len, cfg) > 1
+    dv = interpret
+    got = indexer.paged_mqa_logits(q.to(dv), cache.to(dv), w.to(dv), ctx.to(dv), bt.to(dv), max_len, config=cfg)
+    assert_logits_close(got, ref)
+
+
+def test_kernel_k_insert_candidates(interpret):
+    from dsv4_ops.csrc_triton import indexer as K
+
+    bs, nb = 4, 5
+    cap = bs * nb
+    k = make_k(17, seed=15).to(interpret)
+    slots = torch.randperm(cap, generator=rng(16))[:17]
+    slots[:3] = torch.tensor([-1, cap, 2**40])
+    slots = slots.to(interpret)
+    want = make_cache(nb, bs, pad=8).to(interpret)
+    base = want.clone()
+    ref_indexer_k_insert(k, want, slots, bs)
+    for cfg in K.K_INSERT_CANDIDATES:
+        got = base.clone()
+        indexer.indexer_k_insert(k, got, slots, bs, config=cfg)
+        assert torch.equal(got, want), cfg
+
+
 # ---------------------------------------------------------------------------------------
 # Ops: opcheck, errors, AOT
 # ---------------------------------------------------------------------------------------
