@@ -495,14 +495,16 @@ def _paged_mqa_logits_v2_kernel(
 # (q quant: 2 = the pairs kernel). benchmarks/sweep_indexer.py times every row of
 # *_CANDIDATES on the GPU and prints the dict to ship; every candidate row AOT-compiles for
 # sm_80 and sm_86 without spills (`python -m dsv4_ops.aot --candidates`).
-K_INSERT_CONFIG = {"TOKENS": 8, "num_warps": 4}
-Q_QUANT_CONFIG = {"KERNEL": 1, "HEADS": 8, "num_warps": 4}
-MQA_CONFIG = {"KERNEL": 1, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}  # full [M, N] output
-# compressed [M, max_seqlen_k] output (what vLLM's prefill uses): the scatter store of a
-# [64, 128] tile at 8 warps spills 80 B on sm_86 (`python -m dsv4_ops.aot`); 32 rows do not.
-MQA_COMPRESSED_CONFIG = {"KERNEL": 1, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
-PAGED_CONFIG = {"KERNEL": 1, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
-                "TARGET_PROGRAMS": 432,  # ~4 programs an SM on an A100 (108 SMs)
+# Shipped: the best of the H200 sweep (portable, in-graph; benchmarks/results/sweep_indexer.md):
+# k insert 1.51x the byte floor (was 2.16x), q quant 1.86x (3.0x), prefill 2.7-2.8x the flop
+# floor (4.6x), decode B=64 H=32 2.06x (3.87x), H=64 3.76x (4.40x).
+K_INSERT_CONFIG = {"TOKENS": 32, "num_warps": 4}
+Q_QUANT_CONFIG = {"KERNEL": 2, "HEADS": 32, "num_warps": 4}
+MQA_CONFIG = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}  # full [M, N] output
+# compressed [M, max_seqlen_k] output (what vLLM's prefill uses)
+MQA_COMPRESSED_CONFIG = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+PAGED_CONFIG = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2,
+                "TARGET_PROGRAMS": 864,  # ~8 programs an SM on an A100 (108 SMs)
                 "MAX_TILES_PER_PROGRAM": 64}
 
 K_INSERT_CANDIDATES = [

@@ -131,14 +131,28 @@ _POOLS: Dict[Tuple[int, int], Any] = {}
 _SIDE_STREAMS: Dict[int, torch.cuda.Stream] = {}
 
 
-def _pool_for(device_index: int, stream: int):
+_POOL_ANCHORS: Dict[Tuple[int, int], Any] = {}
+
+
+def _pool_for(device_index: int, stream: int, side: "torch.cuda.Stream"):
     """One private memory pool per (device, replay stream), shared by every decode graph: the
     graphs of one stream never run concurrently, and each frees its scratch before its
-    capture ends, so they may reuse each other's scratch."""
+    capture ends, so they may reuse each other's scratch.
+
+    The pool is anchored by an empty graph that lives as long as the process: the caching
+    allocator frees a pool when its last graph dies, and a later capture into the same
+    handle then fails its internal ``use_count > 0`` assertion (seen on the H200 once a
+    test's cache had been collected)."""
     key = (device_index, stream)
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
+        anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device_index), torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+            anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
+            anchor.capture_end()
+        _POOLS[key], _POOL_ANCHORS[key] = pool, anchor
     return pool
 
 
@@ -150,7 +164,7 @@ def capture_cuda_graph(fn: Callable[[], Any], device: torch.device) -> torch.cud
     side = _SIDE_STREAMS.get(idx)
     if side is None:
         side = _SIDE_STREAMS[idx] = torch.cuda.Stream(idx)
-    pool = _pool_for(idx, cur.cuda_stream)
+    pool = _pool_for(idx, cur.cuda_stream, side)
     side.wait_stream(cur)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.device(idx), torch.cuda.stream(side):
