@@ -28,11 +28,15 @@ def parse_args(description: str) -> argparse.Namespace:
 def stamp() -> Dict[str, str]:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    # The device tool copies the working tree with stale git metadata: pass the commit in
+    # (DSV4_BENCH_COMMIT=$(git rev-parse --short HEAD), plus "+dirty" for uncommitted edits).
+    commit = os.environ.get("DSV4_BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "capability": "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "-",

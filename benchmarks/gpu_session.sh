@@ -3,7 +3,7 @@
 # tests for both variants, compute-sanitizer memcheck, the exhaustive codec counts, then the
 # benchmarks. Logs and results land in $OUT as two tarballs and a summary.
 #   usage: bash benchmarks/gpu_session.sh [stages]   stages: any of check,tests,memcheck,exhaustive,bench
-#   env: BENCHES (default benchmarks/bench_*.py), BENCH_TIMEOUT (150 s), TEST_TIMEOUT (420 s), PYTEST_ARGS
+#   env: DSV4_BENCH_COMMIT (stamp; the device copy has stale git metadata), BENCHES (default benchmarks/bench_*.py), BENCH_TIMEOUT (150 s), TEST_TIMEOUT (420 s), PYTEST_ARGS
 set -u -o pipefail
 STAGES="${1:-check,tests,memcheck,exhaustive,bench}"
 OUT="${OUT:-/tmp/dsv4_out}"
@@ -28,7 +28,7 @@ if has memcheck; then
   for script in tests/memcheck_*.py; do
     [ -f "$script" ] || continue
     for v in portable native; do
-      DSV4_AMPERE_IMPL=$v compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$script" \
+      DSV4_AMPERE_IMPL=$v timeout "${MEMCHECK_TIMEOUT:-150}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$script" \
         > "$OUT/logs/memcheck_$(basename "$script" .py)_$v.log" 2>&1
       summary "memcheck $script $v rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/logs/memcheck_$(basename "$script" .py)_$v.log" | tail -1)"
     done
