@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .o_proj import gptj_rotate_tail
 from .table import Patch, per_model
 
 _E4M3 = torch.float8_e4m3fn
@@ -38,15 +39,6 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
                                                  float(index_weights_softmax_scale),
                                                  float(index_weights_head_scale))
     return q.view(_E4M3), w
-
-
-def _rope_gptj_last64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, 128] -> fp32 [N, 128]: GPT-J RoPE on dims 64..127 (pairs 64 + 2i, 65 + 2i)."""
-    out = x.clone()
-    x0, x1 = x[:, 64::2], x[:, 65::2]
-    out[:, 64::2] = x0 * cos - x1 * sin
-    out[:, 65::2] = x1 * cos + x0 * sin
-    return out
 
 
 def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, rms_norm_eps, k_cache,
@@ -66,7 +58,7 @@ def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, 
     var = (k * k).mean(dim=1, keepdim=True)
     k = (k * torch.rsqrt(var + rms_norm_eps) * rms_norm_weight.to(torch.float32)).to(torch.bfloat16).float()
     cs = cos_sin_cache[torch.div(pos, compress_ratio, rounding_mode="floor") * compress_ratio].to(torch.float32)
-    k = _rope_gptj_last64(k, cs[:, :32], cs[:, 32:64]).to(torch.bfloat16)
+    k = gptj_rotate_tail(k, cs[:, :64], inverse=False).to(torch.bfloat16)
     slots = kv_slot_mapping.reshape(-1).to(torch.int64)
     slots = torch.where((pos + 1) % compress_ratio == 0, slots, -1)
     torch.ops.dsv4_ampere.indexer_k_insert(k, k_cache, slots, k_cache.shape[1])
