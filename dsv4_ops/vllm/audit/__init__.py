@@ -13,8 +13,9 @@ One row per kernel use on the path (``phase`` forward: prefill/decode/profile/me
 - CuTeDSL: dead when its PTX holds an E4M3 cvt (sm_89+). TileLang: unknown (see ``_paths``).
 - patch: the ``dsv4_ops.vllm.table`` row through which every use of the kernel passes.
 
-``status`` is runs / dead / unknown; a row is *open* when it is on the default path, not
-``runs``, and has no patch. The audit runs in a subprocess (a Triton driver that reports the
+``status`` is runs / dead / unknown / off (a library call under a guard that is never taken on
+sm_8x, with the guard as evidence); a row is *open* when it is on the default path, neither
+``runs`` nor ``off``, and has no patch. The audit runs in a subprocess (a Triton driver that reports the
 target has to be installed before vLLM is imported).
 """
 
@@ -39,13 +40,13 @@ class Row:
     kernel: str
     tech: str
     location: str
-    status: str     # runs / dead / unknown
+    status: str     # runs / dead / unknown / off (a call under a guard never taken on sm_8x)
     evidence: str
     patch: str      # the patch-table row that replaces it, or ''
 
     @property
     def open(self) -> bool:
-        return self.path == "default" and self.status != "runs" and not self.patch
+        return self.path == "default" and self.status not in ("runs", "off") and not self.patch
 
     @property
     def ident(self) -> str:
@@ -141,9 +142,10 @@ def summary_line(res: AuditResult) -> str:
     for m in sorted({r.model for r in res.rows}):
         rows = [r for r in res.rows if r.model == m and r.path == "default"]
         runs = sum(r.status == "runs" for r in rows)
-        patched = sum(r.status != "runs" and bool(r.patch) for r in rows)
+        off = sum(r.status == "off" for r in rows)
+        patched = sum(r.status not in ("runs", "off") and bool(r.patch) for r in rows)
         opened = sum(r.open for r in rows)
-        parts.append(f"{m}: {len(rows)} rows, {runs} run, {patched} replaced, {opened} open")
+        parts.append(f"{m}: {len(rows)} rows, {runs} run, {off} guarded off, {patched} replaced, {opened} open")
     return f"audit-vllm sm_{res.arch} (vLLM {res.vllm}): " + "; ".join(parts)
 
 

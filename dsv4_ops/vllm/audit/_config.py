@@ -1,26 +1,47 @@
-"""A stand-in ``VllmConfig`` for vLLM's warmup-key expansion (``get_warmup_keys(vllm_config=...)``).
+"""A stand-in ``VllmConfig`` for vLLM's warmup-key expansion (``get_warmup_keys(vllm_config=...)``),
+and the target platform those expansions see.
 
-Only plain attributes: the serve command of the audited path (TP=8, PP=1, no speculative
+Plain attributes for the serve command of the audited path (TP=8, PP=1, no speculative
 decoding, fp8_ds_mla cache, block 256, bf16) and the model geometry of the public configs
-(DSV4_FACTS.md; V4.1 values not read from a checkpoint). A field vLLM reads that is missing
-here raises AttributeError, and the audit reports the kernel as unknown with that error.
+(DSV4_FACTS.md); ``attention_config`` is vLLM's own ``AttentionConfig()`` (the defaults of a
+plain ``vllm serve``: indexer K cache "auto" = fp8). ``compress_ratios`` is a per-layer list
+(MTP included) with the ratios each model's layers take (V4: 0/4/128; V4.1: 0/1/2); warmup
+keys depend only on the set of values, the layer order here is illustrative. A field vLLM reads
+that is missing here raises AttributeError, and the audit reports the kernel as unknown with
+that error.
 """
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace as NS
+
+_V4_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]          # 43 layers + 1 MTP
+_V41_RATIOS = [0, 0] + [1, 2] * 19 + [0]                 # 40 layers + 1 MTP
 
 _HF = {
     "v4": dict(model_type="deepseek_v4", hidden_size=4096, num_attention_heads=64, head_dim=512,
                qk_rope_head_dim=64, q_lora_rank=1024, kv_lora_rank=512, o_groups=8, index_n_heads=64,
                index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4, rms_norm_eps=1e-6,
-               num_nextn_predict_layers=1, num_hidden_layers=43),
+               num_nextn_predict_layers=1, num_hidden_layers=43, compress_ratios=_V4_RATIOS),
     "v41": dict(model_type="deepseek_v41", hidden_size=5120, num_attention_heads=64, head_dim=512,
                 qk_rope_head_dim=64, q_lora_rank=1280, kv_lora_rank=512, o_groups=8, index_n_heads=32,
                 index_head_dim=128, index_topk=512, sliding_window=128, hc_mult=4, rms_norm_eps=1e-6,
                 num_nextn_predict_layers=1, num_hidden_layers=40, candidate_topk_blocks=64,
-                candidate_block_size=64),
+                candidate_block_size=64, compress_ratios=_V41_RATIOS,
+                kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36]),
 }
+
+
+def _attention_config():
+    try:
+        from vllm.config.attention import AttentionConfig
+
+        return AttentionConfig()
+    except Exception:  # noqa: BLE001 - another vLLM: a stub with the documented default
+        return NS(sparse_mla_prefill_workspace_factor=None, indexer_sparse_logits=False,
+                  indexer_tp_shard_min_rows=65536, indexer_kv_dtype="auto",
+                  resolve_indexer_kv_dtype=lambda default: default)
 
 
 def vllm_config(model: str):
@@ -36,6 +57,41 @@ def vllm_config(model: str):
                            cp_kv_cache_interleave_size=1, pcp_shard_decode_requests=False),
         speculative_config=None, num_speculative_tokens=0,
         compilation_config=NS(cudagraph_mode=None),
-        attention_config=NS(sparse_mla_prefill_workspace_factor=1, indexer_sparse_logits=False,
-                            indexer_tp_shard_min_rows=0, resolve_indexer_kv_dtype=lambda *a, **k: torch.uint8),
+        kernel_config=NS(enable_jit_warmup=True),
+        attention_config=_attention_config(),
     )
+
+
+# SMs of the reference GPU of each target (A100 SXM: 108; A40 / RTX A6000: 84).
+SM_COUNT = {80: 108, 86: 84}
+
+
+@contextlib.contextmanager
+def target_platform(arch: int):
+    """vLLM's ``current_platform`` answers as an sm_<arch> GPU would while warmup keys are
+    expanded (``get_device_capability()`` is None on a CPU machine, which makes some kernels
+    return no keys; PDL is sm_90+), and on a machine without CUDA
+    ``torch.cuda.get_device_properties`` reports the reference GPU's SM count."""
+    from vllm.platforms import current_platform as cp
+    from vllm.platforms.interface import DeviceCapability
+
+    import torch
+
+    cap = DeviceCapability(major=arch // 10, minor=arch % 10)
+    saved = {k: cp.__dict__[k] for k in ("get_device_capability", "is_arch_support_pdl") if k in cp.__dict__}
+    cp.get_device_capability = lambda device_id=0: cap
+    cp.is_arch_support_pdl = lambda: arch >= 90
+    real_props = torch.cuda.get_device_properties
+    if not torch.cuda.is_available():  # SM count for split-K heuristics (mHC TileLang warmup keys)
+        torch.cuda.get_device_properties = lambda device=None: NS(
+            multi_processor_count=SM_COUNT.get(arch, 108), major=cap.major, minor=cap.minor,
+            name=f"dsv4_ops audit target sm_{arch}")
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_properties = real_props
+        for k in ("get_device_capability", "is_arch_support_pdl"):
+            if k in saved:
+                setattr(cp, k, saved[k])
+            else:
+                cp.__dict__.pop(k, None)

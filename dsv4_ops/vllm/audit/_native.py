@@ -50,26 +50,55 @@ def entry_symbols(so: str, arch: int) -> Tuple[str, ...]:
     return tuple(line.split()[-1] for line in out.splitlines() if "STO_ENTRY" in line)
 
 
-def _tokens(op: str) -> List[str]:
-    return [t for t in op.lower().split("_") if len(t) >= 3 or t.isdigit() or t in ("v4", "kv", "mqa", "k")]
+def kernel_base_name(mangled: str) -> str:
+    """The unqualified function name of an Itanium-mangled kernel symbol (``_ZN4vllm...9myKernelI...``
+    -> ``myKernel``); the symbol itself when it is not mangled."""
+    if not mangled.startswith("_Z"):
+        return mangled
+    i, names = 2, []
+    nested = mangled[i:i + 1] == "N"
+    i += 1 if nested else 0
+    while i < len(mangled) and mangled[i].isdigit():
+        j = i
+        while j < len(mangled) and mangled[j].isdigit():
+            j += 1
+        n = int(mangled[i:j])
+        names.append(mangled[j:j + n])
+        i = j + n
+        if not nested:
+            break
+    return names[-1] if names else mangled
+
+
+def _norm(name: str) -> str:
+    low = name.lower().replace("_", "")
+    for suffix in ("kernelreducedgrid", "kernel"):
+        if low.endswith(suffix):
+            return low[: -len(suffix)]
+    return low
 
 
 def find_cpp_kernel(op: str, arch: int, namespace: str = "_C") -> Tuple[Optional[bool], str]:
-    """(True, evidence) when an sm_<arch> cubin of a vLLM extension holds a kernel whose name
-    contains every word of ``op``; (False, ...) when the extension has no sm_<arch> cubin at all;
-    (None, ...) when cubins exist but no kernel name matched."""
+    """(True, evidence) when an sm_<arch> cubin of a vLLM extension holds a kernel whose name is the
+    op's name (case, underscores and a ``Kernel`` suffix aside: ``top_k_per_row_prefill`` ->
+    ``vllm::topKPerRowPrefill``; exact, so ``fused_deepseek_v4_kv_rope_insert`` does not match
+    ``fusedDeepseekV4QNormRopeKVRopeQuantInsertKernel``); (False, ...) when the extension has no
+    sm_<arch> cubin at all; (None, ...) when cubins exist but no kernel has the op's name (the op
+    launches a kernel named otherwise: not established)."""
     sos = [s for s in vllm_sos() if os.path.basename(s).startswith(namespace + ".") or
            os.path.basename(s).startswith(namespace + "_stable")] or vllm_sos()
-    words = [t for t in _tokens(op) if t not in ("fused", "cuda")]
+    want = _norm(op)
     for so in sos:
         for sym in entry_symbols(so, arch):
-            low = sym.lower()
-            if all(w in low for w in words):
-                return True, f"sm_{arch} cubin in {os.path.basename(so)}: {sym[:90]}"
+            base = kernel_base_name(sym)
+            if _norm(base) == want:
+                n = sum(kernel_base_name(x) == base for x in entry_symbols(so, arch))
+                return True, f"sm_{arch} cubin in {os.path.basename(so)}: {base} ({n} instantiation(s))"
     names = ", ".join(f"{os.path.basename(s)} [{' '.join(elf_archs(s))}]" for s in sos)
     if not any(f"sm_{arch}" in elf_archs(s) for s in sos):
         return False, f"no sm_{arch} cubin in {names}"
-    return None, f"no sm_{arch} kernel symbol matching {'+'.join(words)} in {names}"
+    return None, (f"no sm_{arch} kernel named like the op ({op}) in {names}; the op launches a kernel of "
+                  "another name, which the audit does not guess")
 
 
 def library_evidence(library: str, arch: int) -> str:

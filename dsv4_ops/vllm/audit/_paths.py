@@ -8,6 +8,7 @@ vLLM shows up in the audit by itself.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional, Tuple
 
@@ -43,7 +44,35 @@ _OFF_PATH_NAMES: Tuple[Tuple[str, str], ...] = (
     (r"(?i)dspark_noncausal", "DSpark drafting only"),
     (r"(?i)sparse_mqa|expand_candidates|sparse_topk_remap", "SparseMQAIndexer: opt-in indexer_sparse_logits, MXFP4 cache (sm_100)"),
     (r"(?i)fused_wo_a", "fused WO-A o_proj: sm_100 only"),
+    (r"^forward_(cpu|hip|xpu|tpu)$", "CustomOp platform method: vLLM dispatches forward_cuda on NVIDIA"),
 )
+
+
+# Off the NVIDIA path because of a branch in vLLM's source, each with the source pattern that
+# shows it: (name pattern, module, regex that must still match that module's source, why). When
+# vLLM changes the branch, the regex stops matching and the kernels are audited again.
+_OFF_PATH_CHECKED: Tuple[Tuple[str, str, Tuple[str, ...], str], ...] = (
+    (r"^(_compress_gather_split_sparse_attn|_finalize_norm_rope_quant_store_sparse_attn|"
+     r"_launch_two_stage_sparse_attn_compressor|compress_norm_rope_store_two_stage_triton)$",
+     "vllm.models.deepseek_v4.compressor",
+     (r"if current_platform\.is_cuda\(\) and self\.head_dim == 512:(?:(?!\n        else:).)*?"
+      r"\n        elif self\._use_two_stage_fused_compressor:",
+      r"self\._use_two_stage_fused_compressor = \(\s*_prefer_two_stage_compressor\(\) and head_dim == 512"),
+     "two-stage Triton compressor: DeepseekCompressor picks it only in the `elif` after "
+     "`if current_platform.is_cuda() and self.head_dim == 512` (CuTeDSL), and it requires head_dim == 512: "
+     "never on NVIDIA (deepseek_v4/compressor.py)"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_matches(module: str, patterns: Tuple[str, ...]) -> bool:
+    from . import _source
+
+    path = _source.module_path(module)
+    if not path:
+        return False
+    text = open(path).read()
+    return all(re.search(p, text, re.S) for p in patterns)
 
 
 def off_path(name: str) -> Optional[str]:
@@ -51,15 +80,28 @@ def off_path(name: str) -> Optional[str]:
     for pattern, why in _OFF_PATH_NAMES:
         if re.search(pattern, name):
             return why
+    for pattern, module, source, why in _OFF_PATH_CHECKED:
+        if re.search(pattern, name) and _source_matches(module, source):
+            return why
     return None
 
 
 # Values a layer passes to ``register_warmup`` from its own attributes (``head_dim=self.head_dim``),
 # per model: every value the default serve path's layers take (main compressor head 512, V4
 # indexer compressor head 128; V4 ratios 4/128, V4.1 ratios 1/2; SWA window 128, block 256).
+# mHC (TileLang) registrations read the decoder layer: hidden size, hc_mult 4, eps values of the
+# public configs (rms 1e-6, hc_eps 1e-6, 20 Sinkhorn iterations, hc_post_alpha 2.0 hard-coded in
+# vLLM); include_pre_gemm_splits = is_deep_gemm_supported() (False on sm_8x); the broadcast
+# splits only on layer 0 of the first pipeline rank (both values occur).
+_MHC = {"hc_mult": (4,), "rms_eps": (1e-6,), "hc_eps": (1e-6,), "hc_pre_eps": (1e-6,), "hc_sinkhorn_eps": (1e-6,),
+        "hc_post_mult_value": (2.0,), "sinkhorn_repeat": (20,), "norm_eps": ((1e-6, 1e-6),),
+        "broadcast_norm_eps": (1e-6,), "include_pre_gemm_splits": (False,), "include_broadcast_splits": (True, False),
+        "n_out": (24,)}
 LAYER_VALUES = {
-    "v4": {"head_dim": (512, 128), "compress_ratio": (4, 128), "window_size": (128,), "block_size": (256,)},
-    "v41": {"head_dim": (512,), "compress_ratio": (1, 2), "window_size": (128,), "block_size": (256,)},
+    "v4": dict(_MHC, head_dim=(512, 128), compress_ratio=(4, 128), window_size=(128,), block_size=(256,),
+               hidden_size=(4096,)),
+    "v41": dict(_MHC, head_dim=(512,), compress_ratio=(1, 2), window_size=(128,), block_size=(256,),
+                hidden_size=(5120,)),
 }
 
 TILELANG_NOTE = ("TileLang: not compiled for sm_8x here (a CPU-side TileLang build for sm_80 was not "
@@ -112,6 +154,7 @@ def probe_fp8(arch: int) -> str:
                        target=GPUTarget("cuda", arch, 32))
         _PROBE[arch] = f"probe: an fp8e4nv store compiles for sm_{arch}"
     except Exception as exc:  # noqa: BLE001
-        msg = [ln for ln in str(exc.__cause__ or exc).splitlines() if "fp8" in ln]
+        lines = str(exc.__cause__ or exc).splitlines()
+        msg = [ln for ln in lines if "not supported" in ln] or [ln for ln in lines if "fp8" in ln]
         _PROBE[arch] = f"probe for sm_{arch}: {(msg[-1] if msg else type(exc).__name__).strip()[:120]}"
     return _PROBE[arch]

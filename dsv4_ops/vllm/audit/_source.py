@@ -33,6 +33,9 @@ GUARD_VALUES = {
     "has_deep_gemm_sparse_mqa": False, "supports_mhc_overlap": False, "is_rocm": False, "is_xpu": False,
     "is_cpu": False,
 }
+# Layer attributes that select an opt-in backend: (value on a default serve, why). Read from
+# vLLM's own config source when possible (``_mega_moe_default``).
+GUARD_ATTRS: Dict[str, Tuple[bool, str]] = {}
 GUARD_WHY = {
     "has_deep_gemm": "has_deep_gemm() only checks that the module imports; vLLM vendors DeepGEMM, so it is True on sm_80",
     "has_cutedsl": "has_cutedsl() only checks that nvidia-cutlass-dsl imports (a vLLM dependency): True on sm_80",
@@ -123,6 +126,7 @@ class _Visitor(ast.NodeVisitor):
         self.func: Optional[Func] = None
         self.guards: List[Tuple[ast.expr, bool]] = []
         self.local_defs: Dict[str, str] = {}
+        self.early: Set[int] = set()  # tests of `if <test>: return` guards (the rest of the block)
 
     # imports (anywhere: vLLM imports many kernels inside functions)
     def visit_Import(self, node):
@@ -160,8 +164,7 @@ class _Visitor(ast.NodeVisitor):
         self.stack.append(node.name)
         for d in node.decorator_list:
             self.visit(d)
-        for stmt in node.body:
-            self.visit(stmt)
+        self._block(node.body)
         self.stack.pop()
         if own:
             self.func = None
@@ -175,16 +178,39 @@ class _Visitor(ast.NodeVisitor):
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     self.idx.toplevel.add(t.id)
+        if (not self.stack and self.func is None and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Call)):
+            # `_K = SomeKernelClass(part=_OTHER_KERNEL, ...)`: a module-level object built from
+            # other names is a user of them (and of its class), keyed module:_K like a function,
+            # so a patch row that replaces the object covers what it calls.
+            name = node.targets[0].id
+            self.func = self.idx.funcs.setdefault(name, Func(self.idx.name, name, node.lineno))
+            self.local_defs = {}
+            self.visit(node.value)  # not the target: the object is not a user of itself
+            self.func = None
+            return
         self.generic_visit(node)
+
+    def _block(self, stmts):
+        """Visit a statement list; after `if <test>: ... return/raise` (no else), the rest of
+        the block runs only when <test> is false, so it is guarded by `not <test>`."""
+        pushed = 0
+        for stmt in stmts:
+            self.visit(stmt)
+            if (isinstance(stmt, ast.If) and not stmt.orelse and stmt.body
+                    and isinstance(stmt.body[-1], (ast.Return, ast.Raise))):
+                self.guards.append((stmt.test, False))
+                self.early.add(id(stmt.test))
+                pushed += 1
+        for _ in range(pushed):
+            self.guards.pop()
 
     def visit_If(self, node):
         self.visit(node.test)
         self.guards.append((node.test, True))
-        for s in node.body:
-            self.visit(s)
+        self._block(node.body)
         self.guards[-1] = (node.test, False)
-        for s in node.orelse:
-            self.visit(s)
+        self._block(node.orelse)
         self.guards.pop()
 
     def visit_IfExp(self, node):
@@ -236,10 +262,18 @@ class _Visitor(ast.NodeVisitor):
             hit = self.lib_names.get(f"{mod}.{name}")
             if hit is None and name and any(mod.startswith(p) for p in _LIB_MODULE_PREFIXES):
                 hit = _lib_for_module(mod, name)
+            if hit is None and mod == "vllm._custom_ops" and name:
+                hit = (CPP, name)
         elif isinstance(f, ast.Attribute):
             chain = ast.unparse(f)
             if "_deepselect_C" in chain:
                 hit = ("deep_select", chain)
+            elif chain.startswith("torch.ops._C.") and chain.count(".") == 3:
+                hit = (CPP, f.attr)
+            elif isinstance(f.value, ast.Name) and self.idx.aliases.get(f.value.id, ("", ""))[0] == "vllm._custom_ops":
+                hit = (CPP, f.attr)
+            elif (isinstance(f.value, ast.Name) and self.idx.aliases.get(f.value.id) == ("vllm", "_custom_ops")):
+                hit = (CPP, f.attr)
             elif isinstance(f.value, ast.Name):
                 mod = self.idx.aliases.get(f.value.id, ("", ""))
                 full = f"{mod[0]}.{mod[1]}".strip(".") if mod[1] else mod[0]
@@ -252,15 +286,23 @@ class _Visitor(ast.NodeVisitor):
         for test, branch in self.guards:
             value = _eval_guard(test, self)
             names = {n for n in _guard_names(test, self)}
+            defs = [f"{n} = {self.local_defs[n]}" for n in _local_names(test) if n in self.local_defs]
+            head = (f"after `if {ast.unparse(test)[:80]}: return`" if id(test) in self.early
+                    else f"`{'if' if branch else 'else of'} {ast.unparse(test)[:80]}`")
+            where = head + (
+                f" ({'; '.join(defs)[:120]})" if defs else "")
             if value is not None and value != branch:
                 taken = False
-                notes.append(f"inside `{'if' if branch else 'else of'} {ast.unparse(test)[:80]}` = never taken on sm_8x")
+                notes.append(f"{'' if id(test) in self.early else 'inside '}{where}: never reached on sm_8x")
+            elif value is None and (names & set(GUARD_VALUES)):
+                notes.append(f"inside {where}: not decided for sm_8x (depends on the caller), so counted as reached")
             for n in names & set(GUARD_WHY):
                 notes.append(GUARD_WHY[n])
         call = LibCall(self.idx.name, self.func.qualname, node.lineno, library, name, sorted(set(notes)))
         (self.idx.libcalls if taken else self.idx.gated_off).append(call)
 
 
+CPP = "C++ _C"  # torch.ops._C.<op> / vllm._custom_ops.<op>: a kernel in vLLM's own extension
 _LIB_MODULE_PREFIXES = ("vllm.third_party.deep_gemm", "deep_gemm", "vllm.third_party.flashmla", "flash_mla",
                         "vllm.v1.attention.ops.flashmla")
 
@@ -273,21 +315,34 @@ def _lib_for_module(mod: str, name: str):
     return None
 
 
-def _guard_names(test: ast.expr, vis: _Visitor) -> Iterable[str]:
+def _local_names(test: ast.expr) -> List[str]:
+    return [n.id for n in ast.walk(test) if isinstance(n, ast.Name)]
+
+
+def _guard_names(test: ast.expr, vis: _Visitor, depth: int = 0) -> Iterable[str]:
     for n in ast.walk(test):
         if isinstance(n, ast.Name):
             yield vis._name(n.id)
+            if n.id in vis.local_defs and depth < 3:  # `use_deep_gemm = is_deep_gemm_supported()`
+                try:
+                    yield from _guard_names(ast.parse(vis.local_defs[n.id], mode="eval").body, vis, depth + 1)
+                except SyntaxError:
+                    pass
         elif isinstance(n, ast.Attribute):
             yield n.attr
 
 
-def _eval_guard(test: ast.expr, vis: _Visitor) -> Optional[bool]:
-    """True/False when the test is decided by GUARD_VALUES alone, else None."""
+def _eval_guard(test: ast.expr, vis: _Visitor, depth: int = 0) -> Optional[bool]:
+    """True/False when the test is decided by GUARD_VALUES alone (a local name is read through
+    its assignment in the same function, e.g. ``use_deep_gemm = is_deep_gemm_supported() or not
+    use_tilelang_fallback``; a parameter is undecided), else None."""
+    if depth > 4:
+        return None
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        v = _eval_guard(test.operand, vis)
+        v = _eval_guard(test.operand, vis, depth + 1)
         return None if v is None else not v
     if isinstance(test, ast.BoolOp):
-        vals = [_eval_guard(v, vis) for v in test.values]
+        vals = [_eval_guard(v, vis, depth + 1) for v in test.values]
         if isinstance(test.op, ast.And):
             return False if False in vals else (True if all(v is True for v in vals) else None)
         return True if True in vals else (False if all(v is False for v in vals) else None)
@@ -295,6 +350,13 @@ def _eval_guard(test: ast.expr, vis: _Visitor) -> Optional[bool]:
         f = test.func
         name = vis._name(f.id) if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else None)
         return GUARD_VALUES.get(name)
+    if isinstance(test, ast.Name) and test.id in vis.local_defs:
+        try:
+            return _eval_guard(ast.parse(vis.local_defs[test.id], mode="eval").body, vis, depth + 1)
+        except SyntaxError:
+            return None
+    if isinstance(test, ast.Attribute) and test.attr in GUARD_ATTRS:
+        return GUARD_ATTRS[test.attr][0]
     return None
 
 
@@ -339,3 +401,61 @@ def closure(roots: Iterable[str], lib_names: Dict[str, Tuple[str, str]]) -> Dict
         out[name] = idx
         todo.extend(m for m in idx.imports if m not in out and followed(m))
     return out
+
+
+def _mega_moe_default() -> Optional[Tuple[bool, str]]:
+    """``self.use_native_mega_moe = moe_backend in NATIVE_MEGA_MOE_BACKENDS`` (DeepseekV4MoE):
+    its value on a default serve, read from vLLM's ``config/kernel.py`` (the set and the
+    ``KernelConfig.moe_backend`` default), or None when that source no longer says it."""
+    path = module_path("vllm.config.kernel")
+    if not path:
+        return None
+    tree = ast.parse(open(path).read())
+    backends, default = None, None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "NATIVE_MEGA_MOE_BACKENDS"
+                                                for t in node.targets):
+            backends = {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+        if isinstance(node, ast.ClassDef) and node.name == "KernelConfig":
+            for st in node.body:
+                if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                        and st.target.id == "moe_backend" and isinstance(st.value, ast.Constant)):
+                    default = st.value.value
+    if backends is None or default is None:
+        return None
+    value = default in backends
+    return value, (f"use_native_mega_moe = moe_backend in NATIVE_MEGA_MOE_BACKENDS {sorted(backends)}; "
+                   f"KernelConfig.moe_backend defaults to {default!r} (vllm/config/kernel.py), so it is "
+                   f"{value} unless --kernel-config moe_backend=... opts in")
+
+
+def init_guards() -> None:
+    got = _mega_moe_default()
+    if got is not None:
+        GUARD_ATTRS["use_native_mega_moe"] = got
+        GUARD_WHY["use_native_mega_moe"] = got[1]
+
+
+_VLLM_TEXT: List[str] = []
+
+
+def called_anywhere_in_vllm(name: str) -> bool:
+    """Whether any vLLM source file outside other platforms' modules (EXCLUDE_PARTS) calls
+    ``name(`` (its ``def`` aside): a function that nothing there calls is not on the NVIDIA serve
+    path, whatever scope the audit follows."""
+    import re
+
+    if not _VLLM_TEXT:
+        root = os.path.dirname(module_path("vllm") or "")
+        for dirpath, _dirs, files in os.walk(root):
+            for fn in files:
+                dotted = os.path.relpath(os.path.join(dirpath, fn), os.path.dirname(root)).replace(os.sep, ".")
+                if fn.endswith(".py") and not any(x in dotted for x in EXCLUDE_PARTS):  # other platforms
+                    try:
+                        with open(os.path.join(dirpath, fn), encoding="utf-8", errors="replace") as f:
+                            _VLLM_TEXT.append(f.read())
+                    except OSError:
+                        pass
+    call = re.compile(rf"(?<![\w]){re.escape(name)}\s*\(")
+    define = re.compile(rf"def\s+{re.escape(name)}\s*\(")
+    return any(len(call.findall(t)) > len(define.findall(t)) for t in _VLLM_TEXT if name in t)

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from . import _paths, _source
 
 MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41"}
+# Methods reached by calling the class or an instance, not by name.
+_CLASS_ENTRY = ("__call__", "__init__")
 
 
 def _kernel_tech(obj) -> Optional[str]:
@@ -44,6 +46,8 @@ class Audit:
     def __init__(self, arch: int, jobs: int):
         self.arch, self.jobs = arch, jobs
         self.libs = _source.deep_gemm_kernel_names()
+        _source.init_guards()
+        self.entry_modules: Set[str] = set()  # --modules (tests): their functions are entry points
         self.notes: List[str] = []
 
     # ------------------------------------------------------------------ discovery
@@ -130,15 +134,22 @@ class Audit:
             if f.key in funcs:
                 rows.add(funcs[f.key])
                 continue
+            if ("." not in f.qualname and f.module not in self.entry_modules
+                    and not [u for u in refs.get(f.qualname, ()) if u is not f]
+                    and not _source.called_anywhere_in_vllm(f.qualname)):
+                continue  # a module-level function nothing in vLLM calls: never called
             if f.key in seen:
                 return None
             seen.add(f.key)
-            short = f.qualname.split(".")[-1]
+            parts = f.qualname.split(".")
+            short = parts[-1]
+            if len(parts) > 1 and short in _CLASS_ENTRY:
+                short = parts[-2]  # `obj(...)` / `Cls(...)`: the users of the class (or its instances)
             row = self.coverage(short, f.module, refs, bind, funcs, jit_defs, depth + 1, seen)
             if row is None:
                 return None
             rows.add(row)
-        return " + ".join(sorted(rows))
+        return " + ".join(sorted(rows)) or None
 
     # ------------------------------------------------------------------ rows
     def rows_for(self, model: str, path: str, mods, objs, compiled) -> List[dict]:
@@ -164,10 +175,18 @@ class Audit:
                 continue
             status, evidence = self.status(mod, name, obj, tech, registered, compiled)
             patch = self.coverage(name, mod, refs, bind, funcs, jit_defs) if users else None
+            unused = [f for f in users if "." not in f.qualname and f.module not in self.entry_modules
+                      and not [u for u in refs.get(f.qualname, ()) if u is not f]
+                      and not _source.called_anywhere_in_vllm(f.qualname)]
+            fstatus, fevidence = status, evidence
+            if users and len(unused) == len(users) and status != "runs" and not patch:
+                fstatus, fevidence = "off", (f"not reached: its only user(s) {', '.join(f.qualname for f in unused)} "
+                                             f"are module-level functions nothing on the serve path calls "
+                                             f"(if called, {status}: {evidence[:160]})")
             loc = f"{users[0].module}:{users[0].qualname}:{users[0].lineno}" if users else ""
             if users:
                 rows.append(dict(model=model, path=path, phase="forward", kernel=f"{mod}.{name}", tech=tech,
-                                 location=_short(loc), status=status, evidence=evidence, patch=patch or ""))
+                                 location=_short(loc), status=fstatus, evidence=fevidence, patch=patch or ""))
             for r in registered[:1]:
                 wpatch = ""
                 if status != "runs" and patch:
@@ -175,20 +194,29 @@ class Audit:
                 rows.append(dict(model=model, path=path, phase="jit-warmup", kernel=f"{mod}.{name}", tech=tech,
                                  location=_short(f"{r.module}:{r.func}:{r.lineno}"), status=status,
                                  evidence=evidence, patch=wpatch))
+        from . import _native
+
         for idx in mods.values():
-            for c in idx.libcalls:
+            for c, reached in [(c, True) for c in idx.libcalls] + [(c, False) for c in idx.gated_off]:
                 if _paths.off_path(c.func.split(".")[-1]) or _paths.off_path(c.name):
                     continue
-                from . import _native
-
-                ev = _native.library_evidence(c.library, self.arch)
+                key = f"{c.module}:{c.func}"
+                if not reached:  # the call sits under a guard that is never taken on sm_8x
+                    rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
+                                     tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
+                                     evidence="not reached on sm_8x: " + "; ".join(c.guards), patch=""))
+                    continue
+                if c.library == _source.CPP:
+                    found, ev = _native.find_cpp_kernel(c.name, self.arch)
+                    status = {True: "runs", False: "dead", None: "unknown"}[found]
+                else:
+                    status, ev = "dead", _native.library_evidence(c.library, self.arch)
                 if c.guards:
                     ev += "; guard: " + "; ".join(c.guards)
-                key = f"{c.module}:{c.func}"
                 patch = funcs.get(key) or bind.get((c.module, c.name)) or \
                     self.coverage(c.func.split(".")[-1], c.module, refs, bind, funcs, jit_defs)
                 rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
-                                 tech=c.library, location=_short(f"{key}:{c.lineno}"), status="dead",
+                                 tech=c.library, location=_short(f"{key}:{c.lineno}"), status=status,
                                  evidence=ev, patch=patch or ""))
         return rows
 
@@ -201,22 +229,43 @@ class Audit:
             ok, ev = _native.cutedsl_evidence(obj)
             return ("dead" if ok is False else "unknown"), ev
         if tech == "TileLang":
-            return "unknown", _paths.TILELANG_NOTE
+            return compiled.get((mod, name), ("unknown", _paths.TILELANG_NOTE))
         return "unknown", ""
 
     # ------------------------------------------------------------------ Triton compile
     def compile_triton(self, objs, regs_by_kernel, model: str) -> Dict[Tuple[str, str], Tuple[str, str]]:
-        from . import _config, _triton
+        from . import _config, _recipes, _triton
 
         cfg = _config.vllm_config(model)
 
         out: Dict[Tuple[str, str], Tuple[str, str]] = {}
-        specs, owners, notes = [], [], {}
+        specs, owners, notes, recipe = [], [], {}, {}
         for key, obj in objs.items():
+            if _kernel_tech(obj) == "TileLang" and hasattr(obj, "get_warmup_keys"):
+                from . import _tilelang
+
+                kwsets = [kw for r in regs_by_kernel.get(key, []) for kw in self._eval_kwargs(r, model)] or [{}]
+                if "vllm_config" in inspect.signature(obj.get_warmup_keys).parameters:
+                    kwsets = [dict(kw, vllm_config=cfg) for kw in kwsets]
+                with _config.target_platform(self.arch):
+                    out[key] = _tilelang.compile_kernel(obj, kwsets, self.arch)
+                continue
             if _kernel_tech(obj) != "Triton":
                 continue
             if not hasattr(obj, "get_warmup_keys"):
                 out[key] = _paths.bare_status(key[1], obj, self.arch)
+                if out[key][0] == "unknown":
+                    from triton.runtime.jit import JITFunction
+
+                    got, why = (_recipes.specs_for(f"{key[0]}.{key[1]}", obj) if isinstance(obj, JITFunction)
+                                else ([], ""))
+                    if got:
+                        specs.extend(got)
+                        owners.extend([key] * len(got))
+                        notes[key] = why
+                        recipe[key] = True
+                    elif why:
+                        out[key] = ("unknown", why)
                 continue
             kwsets = [kw for r in regs_by_kernel.get(key, []) for kw in self._eval_kwargs(r, model)] or [{}]
             if "vllm_config" in inspect.signature(obj.get_warmup_keys).parameters:
@@ -224,7 +273,8 @@ class Audit:
             got = []
             try:
                 for kw in kwsets:
-                    s, note = _triton.capture_specs(obj, kw)
+                    with _config.target_platform(self.arch):
+                        s, note = _triton.capture_specs(obj, kw)
                     got.extend(s)
                     notes[key] = note
             except Exception as exc:  # noqa: BLE001
@@ -248,6 +298,8 @@ class Audit:
                 out[key] = ("dead", f"AOT sm_{self.arch} fails ({len(bad)}/{len(items)} keys): {err}"
                                     + (f"; fp8 pointer args: {', '.join(fp8)}" if fp8 else "")
                                     + f"; key constexprs {_clip(cx)}")
+            elif recipe.get(key):
+                out[key] = ("runs", f"AOT sm_{self.arch} ok, {notes.get(key, '')}")
             else:
                 out[key] = ("runs", f"AOT sm_{self.arch} ok, {notes.get(key, '')} from vLLM's warmup inputs")
         return out
@@ -319,11 +371,19 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
     t0 = time.time()
     import vllm
 
+    try:  # bind tilelang/T in vLLM before its mHC modules are imported (it only does so on CUDA)
+        import vllm.tilelang_utils as _tu
+
+        _tu._ensure_tilelang_imported()
+    except Exception:  # noqa: BLE001 - no tilelang: the TileLang rows say so
+        pass
+
     audit = Audit(arch, jobs)
     scopes = {}
     if modules:
         _source.FOLLOW = _source.FOLLOW + tuple(modules)
         models = ["v4"]
+        audit.entry_modules = set(modules)
         scopes[("v4", "default")] = {k: v for k, v in _source.closure(modules, audit.libs).items()
                                      if k in modules}
     for m in models if not modules else ():
