@@ -25,8 +25,52 @@ PARTITION_N = 16
 # Largest split count a launcher accepts (merge loads next_pow2(S) rows per program).
 MAX_SPLITS = 64
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def split_online_softmax(q_ptr, kv_ptr, indices_ptr, topk_length_ptr, pid_t, pid_s, o_h, m_h, K, N, S, sm_scale,
+                         stride_q_t, stride_q_h, stride_kv_n, stride_indices_t,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_TOPK_LENGTH: tl.constexpr):
+    """Online softmax of the heads o_h (mask m_h) of token pid_t over the key blocks of split
+    pid_s of S (BLOCK_N keys a block, each loaded once for all BLOCK_H heads). Returns
+    (b_m [BLOCK_H] running max in the log2 domain, b_l [BLOCK_H] denominator, b_acc
+    [BLOCK_H, D] unnormalised sum of p * v); b_l = 0 where the split saw no valid key."""
+    o_d = tl.arange(0, D)  # [D]
+    p_q = q_ptr + pid_t * stride_q_t + o_h[:, None].to(tl.int64) * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, D]
+
+    k_len = K
+    if HAS_TOPK_LENGTH:
+        k_len = tl.minimum(tl.maximum(tl.load(topk_length_ptr + pid_t), 0), K)
+    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * n_blocks) // S
+    blk_hi = ((pid_s + 1) * n_blocks) // S
+
+    qk_scale = sm_scale * LOG2E  # scores in the log2 domain
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running denominator
+    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    p_idx = indices_ptr + pid_t * stride_indices_t
+    for blk in range(blk_lo, blk_hi):
+        o_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < N)
+        b_row = tl.where(m_n, b_idx, 0).to(tl.int64)
+        b_kv = tl.load(kv_ptr + b_row[:, None] * stride_kv_n + o_d[None, :],
+                       mask=m_n[:, None], other=0.0)  # [BLOCK_N, D]: once for all BLOCK_H heads
+        b_s = tl.dot(b_q, tl.trans(b_kv)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
+        b_m = b_m_new
+    return b_m, b_l, b_acc
 
 
 @triton.jit
@@ -46,42 +90,14 @@ def _sparse_mla_split_kernel(
     o_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
     o_d = tl.arange(0, D)  # [D]
-    p_q = q_ptr + pid_t * stride_q_t + o_h[:, None].to(tl.int64) * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, D]
-
-    k_len = K
-    if HAS_TOPK_LENGTH:
-        k_len = tl.minimum(tl.maximum(tl.load(topk_length_ptr + pid_t), 0), K)
-    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
-    blk_lo = (pid_s * n_blocks) // S
-    blk_hi = ((pid_s + 1) * n_blocks) // S
-
-    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running denominator
-    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    p_idx = indices_ptr + pid_t * stride_indices_t
-    for blk in range(blk_lo, blk_hi):
-        o_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
-        m_n = (b_idx >= 0) & (b_idx < N)
-        b_row = tl.where(m_n, b_idx, 0).to(tl.int64)
-        b_kv = tl.load(kv_ptr + b_row[:, None] * stride_kv_n + o_d[None, :],
-                       mask=m_n[:, None], other=0.0)  # [BLOCK_N, D]
-        b_s = tl.dot(b_q, tl.trans(b_kv)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
-        b_alpha = tl.exp2(b_m - b_m_safe)
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
-        b_m = b_m_new
+    b_m, b_l, b_acc = split_online_softmax(q_ptr, kv_ptr, indices_ptr, topk_length_ptr, pid_t, pid_s, o_h, m_h,
+                                           K, N, S, sm_scale, stride_q_t, stride_q_h, stride_kv_n,
+                                           stride_indices_t, D, BLOCK_H, BLOCK_N, HAS_TOPK_LENGTH)
 
     has_key = b_l > 0.0
     b_l_safe = tl.where(has_key, b_l, 1.0)
     b_o = b_acc / b_l_safe[:, None]  # [BLOCK_H, D]; 0 where the split saw no valid key
-    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf"))
     row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
     tl.store(lse_part_ptr + row, b_lse, mask=m_h)
     tl.store(o_part_ptr + row[:, None] * D + o_d[None, :], b_o, mask=m_h[:, None])
