@@ -1,8 +1,10 @@
 from setuptools import setup
 
-# The three source folders install as one package tree (DESIGN.md, "Layers").
+# The three source folders install as one package tree (README, "Layout"): csrc_triton/ and
+# registration/ become dsv4_ops.csrc_triton and dsv4_ops.registration. Every package folder is
+# listed (tests/test_packaging.py checks that none is missing from a wheel install).
 setup(
-    packages=["dsv4_ops", "dsv4_ops.csrc_triton", "dsv4_ops.registration", "dsv4_ops.vllm"],
+    packages=["dsv4_ops", "dsv4_ops.csrc_triton", "dsv4_ops.registration", "dsv4_ops.vllm", "dsv4_ops.vllm.audit"],
     package_dir={
         "dsv4_ops": "dsv4_ops",
         "dsv4_ops.csrc_triton": "csrc_triton",

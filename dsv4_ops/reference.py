@@ -90,7 +90,7 @@ def _ref_attn_scores(q, kv, indices, valid, sm_scale, dtype):
 
 def ref_sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, topk_length,
                           sink, sm_scale: float, out_dtype: torch.dtype = torch.bfloat16):
-    """Sparse MLA with sink (DESIGN.md, "Attention semantics"), computed in float64.
+    """Sparse MLA with sink (README, "Attention semantics"), computed in float64.
 
     q [T, H, D]; kv [N, D]; indices int [T, K]; topk_length int [T] or None; sink float [H] or
     None. Returns out [T, H, D] in ``out_dtype`` (bf16, the op's dtype) and lse float32 [T, H].
