@@ -54,10 +54,15 @@ PROGRAMS_PER_SM = {16: 2, 32: 1}  # co-resident heads programs an SM (smem/regs,
 AUTO_HEADS_MIN_T = 64
 
 
-def auto_heads_splits(T: int, H: int) -> int:
-    """The measured best heads split count for T >= AUTO_HEADS_MIN_T (one 16-head group: the
-    key loop is long, so 3-4 splits; 32-head groups: 2)."""
+def auto_heads_splits(T: int, H: int, sms: int) -> int:
+    """The measured best heads split count for T >= AUTO_HEADS_MIN_T. One 16-head group: the
+    key loop is long, so 3-4 splits while T programs leave the SMs idle (T = 64, 128), one
+    split once T alone fills them twice over (sparse prefill, s_q = 4096, H = 8: 583 us at
+    S = 1 vs 762 at S = 3, benchmarks/results/sparse_prefill.md). 32-head groups: 2 (also
+    best at s_q = 4096, H = 64 and 128)."""
     if H <= 16:
+        if T >= 2 * sms:
+            return 1
         return 4 if T < 96 else 3
     return 2
 
@@ -152,7 +157,7 @@ def plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: in
     if kernel_mode == "auto" and _auto_is_heads(T, H):
         bn = _hk.HEADS_CONFIG[_hk.block_h_for(H)]["BLOCK_N"]
         nb = _cdiv(max(K, 1), bn)
-        return heads_plan(T, H, K, sms, splits or min(auto_heads_splits(T, H), nb, MAX_SPLITS))
+        return heads_plan(T, H, K, sms, splits or min(auto_heads_splits(T, H, sms), nb, MAX_SPLITS))
     if kernel_mode == "heads":
         return heads_plan(T, H, K, sms, splits)
     return tiles_plan(T, H, K, splits)

@@ -164,7 +164,7 @@ def test_plan_is_consistent(T, H, sms):
     if T < decode_plan.AUTO_HEADS_MIN_T:
         assert auto == decode_plan.plan(T, H, K, sms, "tiles")
     else:
-        assert auto.kernel == "heads" and auto.splits == min(decode_plan.auto_heads_splits(T, H), -(-K // auto.block_n))
+        assert auto.kernel == "heads" and auto.splits == min(decode_plan.auto_heads_splits(T, H, sms), -(-K // auto.block_n))
     assert decode_plan.plan(T, H, K, sms, "heads", 5).splits == 5
 
 
@@ -175,11 +175,13 @@ def test_plan_skips_the_merge_once_the_programs_fill_the_gpu():
         assert decode_plan.plan(1, 8, 640, sms, "heads").splits > 1
 
 
-@pytest.mark.parametrize("T,H,want", [(64, 8, 4), (64, 16, 4), (128, 8, 3), (64, 64, 2), (128, 128, 2)],
-                         ids=["T64-H8", "T64-H16", "T128-H8", "T64-H64", "T128-H128"])
+@pytest.mark.parametrize("T,H,want", [(64, 8, 4), (64, 16, 4), (128, 8, 3), (64, 64, 2), (128, 128, 2),
+                                      (4096, 8, 1), (4096, 64, 2)],
+                         ids=["T64-H8", "T64-H16", "T128-H8", "T64-H64", "T128-H128", "T4096-H8", "T4096-H64"])
 def test_auto_uses_the_measured_heads_plan_from_t64(T, H, want):
-    """Pinned to benchmarks/results/decode_kernels.md (H200, portable): from T = 64 the heads
-    kernel with these split counts beat the tiles; below T = 64 auto keeps the tiles."""
+    """Pinned to benchmarks/results/decode_kernels.md and sparse_prefill.md (H200, portable):
+    from T = 64 the heads kernel with these split counts beat the tiles; below T = 64 auto
+    keeps the tiles."""
     for sms in (108, 132):
         p = decode_plan.plan(T, H, 640, sms, "auto")
         assert (p.kernel, p.splits) == ("heads", want)
