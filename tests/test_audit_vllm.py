@@ -18,38 +18,19 @@ pytest.importorskip("vllm", reason="the audit needs vllm==0.33.0 (pip install ds
 from dsv4_ops.vllm import audit  # noqa: E402
 from dsv4_ops.vllm import warmup  # noqa: E402
 
-# Rows open now (model:phase:kernel), grouped by cause in the README's audit section: fp8 Triton
-# kernels without a patch, V4.1 bare kernels without a launch recipe, V4-only kernels that V4.1's
-# import closure pulls in (no compile key for V4.1's ratios), C++ ops whose kernel has another
-# name, and V4.1's mHC overlap DeepGEMM call. Patch rows and recipes close them; the test prints
-# which ones are covered now so the list can be trimmed.
+# Rows open now (model:phase:kernel), grouped by cause in the README's audit section: V4-only
+# kernels that V4.1's import closure pulls in (no compile key for V4.1's ratios), and V4.1's mHC
+# overlap DeepGEMM call (reached only through a stream that is None below sm_100, which the
+# audit's guard reading does not follow yet). The test prints which ones are covered now so the
+# list can be trimmed.
 KNOWN_OPEN_TEXT = """
-v41:forward:C++ _C.cooperative_topk
-v41:forward:C++ _C.fused_deepseek_v4_kv_rope_insert
-v41:forward:C++ _C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert
-v41:forward:C++ _C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert
-v41:forward:DeepGEMM.tf32_hc_prenorm_gemm
 v41:forward:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
 v41:forward:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
-v41:forward:vllm.models.deepseek_v41.common.engram._engram_select_rows_kernel
-v41:forward:vllm.models.deepseek_v41.common.engram._engram_unpack_fp8_kernel
-v41:forward:vllm.models.deepseek_v41.common.engram._fused_engram_post_wkv_kernel
-v41:forward:vllm.models.deepseek_v41.common.engram._hash_ids_kernel
-v41:forward:vllm.models.deepseek_v41.common.engram._write_hash_cache_kernel
-v41:forward:vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache._fused_save_compress_norm_kernel
-v41:forward:vllm.models.deepseek_v41.common.ops.query_quant._q_kv_norm_quant_kernel
-v41:forward:vllm.models.deepseek_v41.nvidia.model_state._gather_lookback_kernel
-v41:forward:vllm.models.deepseek_v41.nvidia.model_state._gather_replay_batch_kernel
-v41:forward:vllm.models.deepseek_v41.nvidia.model_state._pad_replayed_slots_kernel
-v41:forward:vllm.models.deepseek_v41.nvidia.ops.engram_peer._peer_lookup_kernel
 v41:jit-warmup:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
 v41:jit-warmup:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
-v4:forward:C++ _C.cooperative_topk
-v4:forward:C++ _C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert
-v4:forward:C++ _C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert
 """
 KNOWN_OPEN = frozenset(line.strip() for line in KNOWN_OPEN_TEXT.splitlines() if line.strip())
-KNOWN_OPEN_START = 23  # the length this list started with; it may only shrink
+KNOWN_OPEN_START = 4  # the length this list has now (102, then 23, at first); it may only shrink
 
 
 @pytest.fixture(scope="session")
@@ -70,9 +51,10 @@ def test_default_serve_path_has_no_new_open_row(result, model):
     closed = sorted(mine - open_now)
     if closed:
         print(f"\n{model}: known-open rows now covered (trim KNOWN_OPEN):\n  " + "\n  ".join(closed))
-    for ident in closed:  # a row that leaves the list must be covered by a patch row (or run)
-        same = [r for r in rows if r.ident == ident and r.path == "default"]
-        assert all(r.patch or r.status == "runs" for r in same), ident
+    for ident in closed:  # a row that leaves the list must be covered by a patch row, run, or be
+        same = [r for r in rows if r.ident == ident and r.path == "default"]  # off by a guard read
+        assert all(r.patch or r.status == "runs" or (r.status == "off" and "not reached" in r.evidence)
+                   for r in same), ident
     new = sorted(open_now - KNOWN_OPEN)
     detail = {r.ident: f"{r.location}: {r.status}: {r.evidence[:160]}" for r in result.open_rows(model)}
     assert not new, "dead or unknown on sm_80 and not replaced:\n" + "\n".join(f"{i}  ({detail[i]})" for i in new)

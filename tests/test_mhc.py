@@ -102,6 +102,27 @@ def test_wrapper_routes_only_the_forced_deepgemm_call():
 
 
 def test_patch_row_names_the_forced_call():
-    (row,) = mhc.PATCHES
+    row, deep_gemm_row = mhc.PATCHES
     assert row.symbol == "_hc_prenorm_gemm_outputs" and row.wraps and row.model == "v4"
     assert row.params == ("x", "fn", "hidden_size", "hc_mult", "use_tilelang_fallback")
+    assert (deep_gemm_row.module, deep_gemm_row.symbol) == ("vllm.utils.deep_gemm", "tf32_hc_prenorm_gemm")
+    assert deep_gemm_row.params == ("x", "fn", "out", "sqrsum", "num_split") and not deep_gemm_row.wraps
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
+def test_tf32_hc_prenorm_gemm_replacement_sums_to_the_float64_result(splits):
+    """The DeepGEMM drop-in writes split-K partials: their sum over splits is x @ fn.T and
+    the row sums of x**2 (what every vLLM consumer reduces), with poisoned buffers first."""
+    from dsv4_ops.vllm.mhc import tf32_hc_prenorm_gemm_ampere
+
+    g = torch.Generator().manual_seed(splits)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    fn = torch.randn(24, 256, generator=g)
+    out = torch.full((splits, 5, 24), float("nan"))
+    sq = torch.full((splits, 5), float("nan"))
+    tf32_hc_prenorm_gemm_ampere(x, fn, out, sq, splits)
+    xd = x.double()
+    torch.testing.assert_close(out.double().sum(0), xd @ fn.double().t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sq.double().sum(0), (xd * xd).sum(-1), rtol=1e-6, atol=1e-4)
+    with pytest.raises(ValueError, match="do not match"):
+        tf32_hc_prenorm_gemm_ampere(x, fn, torch.empty(splits, 5, 23), sq, splits)

@@ -44,6 +44,26 @@ def hc_prenorm_gemm_torch(x: torch.Tensor, fn: torch.Tensor) -> Tuple[torch.Tens
     return out, sqrsum
 
 
+def tf32_hc_prenorm_gemm_ampere(x: torch.Tensor, fn: torch.Tensor, out: torch.Tensor, sqrsum: torch.Tensor,
+                                num_split: int) -> torch.Tensor:
+    """Drop-in for vLLM's ``vllm.utils.deep_gemm.tf32_hc_prenorm_gemm`` (DeepGEMM, sm_90+):
+    x bf16 [T, K], fn fp32 [N, K], out fp32 [num_split, T, N], sqrsum fp32 [num_split, T],
+    written in place as split-K partials whose sum is ``x @ fn.T`` and the row sums of x**2
+    (every consumer sums the splits): the whole result in split 0, zeros in the others.
+    fp32 accumulation (DeepGEMM's is tf32). Every vLLM 0.33.0 caller imports it at call time
+    (mHC broadcast, delayed and overlap paths), so this one row reaches them all."""
+    full, sq = hc_prenorm_gemm_torch(x, fn)
+    if out.dim() != 3 or sqrsum.dim() != 2 or out.shape[1:] != full.shape[1:] or sqrsum.shape[1] != sq.shape[1]:
+        raise ValueError(f"tf32_hc_prenorm_gemm: out {tuple(out.shape)} / sqrsum {tuple(sqrsum.shape)} do not match "
+                         f"x {tuple(x.shape)} and fn {tuple(fn.shape)}")
+    out[0].copy_(full[0])
+    sqrsum[0].copy_(sq[0])
+    if out.shape[0] > 1:
+        out[1:].zero_()
+        sqrsum[1:].zero_()
+    return out
+
+
 def hc_prenorm_gemm_outputs_ampere(original: Callable) -> Callable:
     """Builder for ``_hc_prenorm_gemm_outputs``: the broadcast call (``use_tilelang_fallback=
     False``, DeepGEMM forced) goes to torch; every other call to vLLM's original."""
@@ -63,4 +83,8 @@ PATCHES = (
           "(no sm_80 implementation) -> torch fp32 GEMM + row sum of squares; other calls keep "
           "vLLM's TileLang fallback (compiles for sm_80)",
           hc_prenorm_gemm_outputs_ampere, wraps=True, model="v4"),
+    Patch("vllm.utils.deep_gemm", "tf32_hc_prenorm_gemm", ("x", "fn", "out", "sqrsum", "num_split"),
+          "DeepGEMM's mHC prenorm GEMM has no sm_80 implementation; every other path to it (V4.1's "
+          "mhc_pre_delayed_overlap, the delayed and broadcast mHC paths when forced) -> torch fp32 GEMM "
+          "written as split-K partials", tf32_hc_prenorm_gemm_ampere),
 )

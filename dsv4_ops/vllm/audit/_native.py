@@ -53,8 +53,14 @@ def entry_symbols(so: str, arch: int) -> Tuple[str, ...]:
 def kernel_base_name(mangled: str) -> str:
     """The unqualified function name of an Itanium-mangled kernel symbol (``_ZN4vllm...9myKernelI...``
     -> ``myKernel``); the symbol itself when it is not mangled."""
+    return nested_names(mangled)[-1]
+
+
+def nested_names(mangled: str) -> List[str]:
+    """The qualified name of a mangled symbol as a list (``_ZN4vllm3ops6kernelI...`` ->
+    ['vllm', 'ops', 'kernel']); [symbol] when it is not mangled."""
     if not mangled.startswith("_Z"):
-        return mangled
+        return [mangled]
     i, names = 2, []
     nested = mangled[i:i + 1] == "N"
     i += 1 if nested else 0
@@ -67,7 +73,7 @@ def kernel_base_name(mangled: str) -> str:
         i = j + n
         if not nested:
             break
-    return names[-1] if names else mangled
+    return names or [mangled]
 
 
 def _norm(name: str) -> str:
@@ -97,8 +103,50 @@ def find_cpp_kernel(op: str, arch: int, namespace: str = "_C") -> Tuple[Optional
     names = ", ".join(f"{os.path.basename(s)} [{' '.join(elf_archs(s))}]" for s in sos)
     if not any(f"sm_{arch}" in elf_archs(s) for s in sos):
         return False, f"no sm_{arch} cubin in {names}"
+    for so in sos:
+        got = _family(so, op, arch)
+        if got is not None:
+            return got
     return None, (f"no sm_{arch} kernel named like the op ({op}) in {names}; the op launches a kernel of "
                   "another name, which the audit does not guess")
+
+
+def _archs_of(so: str) -> List[int]:
+    return sorted({int(re.match(r"sm_(\d+)", a).group(1)) for a in elf_archs(so)})
+
+
+def _family(so: str, op: str, arch: int) -> Optional[Tuple[bool, str]]:
+    """Two exact-name readings of the cubins when no kernel is named like the op:
+
+    - a kernel family named by the op plus a suffix (``cooperative_topk`` ->
+      ``cooperative_topk_cs2``...): True when sm_<arch> has it, False when only other archs do;
+    - the op's C++ namespace (``vllm::deepseek_v4_fused_ops`` for ``fused_deepseek_v4_*``: every
+      word of the namespace but ``ops`` is a word of the op name): True when sm_<arch> holds every
+      kernel instantiation of that namespace that any other arch of the same file holds (so the
+      kernel the op launches, whichever it is, is built for sm_<arch>)."""
+    want = _norm(op)
+    others = [a for a in _archs_of(so) if a != arch]
+    fam = {a: sorted({kernel_base_name(x) for x in entry_symbols(so, a)
+                      if _norm(kernel_base_name(x)).startswith(want)}) for a in [arch] + others}
+    if fam[arch]:
+        return True, f"sm_{arch} cubin in {os.path.basename(so)}: kernel family {', '.join(fam[arch])}"
+    elsewhere = [a for a in others if fam[a]]
+    if elsewhere:
+        return False, (f"kernel family {', '.join(fam[elsewhere[0]])} is in the {os.path.basename(so)} cubins for "
+                       f"{' '.join(f'sm_{a}' for a in elsewhere)} only, not sm_{arch}")
+    words = set(op.lower().split("_"))
+    spaces = {tuple(nested_names(x)[:-1]) for x in entry_symbols(so, arch)}
+    for ns in sorted(spaces):
+        if len(ns) < 2 or not (set(ns[-1].lower().split("_")) - {"ops"}) <= words:
+            continue
+        per = {a: sorted(x for x in entry_symbols(so, a) if tuple(nested_names(x)[:-1]) == ns)
+               for a in [arch] + others}
+        if per[arch] and all(set(per[a]) <= set(per[arch]) for a in others):
+            bases = sorted({kernel_base_name(x) for x in per[arch]})
+            return True, (f"sm_{arch} cubin in {os.path.basename(so)} holds every kernel of the op's namespace "
+                          f"{'::'.join(ns)} that the {' '.join(f'sm_{a}' for a in others)} cubins hold "
+                          f"({len(per[arch])} instantiations of {', '.join(bases)}); the op launches one of them")
+    return None
 
 
 def library_evidence(library: str, arch: int) -> str:

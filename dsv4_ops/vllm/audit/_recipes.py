@@ -128,6 +128,96 @@ RECIPES: Tuple[Recipe, ...] = (
                 "token_to_req_ptr": "*i32", "positions_ptr": "*i64", "num_actual_tokens": "i32", "num_tokens": "i32"},
                dict(CAPACITY=4, BLOCK=256)),),
            note="CAPACITY = the ring spec's block_size (representative 4)"),
+    Recipe("vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache._fused_save_compress_norm_kernel",
+           "vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py:108", "da6561225c718c1e",
+           (_v({"raw": "*fp32", "positions": "*i64", "state": "*fp32", "state_slots": "*i64",
+                "query_start_loc": "*i32", "req_ids": "*i32", "norm_weight": "*bf16", "latent": "*bf16",
+                "prev_rows": "*fp32", "prev_row_indices": "*i64", "num_tokens": "i32", "num_reqs": "i32"},
+               dict(RAW_STRIDE=1024, PREV_ROW_STRIDE=1, STATE_STRIDE=4096, STATE_ROW_STRIDE=1024, STATE_BLOCK=4,
+                    COMPRESS_RATIO=2, EPS=1e-6, JOIN_ROW_PTRS=True, HAS_PREV_ROWS=False)),
+            _v({"raw": "*fp32", "positions": "*i64", "state": "constexpr", "state_slots": "*i64",
+                "query_start_loc": "constexpr", "req_ids": "constexpr", "norm_weight": "*bf16", "latent": "*bf16",
+                "prev_rows": "*fp32", "prev_row_indices": "*i64", "num_tokens": "i32", "num_reqs": "i32"},
+               dict(state=None, query_start_loc=None, req_ids=None, RAW_STRIDE=512, PREV_ROW_STRIDE=1,
+                    STATE_STRIDE=1, STATE_ROW_STRIDE=1, STATE_BLOCK=1, COMPRESS_RATIO=1, EPS=1e-6,
+                    JOIN_ROW_PTRS=True, HAS_PREV_ROWS=False))),
+           note="kv_score asserted fp32 [T, 512*ratio], latent bf16 (fused_compress_quant_cache.py:70-74); CR1 "
+                "passes None state/query_start_loc/req_ids (:97); slot_mapping int64, token_to_req_indices int32 "
+                "(sparse_swa.py:504); without PCP prev_rows=kv_score, prev_row_indices=slot_mapping (:117-118); "
+                "ring of 4 rows representative"),
+    # Engram n-gram hashing (NgramHashState.forward, engram.py:519-600): input_ids int32 (runner
+    # input buffer), token_map int32 (engram.py:465), dead_mask bool (image_sentinel_mask, a ==
+    # compare; nvidia/model.py:1016), slot_mapping int64, block_table / query_start_loc int32 (SWA
+    # metadata), multipliers / primes / offsets int64 (engram.py:187-206, 246-250), hash cache int32
+    # (engram.py:501), lookback_token_ids int32 (model_state.py:209 / input_ids.new_full), output int32.
+    Recipe("vllm.models.deepseek_v41.common.engram._write_hash_cache_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:550", "947fe3a3ffee331b",
+           (_v({"input_ids": "*i32", "token_map": "*i32", "dead_mask": "*i1", "slot_mapping": "*i64",
+                "cache": "*i32", "num_tokens": "i32", "input_stride": "i32", "mask_stride": "i32",
+                "slot_stride": "i32", "dead_id": "i32"}, dict(BLOCK_SIZE=256)),),
+           note="V1 runner only (use_slot_cache)"),
+    Recipe("vllm.models.deepseek_v41.common.engram._hash_ids_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:563", "3e96d2ddd69cf674",
+           tuple(_v(dict({"input_ids": "*i32", "token_map": "*i32", "dead_mask": "*i1", "positions": "*i64",
+                          "block_table": "*i32", "query_start_loc": "*i32", "multipliers": "*i64",
+                          "primes": "*i64", "offsets": "*i64", "lookback_token_ids": "*i32",
+                          "lookback_dead_mask": "*i1", "output": "*i32"},
+                         **{k: "i32" for k in ("num_tokens", "num_slots", "pad_id", "input_stride", "mask_stride",
+                                               "position_stride", "table_stride", "table_col_stride",
+                                               "query_stride", "num_query_rows", "num_table_rows", "max_blocks",
+                                               "cache_block_size", "num_heads", "dead_id", "lookback_depth",
+                                               "lookback_row_stride", "lookback_col_stride",
+                                               "lookback_mask_row_stride", "lookback_mask_col_stride")},
+                         cache=cache), dict(cx, MAX_NGRAM=3, BLOCK_T=32, BLOCK_H=8))
+                 for cache, cx in (("*i32", {}), ("constexpr", {"cache": None}))),
+           note="cache None on the V2 runner (engram.py:538); MAX_NGRAM 3 / 8 heads representative"),
+    Recipe("vllm.models.deepseek_v41.common.engram._engram_select_rows_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:1384", "414eb1ab8df1d8b5",
+           (_v({"gathered": "*bf16", "output": "*bf16", "num_tokens": "i32", "token_start": "i32",
+                "num_elements": "i32"}, dict(LOCAL_WIDTH=2 * 512, WIDTH=16 * 512, BLOCK_SIZE=1024)),),
+           note="staged_rows bf16 (engram.py:1667-1671), all-gathered, out = rows.new_empty (engram.py:1737); "
+                "widths representative"),
+    Recipe("vllm.models.deepseek_v41.common.engram._fused_engram_post_wkv_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:1785", "8c766469c40e5ae5",
+           tuple(_v(dict({"hidden_states": "*bf16", "kv": "*bf16", "q_weight": "*bf16", "k_weight": "*bf16",
+                          "token_mask": mask, "output": "*bf16", "eps": "fp32", "clamp_value": "fp32"},
+                         **{k: "i32" for k in ("num_kv_tokens", "hidden_stride_t", "hidden_stride_h",
+                                               "hidden_stride_d", "kv_stride_t", "kv_stride_d", "q_stride_h",
+                                               "q_stride_d", "k_stride_h", "k_stride_d", "mask_stride",
+                                               "output_stride_t", "output_stride_h", "output_stride_d")}),
+                    dict(DIM=5120, HC_MULT=4, BLOCK_SIZE=8192, HAS_MASK=has))
+                 for mask, has in (("*i1", True), ("*bf16", False))),
+           num_warps=8, note="q/k_weight bf16 (engram.py:1639-1646), hidden bf16, kv = wkv(bf16 rows); "
+                             "mask bool or hidden_states when None (engram.py:1784)"),
+    # V2 model-runner state (DeepseekV41ModelState): query_start_loc / seq_lens int32, positions int64
+    # (v1/worker/gpu/input_batch.py:30-35), idx_mapping int64 (model_runner.py:1406-1407), all_token_ids
+    # int32 (v1/worker/gpu/states.py:37-39), slot mappings int64 (block_table.py:90-93).
+    Recipe("vllm.models.deepseek_v41.nvidia.model_state._gather_lookback_kernel",
+           "vllm/models/deepseek_v41/nvidia/model_state.py:303", "1d9356fe3c3cf492",
+           (_v({"lookback_ptr": "*i32", "idx_mapping_ptr": "*i64", "query_start_loc_ptr": "*i32",
+                "positions_ptr": "*i64", "all_token_ids_ptr": "*i32", "all_token_ids_stride": "i32",
+                "num_reqs": "i32"}, dict(DEPTH=2, BLOCK_DEPTH=2)),),
+           note="lookback_token_ids int32 (model_state.py:209); depth = max_ngram - 1 (2 representative)"),
+    Recipe("vllm.models.deepseek_v41.nvidia.model_state._pad_replayed_slots_kernel",
+           "vllm/models/deepseek_v41/nvidia/model_state.py:386", "ad96008c88f2a511",
+           (_v({"slot_mappings_ptr": "*i64", "group_stride": "i32", "cacheable_groups_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "positions_ptr": "*i64", "replay_start_ptr": "*i32",
+                "window": "i32", "pad_slot_id": "i32"}, dict(NUM_GROUPS=4, BLOCK=1024)),),
+           note="cacheable_groups int32 (model_state.py:341-345), replay_start int32 (model_state.py:215)"),
+    Recipe("vllm.models.deepseek_v41.nvidia.model_state._gather_replay_batch_kernel",
+           "vllm/models/deepseek_v41/nvidia/model_state.py:689", "03271f69a7046c07",
+           (_v({"query_start_loc_ptr": "*i32", "dropped_before_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "replay_start_ptr": "*i32", "positions_ptr": "*i64", "slot_mappings_ptr": "*i64",
+                "slot_mappings_stride": "i32", "rows_ptr": "*i64", "kept_query_start_loc_ptr": "*i32",
+                "kept_positions_ptr": "*i64", "kept_slot_mappings_ptr": "*i64", "kept_slot_mappings_stride": "i32",
+                "kept_kv_start_ptr": "*i32", "window": "i32"}, dict(NUM_GROUPS=4, BLOCK=1024)),),
+           note="dropped_before int32 (model_state.py:235), _kept_* buffers (model_state.py:240-252, 348-352)"),
+    Recipe("vllm.models.deepseek_v41.common.engram._engram_unpack_fp8_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:1559", "e0996d8c43310ba1",
+           (_v({"packed": "*u8", "values": "*u8", "scales": "*u8", "num_tokens": "i32", "values_stride": "i32",
+                "scales_stride": "i32"}, dict(HEADS=16, LOCAL_HEADS=16, LAYERS=2, RANK=0, DIM=512, BLOCK=16,
+                                              PEER=False)),),
+           note="packed_rows / fp8_values / fp8_scales are uint8 (engram.py:1476-1495)"),
 )
 
 BY_KERNEL = {r.kernel: r for r in RECIPES}

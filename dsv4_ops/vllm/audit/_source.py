@@ -49,6 +49,10 @@ class Func:
     qualname: str
     lineno: int
     idents: Set[str] = field(default_factory=set)
+    # idents holds every reference (the patch coverage follows all of them); live the ones not
+    # under a guard never taken on sm_8x; gated: name -> such a guard (reachability, not coverage)
+    live: Set[str] = field(default_factory=set)
+    gated: Dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -88,6 +92,9 @@ class ModuleIndex:
     libcalls: List[LibCall] = field(default_factory=list)
     gated_off: List[LibCall] = field(default_factory=list)
     custom_ops: Dict[str, str] = field(default_factory=dict)  # torch.ops op name -> python function
+    classes: Set[str] = field(default_factory=set)
+    # calls that construct a class: (class name, function key, guard note or '' when reached)
+    constructions: List[Tuple[str, str, str]] = field(default_factory=list)
 
 
 def module_path(name: str) -> Optional[str]:
@@ -149,6 +156,7 @@ class _Visitor(ast.NodeVisitor):
     def visit_ClassDef(self, node):
         if not self.stack:
             self.idx.toplevel.add(node.name)
+            self.idx.classes.add(node.name)
         self.stack.append(node.name)
         self.generic_visit(node)
         self.stack.pop()
@@ -221,18 +229,42 @@ class _Visitor(ast.NodeVisitor):
         self.visit(node.orelse)
         self.guards.pop()
 
+    def off_guard(self) -> str:
+        """The first enclosing guard that is never taken on sm_8x (as a note), or ''."""
+        for test, branch in self.guards:
+            value = _eval_guard(test, self)
+            if value is not None and value != branch:
+                head = (f"after `if {ast.unparse(test)[:100]}: return`" if id(test) in self.early
+                        else f"inside `{'if' if branch else 'else of'} {ast.unparse(test)[:100]}`")
+                why = "; ".join(GUARD_WHY[n] for n in sorted(set(_guard_names(test, self)) & set(GUARD_WHY)))
+                return f"{self.idx.name}:{self.func.qualname if self.func else ''}:{test.lineno} {head}" + (
+                    f" ({why})" if why else "")
+        return ""
+
+    def _ref(self, name: str):
+        self.func.idents.add(name)
+        off = self.off_guard() if self.guards else ""
+        if off:
+            self.func.gated.setdefault(name, off)
+        else:
+            self.func.live.add(name)
+
     def visit_Name(self, node):
         if self.func is not None:
-            self.func.idents.add(self._name(node.id))
+            self._ref(self._name(node.id))
 
     def visit_Attribute(self, node):
         if self.func is not None:
-            self.func.idents.add(node.attr)
+            self._ref(node.attr)
         self.visit(node.value)
 
     def visit_Call(self, node):
         f = node.func
         fname = f.id if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else "")
+        if self.func is not None and isinstance(f, ast.Name):
+            # `Cls(...)`, or `cls(...)` in a method of class Cls: a construction of Cls
+            cname = self.stack[0] if f.id == "cls" and len(self.stack) > 1 else self._name(f.id)
+            self.idx.constructions.append((cname, self.func.key, self.off_guard() if self.guards else ""))
         if fname.endswith("register_custom_op"):
             kw = {k.arg: k.value for k in node.keywords}
             if isinstance(kw.get("op_name"), ast.Constant) and isinstance(kw.get("op_func"), ast.Name):
@@ -357,7 +389,57 @@ def _eval_guard(test: ast.expr, vis: _Visitor, depth: int = 0) -> Optional[bool]
             return None
     if isinstance(test, ast.Attribute) and test.attr in GUARD_ATTRS:
         return GUARD_ATTRS[test.attr][0]
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
+            and isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant)):
+        # `backend == "cooperative"` with `backend = self.resolve_backend(...)`: a selector whose
+        # possible results on sm_8x were read from its source (GUARD_RESULTS)
+        src = vis.local_defs.get(test.left.id, "")
+        m = src.split("(", 1)[0].rsplit(".", 1)[-1] if src.endswith(")") else ""
+        never = GUARD_RESULTS.get(m, (frozenset(), ""))[0]
+        if test.comparators[0].value in never:
+            return isinstance(test.ops[0], ast.NotEq)
     return None
+
+
+# selector function -> (results it never returns on sm_8x, why), read from source (init_guards)
+GUARD_RESULTS: Dict[str, Tuple[frozenset, str]] = {}
+
+
+def _cooperative_topk_gate() -> Optional[str]:
+    """Why ``SparseIndexerTopk.resolve_backend`` never returns "cooperative" below sm_90, read from
+    vLLM's layers/indexer_topk.py, or None when its source no longer says so: ``_cooperative_capable``
+    needs ``has_device_capability(90)``; ``_cooperative_constraints`` fails when not capable; auto
+    picks "cooperative" only when there are no failures, an explicit "cooperative" raises on them."""
+    path = module_path("vllm.model_executor.layers.indexer_topk")
+    if not path:
+        return None
+    tree = ast.parse(open(path).read())
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SparseIndexerTopk"), None)
+    if cls is None:
+        return None
+    meth = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    need = ("__init__", "resolve_backend", "_resolve_auto", "_cooperative_constraints")
+    if any(k not in meth for k in need):
+        return None
+    cap = [a for a in ast.walk(meth["__init__"]) if isinstance(a, ast.Assign)
+           and ast.unparse(a.targets[0]) == "self._cooperative_capable" and "has_device_capability(90)" in ast.unparse(a.value)]
+    fails = [i for i in ast.walk(meth["_cooperative_constraints"]) if isinstance(i, ast.If)
+             and "not self._cooperative_capable" in ast.unparse(i.test) and "failures.append" in ast.unparse(i.body[0])]
+    auto = [i for i in ast.walk(meth["_resolve_auto"]) if isinstance(i, ast.If)
+            and ast.unparse(i.test).startswith("not self._cooperative_constraints(")
+            and ast.unparse(i.body[0]) == "return 'cooperative'"]
+    rets_coop = [r for r in ast.walk(meth["_resolve_auto"]) if isinstance(r, ast.Return)
+                 and isinstance(r.value, ast.Constant) and r.value.value == "cooperative"]
+    rb = ast.unparse(meth["resolve_backend"])
+    explicit = ("failures = self._cooperative_constraints(" in rb and "if failures:\n    raise" in rb.replace("        ", "    ")
+                or ("if failures:" in rb and "raise RuntimeError" in rb and "self._cooperative_constraints(" in rb))
+    if not (cap and fails and len(auto) == 1 and len(rets_coop) == 1 and explicit):
+        return None
+    return (f"SparseIndexerTopk.resolve_backend never returns 'cooperative' below sm_90 "
+            f"(vllm/model_executor/layers/indexer_topk.py: _cooperative_capable needs has_device_capability(90) "
+            f":{cap[0].lineno}; _cooperative_constraints fails without it :{fails[0].lineno}; auto picks it only "
+            f"with no failures :{auto[0].lineno}; an explicit 'cooperative' raises on failures "
+            f":{meth['resolve_backend'].lineno})")
 
 
 def deep_gemm_kernel_names() -> Dict[str, Tuple[str, str]]:
@@ -429,11 +511,75 @@ def _mega_moe_default() -> Optional[Tuple[bool, str]]:
                    f"{value} unless --kernel-config moe_backend=... opts in")
 
 
-def init_guards() -> None:
+def _capability_gates(path: str, classes: Set[str]) -> Dict[str, Tuple[int, int]]:
+    """class -> (minimum major*10+minor its ``is_supported`` checks, line) for the classes of
+    ``path`` whose ``is_supported`` requires ``has_device_capability(N)`` /
+    ``is_device_capability_family(N)`` (the source text, read with ast)."""
+    import re
+
+    out: Dict[str, Tuple[int, int]] = {}
+    tree = ast.parse(open(path).read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            for st in node.body:
+                if isinstance(st, ast.FunctionDef) and st.name == "is_supported":
+                    caps = [(int(m.group(2)), c.lineno) for c in ast.walk(st) if isinstance(c, ast.Call)
+                            for m in [re.fullmatch(r".*\.(has_device_capability|is_device_capability_family)"
+                                                   r"\((\d+)\)", ast.unparse(c))] if m]
+                    if caps:
+                        out[node.name] = min(caps)
+    return out
+
+
+def _mxfp8_fuse_default(arch: int = 80) -> Optional[Tuple[bool, str]]:
+    """V4.1 ``can_fuse_query_quant(linears)`` (common/ops/query_quant.py) is True only when every
+    linear runs a FlashInfer MXFP8 kernel class it names; when each named class's ``is_supported``
+    requires a capability above ``arch``, the predicate is False on sm_<arch>. Read from source;
+    None when the source no longer says so."""
+    qpath = module_path("vllm.models.deepseek_v41.common.ops.query_quant")
+    kpath = module_path("vllm.model_executor.kernels.linear.mxfp8.flashinfer")
+    if not qpath or not kpath:
+        return None
+    fn = next((n for n in ast.parse(open(qpath).read()).body
+               if isinstance(n, ast.FunctionDef) and n.name == "can_fuse_query_quant"), None)
+    if fn is None or not isinstance(fn.body[-1], ast.Return) or not isinstance(fn.body[-1].value, ast.Call) \
+            or ast.unparse(fn.body[-1].value.func) != "all":
+        return None
+    named = {n.id for n in ast.walk(fn.body[-1]) if isinstance(n, ast.Name) and n.id.endswith("LinearKernel")}
+    gates = _capability_gates(kpath, named)
+    if not named or set(gates) != named or any(cap <= arch for cap, _ in gates.values()):
+        return None
+    rel = lambda p: "vllm/" + p.split("/vllm/", 1)[-1]  # noqa: E731
+    return False, (f"can_fuse_query_quant() ({rel(qpath)}:{fn.lineno}) requires every linear to run "
+                   + " or ".join(f"{c} (is_supported needs capability >= {cap // 10}.{cap % 10}, "
+                                 f"{rel(kpath)}:{line})" for c, (cap, line) in sorted(gates.items()))
+                   + ": False on sm_8x")
+
+
+def init_guards(arch: int = 80) -> None:
     got = _mega_moe_default()
     if got is not None:
         GUARD_ATTRS["use_native_mega_moe"] = got
         GUARD_WHY["use_native_mega_moe"] = got[1]
+    coop = _cooperative_topk_gate() if arch < 90 else None
+    if coop:
+        GUARD_RESULTS["resolve_backend"] = (frozenset({"cooperative"}), coop)
+        GUARD_WHY["resolve_backend"] = coop
+    fuse = _mxfp8_fuse_default(arch)
+    if fuse is not None:
+        GUARD_VALUES["can_fuse_query_quant"] = fuse[0]
+        GUARD_WHY["can_fuse_query_quant"] = fuse[1]
+        # DeepseekV4Attention._can_fuse_query_quant (deepseek_v41/attention.py) returns exactly
+        # can_fuse_query_quant(linears): the same value, when its source still says so.
+        apath = module_path("vllm.models.deepseek_v41.attention")
+        for n in ast.walk(ast.parse(open(apath).read())) if apath else ():
+            if (isinstance(n, ast.FunctionDef) and n.name == "_can_fuse_query_quant"
+                    and isinstance(n.body[-1], ast.Return) and isinstance(n.body[-1].value, ast.Call)
+                    and ast.unparse(n.body[-1].value.func) == "can_fuse_query_quant"):
+                GUARD_ATTRS["_can_fuse_query_quant"] = (fuse[0], fuse[1])
+                GUARD_WHY["_can_fuse_query_quant"] = (
+                    f"self._can_fuse_query_quant returns can_fuse_query_quant(...) "
+                    f"(vllm/models/deepseek_v41/attention.py:{n.lineno}); " + fuse[1])
 
 
 _VLLM_TEXT: List[str] = []

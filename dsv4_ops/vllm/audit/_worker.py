@@ -22,6 +22,19 @@ MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41"}
 _CLASS_ENTRY = ("__call__", "__init__")
 
 
+# Library -> the vLLM module whose wrappers the audit resolves that library's call sites to.
+_LIB_WRAPPERS = {"DeepGEMM": "vllm.utils.deep_gemm"}
+
+
+def _wrapper_patches() -> Dict[Tuple[str, str], str]:
+    """(module, name) -> row name of the patch rows that replace a library wrapper ITSELF (not
+    a by-name copy of it elsewhere, which covers only that copy's callers)."""
+    from dsv4_ops.vllm.table import patches
+
+    return {(p.module, p.symbol): p.qualname for p in patches()
+            if p.kind == "patch" and p.module in _LIB_WRAPPERS.values()}
+
+
 def _kernel_tech(obj) -> Optional[str]:
     from triton.runtime.autotuner import Autotuner, Heuristics
     from triton.runtime.jit import JITFunction
@@ -46,7 +59,7 @@ class Audit:
     def __init__(self, arch: int, jobs: int):
         self.arch, self.jobs = arch, jobs
         self.libs = _source.deep_gemm_kernel_names()
-        _source.init_guards()
+        _source.init_guards(arch)
         self.entry_modules: Set[str] = set()  # --modules (tests): their functions are entry points
         self.notes: List[str] = []
 
@@ -152,8 +165,50 @@ class Audit:
         return " + ".join(sorted(rows)) or None
 
     # ------------------------------------------------------------------ rows
+    @staticmethod
+    def gated_refs(mods) -> Dict[str, List[str]]:
+        """name -> guard notes of its references that sit under a guard never taken on sm_8x."""
+        out: Dict[str, List[str]] = {}
+        for idx in mods.values():
+            for f in idx.funcs.values():
+                for n, note in f.gated.items():
+                    out.setdefault(n, []).append(note)
+        return out
+
+    @staticmethod
+    def unbuilt_classes(mods) -> Dict[str, str]:
+        """Classes of the scope that are constructed somewhere (``Cls(...)`` / ``cls(...)``), but
+        only under guards never taken on sm_8x: class name -> the guards. Their methods never run."""
+        classes = {c for idx in mods.values() for c in idx.classes}
+        seen: Dict[str, List[str]] = {}
+        for idx in mods.values():
+            for cname, _fkey, off in idx.constructions:
+                if cname in classes:
+                    seen.setdefault(cname, []).append(off)
+        return {c: "; ".join(sorted(set(offs))) for c, offs in seen.items() if offs and all(offs)}
+
+    def unreached(self, f: _source.Func, refs, gated, unbuilt, depth: int = 0, seen=None) -> str:
+        """Why ``f`` never runs on sm_8x ('' when it may): a method of a class that is never
+        constructed there, a module-level function referenced only under guards never taken, or
+        a function all of whose users are unreached."""
+        seen = set() if seen is None else seen
+        if f.key in seen or depth > 6:
+            return ""
+        seen.add(f.key)
+        parts = f.qualname.split(".")
+        if len(parts) > 1 and parts[0] in unbuilt:
+            return f"{parts[0]} is only constructed {unbuilt[parts[0]]}"
+        short = parts[-2] if len(parts) > 1 and parts[-1] in _CLASS_ENTRY else parts[-1]
+        users = [u for u in refs.get(short, ()) if u is not f]
+        if not users:
+            return ""
+        why = [(f"{short} is referenced only {u.gated[short]}" if short in u.gated and short not in u.live
+                else self.unreached(u, refs, gated, unbuilt, depth + 1, seen)) for u in users]
+        return "; ".join(sorted(set(why))) if all(why) else ""
+
     def rows_for(self, model: str, path: str, mods, objs, compiled) -> List[dict]:
         refs = self.build_graph(mods)
+        gated, unbuilt = self.gated_refs(mods), self.unbuilt_classes(mods)
         bind, funcs = self.patched()
         jit_defs = {k for k, o in objs.items() if _kernel_tech(o) == "Triton"}
         rows = []
@@ -179,7 +234,12 @@ class Audit:
                       and not [u for u in refs.get(f.qualname, ()) if u is not f]
                       and not _source.called_anywhere_in_vllm(f.qualname)]
             fstatus, fevidence = status, evidence
-            if users and len(unused) == len(users) and status != "runs" and not patch:
+            dead = [(f"{name} is referenced only {f.gated[name]}" if name not in f.live and name in f.gated
+                     else self.unreached(f, refs, gated, unbuilt)) for f in users]
+            if users and all(dead) and status != "runs" and not patch:
+                fstatus, fevidence = "off", ("not reached on sm_8x: " + "; ".join(sorted(set(dead)))[:900]
+                                             + f" (if reached, {status}: {evidence[:120]})")
+            elif users and len(unused) == len(users) and status != "runs" and not patch:
                 fstatus, fevidence = "off", (f"not reached: its only user(s) {', '.join(f.qualname for f in unused)} "
                                              f"are module-level functions nothing on the serve path calls "
                                              f"(if called, {status}: {evidence[:160]})")
@@ -213,8 +273,16 @@ class Audit:
                     status, ev = "dead", _native.library_evidence(c.library, self.arch)
                 if c.guards:
                     ev += "; guard: " + "; ".join(c.guards)
+                # A patch of the vLLM wrapper that the call site resolved to (DeepGEMM calls are found
+                # as calls of vllm.utils.deep_gemm.<name>) replaces every call of it.
+                wrapper = _LIB_WRAPPERS.get(c.library)
                 patch = funcs.get(key) or bind.get((c.module, c.name)) or \
+                    (_wrapper_patches().get((wrapper, c.name)) if wrapper else None) or \
                     self.coverage(c.func.split(".")[-1], c.module, refs, bind, funcs, jit_defs)
+                owner = idx.funcs.get(c.func)
+                why = self.unreached(owner, refs, gated, unbuilt) if owner and status != "runs" and not patch else ""
+                if why:
+                    status, ev = "off", f"not reached on sm_8x: {why[:400]} (if reached, {status}: {ev[:120]})"
                 rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
                                  tech=c.library, location=_short(f"{key}:{c.lineno}"), status=status,
                                  evidence=ev, patch=patch or ""))
