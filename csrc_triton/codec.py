@@ -20,12 +20,14 @@ Encode (input fp32; callers upcast bf16/fp16, which is exact)
 import triton
 import triton.language as tl
 
+from dsv4_ops import layout as _L
+
 ENCODE_EXACT = 0
 ENCODE_FAST = 1
 ENCODE_NATIVE = 2
 ENCODE_EXACT_INT = 3
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(_L.E4M3_MAX)  # the one definition is dsv4_ops.layout
 
 
 @triton.jit
@@ -85,10 +87,10 @@ def f32_to_e4m3(b_x, MODE: tl.constexpr):
     if MODE == 3:
         b_out = _f32_to_e4m3_rne_bits(b_x)
     elif MODE == 2:
-        b_c = tl.clamp(b_x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        b_c = tl.clamp(b_x, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         b_out = b_c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif MODE == 1:
-        b_c = tl.minimum(tl.maximum(b_x, -448.0), 448.0)
+        b_c = tl.minimum(tl.maximum(b_x, -E4M3_MAX), E4M3_MAX)
         b_out = (b_c * 0.00390625).to(tl.float8e4b15).to(tl.uint8, bitcast=True)
     else:
         b_out = _f32_to_e4m3_rne_add(b_x)

@@ -12,7 +12,7 @@ import torch
 
 from . import layout as _kvl
 
-E4M3_MAX = 448.0
+E4M3_MAX = _kvl.E4M3_MAX
 E4M3_NAN_CODE = 0x7F
 E4M3_MAX_CODE = 0x7E
 
