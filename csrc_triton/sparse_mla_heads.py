@@ -26,8 +26,6 @@ p is cast to the KV dtype for p @ v (fp32 accumulate), as in the tile kernel.
 import triton
 import triton.language as tl
 
-from .sparse_mla import LN2, split_online_softmax
-
 HEAD_DIM = 512
 
 
@@ -51,13 +49,43 @@ def _sparse_mla_heads_kernel(
     o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
     o_d = tl.arange(0, D)  # [D]
-    b_m, b_l, b_acc = split_online_softmax(q_ptr, kv_ptr, indices_ptr, topk_length_ptr, pid_t, pid_s, o_h, m_h,
-                                           K, N, S, sm_scale, stride_q_t, stride_q_h, stride_kv_n,
-                                           stride_indices_t, D, BLOCK_H, BLOCK_N, HAS_TOPK_LENGTH)
+    p_q = q_ptr + pid_t * stride_q_t + o_h[:, None].to(tl.int64) * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, D]
+
+    k_len = K
+    if HAS_TOPK_LENGTH:
+        k_len = tl.minimum(tl.maximum(tl.load(topk_length_ptr + pid_t), 0), K)
+    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * n_blocks) // S
+    blk_hi = ((pid_s + 1) * n_blocks) // S
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running denominator
+    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    # The same loop as csrc_triton.sparse_mla.split_online_softmax, written out: through the
+    # shared helper the 16-head specializations spill 8 B on sm_86 (255 registers).
+    p_idx = indices_ptr + pid_t * stride_indices_t
+    for blk in range(blk_lo, blk_hi):
+        o_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < N)
+        b_row = tl.where(m_n, b_idx, 0).to(tl.int64)
+        b_kv = tl.load(kv_ptr + b_row[:, None] * stride_kv_n + o_d[None, :],
+                       mask=m_n[:, None], other=0.0)  # [BLOCK_N, D]: once for all heads
+        b_s = tl.dot(b_q, tl.trans(b_kv)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_kv.dtype), b_kv)
+        b_m = b_m_new
 
     has_key = b_l > 0.0
     b_l_safe = tl.where(has_key, b_l, 1.0)
-    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * LN2, float("-inf"))
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
     if DIRECT:
         b_scale = 1.0 / b_l_safe  # [BLOCK_H]
         if HAS_SINK:
