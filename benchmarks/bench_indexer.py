@@ -73,8 +73,14 @@ def bench_decode(rows, variants, copy_gbs, quick):
                              "floor us": floor, "x floor": us / floor})
 
 
-def bench_prefill(rows, variants, quick):
-    M, H, N = 8192, 64, 2048
+PREFILL_M, PREFILL_H, PREFILL_N = 8192, 64, 2048
+
+
+def prefill_inputs():
+    """The prefill case (also swept by sweep_indexer.py): M = 8192 queries x H = 64 heads over a
+    causal ragged [0, (m + 1) // 4) of N = 2048 compressed keys. Returns (q, w, k, k_scale, ks,
+    ke, flops) with flops = 2 * H * 128 * (valid query-key pairs)."""
+    M, H, N = PREFILL_M, PREFILL_H, PREFILL_N
     q = codes((M, H, D))
     k = codes((N, D))
     w = torch.randn(M, H, device="cuda") * 1e-2
@@ -82,8 +88,12 @@ def bench_prefill(rows, variants, quick):
     m = torch.arange(M, device="cuda")
     ks = torch.zeros(M, dtype=torch.int32, device="cuda")
     ke = ((m + 1) // 4).to(torch.int32)
-    pairs = float((ke - ks).sum())
-    flops = 2.0 * H * D * pairs
+    return q, w, k, ksc, ks, ke, 2.0 * H * D * float((ke - ks).sum())
+
+
+def bench_prefill(rows, variants, quick):
+    M, H, N = PREFILL_M, PREFILL_H, PREFILL_N
+    q, w, k, ksc, ks, ke, flops = prefill_inputs()
     rate = gemm_rate_tflops(flops)
     floor = flops / rate / 1e6
     for v in variants:

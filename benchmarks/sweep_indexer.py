@@ -193,15 +193,9 @@ def prefill_check_case(compressed):
 
 def sweep_prefill(sw: Sweep, variants=("portable",), cands=None, compressed=True):
     cands = cands if cands is not None else K.MQA_CANDIDATES
-    M, H, N = 8192, 64, 2048
-    q = codes((M, H, D))
-    k = codes((N, D))
-    w = torch.randn(M, H, device="cuda") * 1e-2
-    ksc = torch.full((N,), 1.0 / 64, device="cuda")
-    m = torch.arange(M, device="cuda")
-    ks = torch.zeros(M, dtype=torch.int32, device="cuda")
-    ke = ((m + 1) // 4).to(torch.int32)
-    flops = 2.0 * H * D * float((ke - ks).sum())
+    from bench_indexer import PREFILL_N as N, prefill_inputs
+
+    q, w, k, ksc, ks, ke, flops = prefill_inputs()
     floor = flops / gemm_rate_tflops(flops) / 1e6
     cargs, cref = prefill_check_case(compressed)
     cols = N if compressed else -1

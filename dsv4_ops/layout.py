@@ -104,17 +104,25 @@ def check_cache(cache, block_size) -> None:
         raise ValueError(f"cache: expected dtype uint8, got {str(cache.dtype).replace('torch.', '')}")
     if cache.dim() != 2:
         raise ValueError(f"cache: expected 2 dims [num_blocks, page_bytes], got shape {tuple(cache.shape)}")
-    num_blocks, row_bytes = cache.shape
-    if row_bytes > 1 and cache.stride(1) != 1:
-        raise ValueError(f"cache: expected stride(1) == 1 (bytes of a page contiguous), got strides {cache.stride()}")
-    if row_bytes < min_page_bytes(block_size):
-        raise ValueError(f"cache: pages of {row_bytes} bytes are too small for block_size {block_size} "
-                         f"(need >= {block_size} * {RECORD_BYTES} = {min_page_bytes(block_size)})")
-    if num_blocks > 1 and cache.stride(0) < row_bytes:
-        raise ValueError(f"cache: rows overlap (stride(0) {cache.stride(0)} < shape[1] {row_bytes})")
-    if (num_blocks > 1 and cache.stride(0) % 2) or cache.storage_offset() % 2:
-        raise ValueError(f"cache: page_bytes (stride(0) {cache.stride(0)}) and the storage offset "
-                         f"({cache.storage_offset()}) must be even: RoPE dims are 2-byte bf16 values")
+    check_pages("cache", cache, block_size, RECORD_BYTES, 2, "must be even: RoPE dims are 2-byte bf16 values")
+
+
+def check_pages(name: str, flat, block_size: int, record_bytes: int, align: int, why: str) -> None:
+    """ValueError naming ``name`` unless the uint8 [num_blocks, page_bytes] view holds
+    ``block_size`` records of ``record_bytes`` a page, pages contiguous and not overlapping,
+    page stride and storage offset multiples of ``align`` (``why`` says what needs it)."""
+    num_blocks, row_bytes = flat.shape
+    if row_bytes > 1 and flat.stride(1) != 1:
+        raise ValueError(f"{name}: expected stride(1) == 1 (bytes of a page contiguous), got strides {flat.stride()}")
+    need = block_size * record_bytes
+    if row_bytes < need:
+        raise ValueError(f"{name}: pages of {row_bytes} bytes are too small for block_size {block_size} "
+                         f"(need >= {block_size} * {record_bytes} = {need})")
+    if num_blocks > 1 and flat.stride(0) < row_bytes:
+        raise ValueError(f"{name}: rows overlap (stride(0) {flat.stride(0)} < {row_bytes} bytes a page)")
+    if (num_blocks > 1 and flat.stride(0) % align) or flat.storage_offset() % align:
+        raise ValueError(f"{name}: page_bytes (stride(0) {flat.stride(0)}) and the storage offset "
+                         f"({flat.storage_offset()}) {why}")
 
 
 # ---- indexer cache ----
@@ -189,17 +197,7 @@ def indexer_cache_pages(cache, block_size=None, name: str = "cache"):
         raise ValueError(f"{name}: expected 2, 3 or 4 dims, got shape {tuple(cache.shape)}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    num_blocks, row_bytes = flat.shape
-    if row_bytes > 1 and flat.stride(1) != 1:
-        raise ValueError(f"{name}: expected stride(1) == 1 (bytes of a page contiguous), got strides {flat.stride()}")
-    if row_bytes < indexer_min_page_bytes(block_size):
-        raise ValueError(f"{name}: pages of {row_bytes} bytes are too small for block_size {block_size} "
-                         f"(need >= {block_size} * {INDEXER_RECORD_BYTES} = {indexer_min_page_bytes(block_size)})")
-    if num_blocks > 1 and flat.stride(0) < row_bytes:
-        raise ValueError(f"{name}: rows overlap (stride(0) {flat.stride(0)} < {row_bytes} bytes a page)")
-    if (num_blocks > 1 and flat.stride(0) % 4) or flat.storage_offset() % 4:
-        raise ValueError(f"{name}: page_bytes (stride(0) {flat.stride(0)}) and the storage offset "
-                         f"({flat.storage_offset()}) must be multiples of 4: scales are fp32")
+    check_pages(name, flat, block_size, INDEXER_RECORD_BYTES, 4, "must be multiples of 4: scales are fp32")
     if indexer_min_page_bytes(block_size) >= 2**31:
         raise ValueError(f"block_size: {block_size} rows do not fit an int32 page offset")
     return flat, block_size
