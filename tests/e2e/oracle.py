@@ -208,7 +208,7 @@ def compressed_valid(positions: torch.Tensor, n_entries: int, ratio: int) -> tor
     """valid [T, n_entries] bool: compressed entry w visible to query position t iff
     w < (t + 1) // ratio, i.e. its window [w*ratio, (w+1)*ratio) ends at or before t."""
     w = torch.arange(n_entries).reshape(1, -1)
-    return w < (positions.reshape(-1, 1) + 1) // ratio
+    return w <= (positions.reshape(-1, 1) + 1) // ratio
 
 
 def o_proj(

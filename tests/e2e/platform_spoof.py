@@ -1,0 +1,108 @@
+"""Make vLLM's platform answer as an A100 (sm_80, 108 SMs) would, on a CPU machine or the H200.
+
+Order matters (E2E_CPU_NOTES.md 2.1): environment before any import, ``register()`` of the
+plugin after the capability spoof, and ``is_cuda()`` switched on only after vLLM's import-time
+capability probes have run (``enable_cuda_answers``).
+"""
+
+from __future__ import annotations
+
+import os
+
+A100_NAME = "NVIDIA A100-SXM4-80GB"
+A100_SMS = 108
+
+
+def set_environment(cpu: bool) -> None:
+    """Process environment for the run; call before torch / vLLM are imported."""
+    os.environ["VLLM_PLUGINS"] = ""            # the plugin is registered by hand, after the spoof
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ["DSV4_AMPERE_IMPL"] = "portable"
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+        # vLLM installs a TritonPlaceholder when it counts no active driver; an empty
+        # CUDA_VISIBLE_DEVICES takes its distributed-env branch and keeps the real Triton.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD"] = "0"
+
+
+def spoof_platform(cpu: bool) -> None:
+    """Capability 8.0, the A100's name and SM count on vLLM's current platform class."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    cls = type(current_platform)
+    cls.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(8, 0))
+    cls.get_device_name = classmethod(lambda c, device_id=0: A100_NAME)
+    cls.num_compute_units = classmethod(lambda c, device_id=0: A100_SMS)
+    if cpu:
+        cls.support_hybrid_kv_cache = classmethod(lambda c: True)
+        cls.device_type = "cpu"
+
+
+def enable_cuda_answers() -> None:
+    """``is_cuda()`` / ``is_cuda_alike()`` True from now on, so the CPU run takes the branches an
+    A100 takes (DeepGEMM-schedule metadata, the MoE backend list, the top-k backend choice)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    cls.is_cuda = lambda self: True
+    cls.is_cuda_alike = lambda self: True
+
+
+class _NoStream:
+    """CPU stand-in for ``torch.cuda.Stream`` / ``Event``: one stream, so every wait is a no-op
+    (the math is unchanged; stream-ordering races cannot be shown on a CPU)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoStream()
+
+    def synchronize(self):
+        pass
+
+
+def cpu_streams() -> None:
+    """Streams and events are no-ops on the CPU run; stream capture is never on."""
+    import torch
+
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.stream = lambda s=None: _NoStream()
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    torch.cuda.is_current_stream_capturing = lambda: False
+
+
+def cpu_vllm_streams() -> None:
+    """vLLM's own ``current_stream()`` helper (and every by-name import of it) gives the no-op
+    stream on the CPU run; call after vLLM's model modules are imported."""
+    import sys
+
+    import torch
+    from vllm.utils import torch_utils
+
+    orig = torch_utils.current_stream
+    torch.cuda.set_stream = lambda s=None: None
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("vllm.") and getattr(mod, "current_stream", None) is orig:
+            mod.current_stream = lambda: _NoStream()
