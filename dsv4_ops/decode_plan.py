@@ -1,14 +1,19 @@
 """Which sparse-MLA decode kernel runs, with how many splits: static shapes only, no host sync.
 
-    DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads     (read at each call; default auto)
+    DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads | fused   (read at each call; default auto)
       tiles  the split-KV tile kernel (csrc_triton.sparse_mla: 16-head tiles x 16-key
              blocks, every key re-read cdiv(H, 16) times) + the merge; splits from
              dsv4_ops.split_heuristic
       heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
              BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
              the final out + lse in its epilogue (no merge launch)
+      fused  (the composite dsv4_decode_attention only) csrc_triton.sparse_mla_paged: the
+             heads structure reading the paged fp8 records by slot, no workspace and no
+             gather launch (op dsv4_decode_fused_out; ``fused_plan``); a direct
+             sparse_mla_decode call treats it as auto
       auto   tiles below T = 64, heads from T = 64 with measured split counts
-             (``AUTO_HEADS_MIN_T``, ``auto_heads_splits``: benchmarks/results/decode_kernels.md)
+             (``AUTO_HEADS_MIN_T``, ``auto_heads_splits``: benchmarks/results/decode_kernels.md);
+             in the composite, fused where ``auto_is_fused`` (measured) says so
 
 The heads split count minimises a cost model (constants: H200 guesses, NOT measured; refit
 from bench_decode_kernels.py):
@@ -35,7 +40,7 @@ from .csrc_triton.sparse_mla import MAX_SPLITS, PARTITION_N
 from .split_heuristic import num_splits as _tile_splits
 
 ENV_VAR = "DSV4_AMPERE_DECODE_KERNEL"
-MODES = ("auto", "tiles", "heads")
+MODES = ("auto", "tiles", "heads", "fused")
 HEAD_DIM = 512
 
 # Cost-model constants (H200 guesses; refit from bench_decode_kernels.py).
@@ -161,3 +166,36 @@ def plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: in
     if kernel_mode == "heads":
         return heads_plan(T, H, K, sms, splits)
     return tiles_plan(T, H, K, splits)
+
+
+# ---- the fused paged decode (csrc_triton.sparse_mla_paged, issue 17) ----
+# Programs aimed at per SM when T * groups alone does not fill the SMs (guess, refit from
+# benchmarks/bench_decode_fused.py).
+FUSED_PROGRAMS_PER_SM = 2
+
+
+def fused_splits(T: int, H: int, K: int, sms: int) -> int:
+    """Split count of the fused kernel: enough programs for FUSED_PROGRAMS_PER_SM a SM, at
+    most one key block a split, snapped up to a balanced count."""
+    from .csrc_triton import sparse_mla_paged as _pk
+
+    bh = _pk.block_h_for(H)
+    nb = _cdiv(max(K, 1), _pk.FUSED_CONFIG[bh]["BLOCK_N"])
+    want = min(nb, MAX_SPLITS, max(1, _cdiv(FUSED_PROGRAMS_PER_SM * sms, max(T, 1) * _cdiv(H, bh))))
+    return min(s for s in balanced_splits(nb) + [nb] if s >= want) if want < nb else min(nb, MAX_SPLITS)
+
+
+@functools.lru_cache(maxsize=4096)
+def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
+    """The plan of the fused kernel for T tokens, H heads, K = K1 + K2 key positions on
+    ``sms`` SMs; splits 0 = fused_splits, else forced (1..MAX_SPLITS)."""
+    from .csrc_triton import sparse_mla_paged as _pk
+
+    bh = _pk.block_h_for(H)
+    s = splits or fused_splits(T, H, K, sms)
+    return DecodePlan("fused", s, bh, _pk.FUSED_CONFIG[bh]["BLOCK_N"], _cdiv(H, bh), s == 1)
+
+
+def auto_is_fused(T: int, H: int, K: int) -> bool:
+    """Whether auto runs the fused kernel in the composite (measured: see benchmarks/NOTES.md)."""
+    return False

@@ -15,6 +15,11 @@ Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and 
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
 dtype/shape/device tests per call, deep cache-layout checks once per layout).
+
+The fused path (``DSV4_AMPERE_DECODE_KERNEL=fused``, or auto where
+``decode_plan.auto_is_fused`` says it was measured faster): ONE op call,
+``dsv4_decode_fused_out``, reads the paged records by slot inside the attention kernel (no
+workspace, no gather launch; + the merge launch when it splits). Same semantics.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import decode_plan as _dp
 from .layout import HEAD_DIM
 
 
@@ -77,6 +83,16 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
         raise ValueError(f"topk_slots: expected an int tensor of {T} rows (one per token), got "
                          f"{tuple(topk_slots.shape) if isinstance(topk_slots, torch.Tensor) else type(topk_slots)}")
     rows = T * (topk_slots.shape[1] + swa_slots.shape[1])
+    kernel_mode = _dp.mode()
+    if kernel_mode == "fused" or (kernel_mode == "auto"
+                                  and _dp.auto_is_fused(T, q.shape[1], topk_slots.shape[1] + swa_slots.shape[1])):
+        # one op: the paged records read inside the attention kernel (no workspace)
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.ops.dsv4_ampere.dsv4_decode_fused_out(q, compressed_cache, topk_slots, topk_length,
+                                                          compressed_block_size, swa_cache, swa_slots, swa_length,
+                                                          swa_block_size, sink, sm_scale, num_splits, out)
+        return out, lse
     if workspace is None:
         workspace = torch.empty((rows, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):

@@ -298,6 +298,21 @@ def ref_dsv4_decode_gather(compressed_cache: torch.Tensor, topk_slots: torch.Ten
                               _kvl.capacity(swa_cache, swa_block_size))
 
 
+def ref_dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
+                          topk_length: Optional[torch.Tensor], compressed_block_size: int, swa_cache: torch.Tensor,
+                          swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
+                          sink, sm_scale: float, out_dtype: torch.dtype = torch.bfloat16):
+    """Op ``dsv4_decode_fused_out`` (one decode step read from the paged caches): the rows and
+    indices of ``ref_dsv4_decode_gather``, then ``ref_sparse_mla_decode`` over them (float64).
+    Returns out [T, H, 512] in ``out_dtype`` and lse float32 [T, H]."""
+    T = topk_slots.shape[0]
+    ws = torch.zeros(T * (topk_slots.shape[1] + swa_slots.shape[1]), _kvl.HEAD_DIM, dtype=torch.float64,
+                     device=q.device)
+    idx = ref_dsv4_decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                 swa_slots, swa_length, swa_block_size, ws)
+    return ref_sparse_mla_decode(q, ws, idx, None, sink, sm_scale, out_dtype=out_dtype)
+
+
 # ---- engram ----
 
 

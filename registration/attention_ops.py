@@ -1,6 +1,7 @@
 """dsv4_ampere::sparse_mla_split, merge_splits, sparse_mla_decode, dsv4_decode_indices, and the
 out= forms merge_splits_out and sparse_mla_decode_out (write a caller's buffer, return lse),
-and dsv4_decode_gather (both decode gathers + the index build, one launch).
+and dsv4_decode_gather (both decode gathers + the index build, one launch), and
+dsv4_decode_fused_out (the whole decode step read straight from the paged caches).
 
 CUDA runs the Triton launchers (dsv4_ops.attention); the CPU runs the
 pure-PyTorch references; the fakes allocate exactly what the launchers allocate.
@@ -102,6 +103,30 @@ def _dsv4_decode_gather_fake(compressed_cache, topk_slots, topk_length, compress
     return topk_slots.new_empty((topk_slots.shape[0], topk_slots.shape[1] + swa_slots.shape[1]), dtype=torch.int32)
 
 
+def _dsv4_decode_fused_out_cuda(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                swa_slots, swa_length, swa_block_size, sink, sm_scale, num_splits, out):
+    return attention.dsv4_decode_fused(q, compressed_cache, topk_slots, topk_length, compressed_block_size,
+                                       swa_cache, swa_slots, swa_length, swa_block_size, sink, sm_scale,
+                                       num_splits, out=out)[1]
+
+
+def _dsv4_decode_fused_out_cpu(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                               swa_slots, swa_length, swa_block_size, sink, sm_scale, num_splits, out):
+    attention._fused_slow_checks(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                 swa_slots, swa_length, swa_block_size, sink, out)
+    if num_splits:
+        attention.check_splits(num_splits)
+    o, lse = reference.ref_dsv4_decode_fused(q, compressed_cache, topk_slots, topk_length, compressed_block_size,
+                                             swa_cache, swa_slots, swa_length, swa_block_size, sink, sm_scale)
+    out.copy_(o)
+    return lse.contiguous()
+
+
+def _dsv4_decode_fused_out_fake(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                swa_slots, swa_length, swa_block_size, sink, sm_scale, num_splits, out):
+    return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
 OPS = (
     OpDef("sparse_mla_split",
           "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, float sm_scale, int num_splits)"
@@ -128,4 +153,9 @@ OPS = (
           " Tensor swa_cache, Tensor swa_slots, Tensor? swa_length, int swa_block_size, Tensor(a!) workspace)"
           " -> Tensor",
           cuda=attention.dsv4_decode_gather, cpu=_dsv4_decode_gather_cpu, fake=_dsv4_decode_gather_fake),
+    OpDef("dsv4_decode_fused_out",
+          "(Tensor q, Tensor compressed_cache, Tensor topk_slots, Tensor? topk_length, int compressed_block_size,"
+          " Tensor swa_cache, Tensor swa_slots, Tensor? swa_length, int swa_block_size, Tensor? sink,"
+          " float sm_scale, int num_splits, Tensor(a!) out) -> Tensor",
+          cuda=_dsv4_decode_fused_out_cuda, cpu=_dsv4_decode_fused_out_cpu, fake=_dsv4_decode_fused_out_fake),
 )

@@ -158,6 +158,21 @@ def _dsv4_decode_gather(device) -> Cases:
             ("nolen", _to(device, cc, topk, None, bc, cw, swa, None, bw, ws.clone()))]
 
 
+def _dsv4_decode_fused_out(device) -> Cases:
+    bc, bw = 16, 8
+    cc, cw = _filled_cache(4, bc, 18), _filled_cache(3, bw, 19)
+    topk, tl, swa = _decode_slots(cap_c=4 * bc, cap_w=3 * bw, seed=20)
+    T, H = topk.shape[0], 5
+    g = rng(21)
+    q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    out = torch.zeros(T, H, D, dtype=torch.bfloat16)
+    swa_len = torch.full((T + 1,), swa.shape[1] - 3, dtype=torch.int64)
+    return [("len-sink-S2", _to(device, q, cc, topk, tl, bc, cw, swa, swa_len, bw, sink, SM_SCALE, 2, out)),
+            ("nolen-nosink-plan", _to(device, q, cc, topk.long(), None, bc, cw, swa.long(), None, bw, None, SM_SCALE, 0,
+                                      out.clone()))]
+
+
 # ---- indexer -----------------------------------------------------------------------------
 
 IDX_D = layout.INDEXER_HEAD_DIM
@@ -248,6 +263,7 @@ SAMPLES: Dict[str, Callable[[str], Cases]] = {
     "merge_splits_out": _merge_splits_out,
     "sparse_mla_decode_out": _sparse_mla_decode_out,
     "dsv4_decode_gather": _dsv4_decode_gather,
+    "dsv4_decode_fused_out": _dsv4_decode_fused_out,
     "indexer_k_insert": _indexer_k_insert,
     "indexer_q_quant": _indexer_q_quant,
     "mqa_logits": _mqa_logits,
