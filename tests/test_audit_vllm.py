@@ -18,19 +18,13 @@ pytest.importorskip("vllm", reason="the audit needs vllm==0.33.0 (pip install ds
 from dsv4_ops.vllm import audit  # noqa: E402
 from dsv4_ops.vllm import warmup  # noqa: E402
 
-# Rows open now (model:phase:kernel), grouped by cause in the README's audit section: V4-only
-# kernels that V4.1's import closure pulls in (no compile key for V4.1's ratios), and V4.1's mHC
-# overlap DeepGEMM call (reached only through a stream that is None below sm_100, which the
-# audit's guard reading does not follow yet). The test prints which ones are covered now so the
-# list can be trimmed.
+# Rows open now (model:phase:kernel). Empty since the audit decides reachability from the
+# classes each model constructs (audit/_reach.py): the V4-only kernels that V4.1's import of
+# deepseek_v4.nvidia.model pulled in are "not reached". It may only shrink: a new open row fails.
 KNOWN_OPEN_TEXT = """
-v41:forward:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
-v41:forward:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
-v41:jit-warmup:vllm.models.deepseek_v4.common.ops.save_partial_states._SAVE_PARTIAL_STATES_KERNEL
-v41:jit-warmup:vllm.models.deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL
 """
 KNOWN_OPEN = frozenset(line.strip() for line in KNOWN_OPEN_TEXT.splitlines() if line.strip())
-KNOWN_OPEN_START = 4  # the length this list has now (102, then 23, at first); it may only shrink
+KNOWN_OPEN_START = 0  # the length this list has now (102, 23, 4, then 0); it may only shrink
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +65,38 @@ def test_map_facts_are_found(result):
     assert meta and all(r.status == "dead" for r in meta) and any("has_deep_gemm" in r.evidence for r in meta)
     decode = [r for r in result.rows if r.kernel == "FlashMLA.flash_mla_with_kvcache" and r.model == "v4"]
     assert decode and all(r.patch for r in decode), "the plugin's decode override must cover FlashMLA decode"
+
+
+def _rows(result, model, kernel_tail, phase="forward"):
+    return [r for r in result.rows if r.model == model and r.path == "default" and r.phase == phase
+            and r.kernel.endswith(kernel_tail)]
+
+
+def test_v4_kernels_in_v41_import_scope_are_not_reached(result):
+    """V4.1 imports deepseek_v4.nvidia.model for its MoE class only: V4's compressor and sparse-MLA
+    kernels are in its import scope but not in its class graph; in V4 itself they are reached."""
+    for tail in ("save_partial_states._SAVE_PARTIAL_STATES_KERNEL", "sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL"):
+        for phase in ("forward", "jit-warmup"):
+            v41 = _rows(result, "v41", tail, phase)
+            assert v41 and all(r.status == "off" and r.evidence.startswith("not reached") for r in v41), v41
+            assert all("DeepseekV41ForCausalLM" in r.evidence for r in v41)
+            v4 = _rows(result, "v4", tail, phase)
+            assert v4 and all(r.status == "runs" for r in v4), v4
+
+
+def test_v41_global_topk_kernel_runs_and_is_not_credited_to_a_patch(result):
+    """The plugin's decode calls vLLM's compute_global_topk_indices_and_lens itself (a kept row), so
+    no override covers its kernel: it must run on sm_80, by an AOT compile."""
+    rows = _rows(result, "v41", "deepseek_v41.common.ops.cache_utils._compute_global_topk_indices_and_lens_kernel")
+    assert rows and all(r.status == "runs" and not r.patch and "AOT sm_80 ok" in r.evidence for r in rows), rows
+
+
+def test_v32_indexer_q_kernel_is_not_attributed_to_a_dsv4_patch(result):
+    """sparse_attn_indexer.fused_indexer_q_rope_quant is DeepSeek-V3.2's (deepseek_v2.py); V4/V4.1
+    call their own function of the same name, which the plugin patches."""
+    for model in audit.MODELS:
+        rows = _rows(result, model, "sparse_attn_indexer._fused_indexer_q_rope_quant_kernel")
+        assert rows and all(r.status == "off" and not r.patch and "not reached" in r.evidence for r in rows), rows
 
 
 def test_summary_and_table_render(result):
@@ -232,6 +258,61 @@ def test_warmup_coverage_comes_from_the_patch_table():
 
 
 # ------------------------------------------------------------------ evidence helpers (no vLLM run)
+
+def test_class_graph_resolves_names_per_module(tmp_path):
+    """Reachability follows what the root class names, with imports and re-exports resolved: a
+    same-named function of another module, a class nobody builds and its kernels are not reached."""
+    from dsv4_ops.vllm.audit import _reach
+
+    pkg = tmp_path / "pkgx"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "from .model import Root\nfrom .other import helper as exported\n",
+        "model.py": textwrap.dedent('''
+            from pkgx.other import UsedCls, helper as h
+            from pkgx import other
+            from pkgx import exported
+            from pkgx.third import fused
+
+            class Root:
+                def __init__(self):
+                    self.x = UsedCls()
+                    h()
+
+                def forward(self):
+                    exported()
+                    fused()
+                    return other.called_via_module()
+        '''),
+        "other.py": textwrap.dedent('''
+            def kernel_a(): pass
+            def kernel_b(): pass
+            class UsedCls:
+                def run(self): kernel_b()
+            class UnusedCls:
+                def m(self): kernel_a()
+            def helper(): pass
+            def called_via_module(): pass
+            def fused(): kernel_a()
+        '''),
+        "third.py": "def fused(): pass\n",
+    }
+    mods = {}
+    for fn, text in files.items():
+        (pkg / fn).write_text(text)
+        name = "pkgx" if fn == "__init__.py" else f"pkgx.{fn[:-3]}"
+        mods[name] = (str(pkg / fn), fn == "__init__.py")
+    g = _reach.Graph(mods)
+    reached = g.reached([("pkgx.model", "Root")])
+    for node in [("pkgx.other", n) for n in ("UsedCls", "helper", "called_via_module", "kernel_b")] + \
+            [("pkgx.third", "fused")]:
+        assert node in reached, node
+    for node in [("pkgx.other", n) for n in ("UnusedCls", "kernel_a", "fused")]:
+        assert node not in reached, node
+    assert g.users(("pkgx.third", "fused")) == {("pkgx.model", "Root.forward")}
+    assert g.users(("pkgx.other", "fused")) == set()
+    assert _reach.path_to(reached, ("pkgx.other", "kernel_b")) == "Root -> UsedCls -> kernel_b"
+
 
 def test_cpp_kernel_names_match_exactly():
     from dsv4_ops.vllm.audit import _native

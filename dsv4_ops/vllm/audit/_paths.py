@@ -20,6 +20,15 @@ SHARED_ROOTS = (
     "vllm.model_executor.layers.indexer_topk",
 )
 
+# Architectures (keys of vLLM's model registry, registry.py) that each audited path serves: their
+# classes are the roots of the class-level reachability graph (``_reach``). V4-Flash ships as
+# DeepseekV4ForCausalLM; V4.1-Flash's only registered class is the vision-language wrapper
+# (nvidia/vl_model.py: the ViT tower + DeepseekV41LLMForCausalLM). Draft paths add their class.
+ARCHITECTURES = {
+    "v4": {"default": ("DeepseekV4ForCausalLM",), "mtp": ("DeepSeekV4MTPModel",), "dspark": ("DSparkDraftModel",)},
+    "v41": {"default": ("DeepseekV41ForCausalLM",), "mtp": (), "dspark": ("DSparkV41DraftModel",)},
+}
+
 # Reported, not enforced: speculative-decoding heads (module suffix under <model>.nvidia).
 EXTRA_PATHS = {"v4": {"mtp": (".mtp",), "dspark": (".dspark",)}, "v41": {"dspark": (".dspark",), "mtp": (".mtp",)}}
 EXTRA_PATH_PARTS = (".mtp", ".dspark")

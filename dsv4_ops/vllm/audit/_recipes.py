@@ -80,6 +80,19 @@ RECIPES: Tuple[Recipe, ...] = (
            (_v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=1, PADDED_TOP_K=512)),
             _v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=2, PADDED_TOP_K=512))),
            num_warps=8),
+    # V4.1 decode top-k -> global slots (called by vLLM's _forward_decode and by the plugin's Ampere
+    # decode, dsv4_ops/vllm/attention.py): topk_indices = topk_indices_buffer[:T] int32 [T, index_topk
+    # 512] (stride 512), global indices empty_like it; topk_lens int32; token_to_req_indices int32 and
+    # is_valid_token bool (sparse_swa.py:504, 556); block_table int32 [reqs, cdiv(max_model_len, 128)]
+    # (65536 / 128 = 512 columns); block_size = attn_metadata.block_size // compress_ratio with the
+    # backend's 128-token kernel block off sm_90 (ratios 1 and 2 -> 128, 64).
+    Recipe("vllm.models.deepseek_v41.common.ops.cache_utils._compute_global_topk_indices_and_lens_kernel",
+           "vllm/models/deepseek_v41/common/ops/cache_utils.py:841", "23e006aa7a9cb64f",
+           tuple(_v({"global_topk_indices_ptr": "*i32", "topk_lens_ptr": "*i32", "topk_indices_ptr": "*i32",
+                     "token_to_req_indices_ptr": "*i32", "block_table_ptr": "*i32", "is_valid_token_ptr": "*i1"},
+                    dict(global_topk_indices_stride=512, topk_indices_stride=512, topk=512, block_table_stride=512,
+                         block_size=bs, TRITON_BLOCK_SIZE=1024)) for bs in (128, 64)),
+           note="called every decode step by the plugin's Ampere decode (kept row)"),
     Recipe("vllm.v1.attention.backends.mla.indexer._kpool_tail_slot_mapping_kernel",
            "vllm/v1/attention/backends/mla/indexer.py:812", "29f1ae21c754db8d",
            (_v({"slot_mapping_ptr": "*i64", "block_table_ptr": "*i32", "block_table_stride": "i32",

@@ -22,8 +22,10 @@ FOLLOW = (
     "vllm.v1.attention.backends.mla.indexer", "vllm.v1.attention.backends.mla.sparse_swa",
     "vllm.v1.attention.backends.mla.compressor_utils", "vllm.v1.attention.ops.common",
 )
-# Other platforms and multimodal front-ends: never on the NVIDIA text serve path.
-EXCLUDE_PARTS = (".amd", ".xpu", ".cpu", ".vl_", ".vision", ".mm_preprocess", "rocm")
+# Other platforms, the XPU/CPU vision stub, and the multimodal processor (CPU-side, API server):
+# never on the NVIDIA GPU serve path. The vision tower itself (common/vision.py, nvidia/vl_model.py)
+# is followed: V4.1-Flash's registered class builds it.
+EXCLUDE_PARTS = (".amd", ".xpu", ".cpu", ".vl_stub", ".mm_preprocess", "rocm")
 
 # Capability helpers with a known value on sm_8x with vLLM 0.33.0 installed, for guard evaluation.
 # has_*: module-existence checks (the wheel vendors DeepGEMM and depends on nvidia-cutlass-dsl).

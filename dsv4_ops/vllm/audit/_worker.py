@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from . import _paths, _source
+from . import _paths, _reach, _source
 
 MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41"}
 # Methods reached by calling the class or an instance, not by name.
@@ -62,18 +62,71 @@ class Audit:
         _source.init_guards(arch)
         self.entry_modules: Set[str] = set()  # --modules (tests): their functions are entry points
         self.notes: List[str] = []
+        # the class-level graph of the path being audited (rows_for sets them; None: not applied)
+        self._graph: Optional[_reach.Graph] = None
+        self._reached: Dict = {}
+        self._roots = ""
+        self._mods: Dict[str, _source.ModuleIndex] = {}
+        self._ops: Dict[str, str] = {}
+        self.kept: Set[str] = set()
+
+    def is_reached(self, module: str, qualname: str) -> bool:
+        """Whether the top-level symbol owning ``module:qualname`` is reached from the path's
+        model classes (always True when the graph is not applied)."""
+        if self._graph is None or module not in self._graph.mods:
+            return True
+        return (module, qualname.split(".")[0]) in self._reached
+
+    def resolved_users(self, name: str, module: str, refs) -> List[_source.Func]:
+        """Functions that reference ``module.name``: through the resolved graph for a top-level
+        symbol of an audited module (a same-named function elsewhere does not count), by name for
+        a method (``self.x`` is not resolved)."""
+        g = self._graph
+        if g is not None and module in g.mods and name in g.mods[module].defs:
+            out = []
+            for m, q in sorted(g.users((module, name))):
+                f = self._mods[m].funcs.get(q) if m in self._mods else None
+                # a use as _source reads it (a name or torch.ops.vllm.<op>; not a warmup registration)
+                if f is not None and (name in f.idents or any(self._ops.get(i) == name for i in f.idents)):
+                    out.append(f)
+            return out
+        return list(refs.get(name, ()))
 
     # ------------------------------------------------------------------ discovery
-    def scope(self, model: str, extra: Tuple[str, ...] = ()) -> Dict[str, _source.ModuleIndex]:
+    @staticmethod
+    def root_classes(model: str, path: str) -> List[_reach.Node]:
+        """The classes vLLM's registry loads on NVIDIA for the path's architectures (the default
+        path's too, for a draft path)."""
+        pkg = MODELS[model]
+        by_arch = _reach.registry_classes(pkg)
+        archs = list(_paths.ARCHITECTURES[model]["default"])
+        if path != "default":
+            archs += list(_paths.ARCHITECTURES[model].get(path, ()))
+        names = [by_arch[a] for a in archs if a in by_arch]
+        return _reach.registry_roots(pkg, names)
+
+    def scope(self, model: str, extra: Tuple[str, ...] = (), path: str = "default") -> Dict[str, _source.ModuleIndex]:
         pkg = MODELS[model]
         saved = _source.EXCLUDE_PARTS
         _source.EXCLUDE_PARTS = saved + tuple(x for x in _paths.EXTRA_PATH_PARTS if x not in extra) + \
             tuple(_paths.OFF_PATH_MODULES)
         try:
-            roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + list(_paths.SHARED_ROOTS)
+            roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + list(_paths.SHARED_ROOTS) + \
+                [m for m, _ in self.root_classes(model, path)]
             return _source.closure(roots, self.libs)
         finally:
             _source.EXCLUDE_PARTS = saved
+
+    @staticmethod
+    def reach(model: str, path: str, mods) -> Tuple[Optional[_reach.Graph], Dict, str]:
+        """(graph, reached nodes, root names) of the class-level graph from the path's model
+        classes; (None, {}, why) when no root class was found (reachability then not applied)."""
+        roots = Audit.root_classes(model, path)
+        if not roots:
+            return None, {}, f"no registry class found for {model}/{path}"
+        graph = _reach.Graph({n: (i.path, os.path.basename(i.path) == "__init__.py") for n, i in mods.items()})
+        return graph, graph.reached(roots), " + ".join(f"{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}:{c}"
+                                                     for m, c in roots)
 
     def kernels(self, mods: Dict[str, _source.ModuleIndex]) -> Dict[Tuple[str, str], Any]:
         out = {}
@@ -118,6 +171,28 @@ class Audit:
             funcs[f"{p.module}:{p.symbol}"] = name
         return bind, funcs
 
+    @staticmethod
+    def kept_keys() -> Set[str]:
+        """module:qualname of the 'kept' rows (vLLM functions the plugin's replacements call
+        themselves): a use through them is not replaced, so it is decided by its own evidence."""
+        from dsv4_ops.vllm.table import patches
+
+        out: Set[str] = set()
+        for p in patches():
+            if p.kind != "kept":
+                continue
+            out.add(f"{p.module}:{p.symbol}")
+            try:
+                obj = importlib.import_module(p.module)
+                for part in p.symbol.split("."):
+                    obj = getattr(obj, part)
+                obj = getattr(obj, "_dsv4_original", obj)
+                if getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):
+                    out.add(f"{obj.__module__}:{obj.__qualname__}")
+            except Exception:  # noqa: BLE001 - a row register() would reject anyway
+                pass
+        return out
+
     def build_graph(self, mods):
         """name -> functions that reference it; ``torch.ops.vllm.<op>`` counts as a reference to
         the Python function registered as that custom op."""
@@ -136,7 +211,10 @@ class Audit:
         seen = set() if seen is None else seen
         if (module, name) in bind:
             return bind[(module, name)]
-        users = [f for f in refs.get(name, ()) if (f.module, f.qualname) not in jit_defs]
+        if f"{module}:{name}" in self.kept:
+            return None  # the replacement calls it itself: its status is its own evidence
+        users = [f for f in self.resolved_users(name, module, refs) if (f.module, f.qualname) not in jit_defs
+                 and self.is_reached(f.module, f.qualname)]
         if not users or depth > 6:
             return None
         rows = set()
@@ -144,7 +222,7 @@ class Audit:
             if (f.module, name) in bind:
                 rows.add(bind[(f.module, name)])
                 continue
-            if f.key in funcs:
+            if f.key in funcs and f.key not in self.kept:
                 rows.add(funcs[f.key])
                 continue
             if ("." not in f.qualname and f.module not in self.entry_modules
@@ -207,6 +285,15 @@ class Audit:
         return "; ".join(sorted(set(why))) if all(why) else ""
 
     def rows_for(self, model: str, path: str, mods, objs, compiled) -> List[dict]:
+        self._mods = mods
+        self.kept = self.kept_keys()
+        if self.entry_modules:
+            self._graph, self._reached, self._roots = None, {}, ""
+        else:
+            self._graph, self._reached, self._roots = self.reach(model, path, mods)
+            if self._graph is None:
+                self.notes.append(f"{model}/{path}: class-level reachability not applied ({self._roots})")
+        self._ops = {op: fn for idx in mods.values() for op, fn in idx.custom_ops.items()}
         refs = self.build_graph(mods)
         gated, unbuilt = self.gated_refs(mods), self.unbuilt_classes(mods)
         bind, funcs = self.patched()
@@ -218,10 +305,17 @@ class Audit:
                 regs.setdefault((r.kernel_module, r.kernel), []).append(r)
         for (mod, name), obj in sorted(objs.items()):
             tech = _kernel_tech(obj)
-            users = [f for f in refs.get(name, ()) if (f.module, f.qualname) not in jit_defs]
-            registered = regs.get((mod, name), [])
-            if not users and not registered:
+            every = [f for f in self.resolved_users(name, mod, refs) if (f.module, f.qualname) not in jit_defs]
+            every_reg = regs.get((mod, name), [])
+            if not every and not every_reg:
                 continue  # not used on this path
+            users = [f for f in every if self.is_reached(f.module, f.qualname)]
+            registered = [r for r in every_reg if self.is_reached(r.module, r.func)]
+            if not users and not registered:
+                if not _paths.off_path(name):
+                    rows.extend(self._unreached_rows(model, path, mod, name, tech, every, every_reg, obj,
+                                                     compiled))
+                continue
             src = getattr(obj, "src", None)  # bare JITFunctions only: warmup owners are kernels
             if tech == "Triton" and isinstance(src, str) and "program_id" not in src and not registered:
                 continue  # a @triton.jit device helper: compiled as part of the kernels that call it
@@ -261,6 +355,11 @@ class Audit:
                 if _paths.off_path(c.func.split(".")[-1]) or _paths.off_path(c.name):
                     continue
                 key = f"{c.module}:{c.func}"
+                if not self.is_reached(c.module, c.func):
+                    rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
+                                     tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
+                                     evidence=self._not_reached_why([(c.module, c.func)]), patch=""))
+                    continue
                 if not reached:  # the call sits under a guard that is never taken on sm_8x
                     rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
                                      tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
@@ -287,6 +386,29 @@ class Audit:
                                  tech=c.library, location=_short(f"{key}:{c.lineno}"), status=status,
                                  evidence=ev, patch=patch or ""))
         return rows
+
+    def _not_reached_why(self, owners: List[Tuple[str, str]], also: str = "") -> str:
+        names = sorted({f"{m.rsplit('.', 1)[-1]}:{q.split('.')[0]}" for m, q in owners})
+        return (f"not reached: nothing that {self._roots} constructs or calls names "
+                f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} (class-level graph from the "
+                f"model class, audit/_reach.py)" + (f" (if reached, {also})" if also else ""))[:900]
+
+    def _unreached_rows(self, model, path, mod, name, tech, users, regs, obj, compiled) -> List[dict]:
+        """Rows of a kernel whose every user is outside the model's class graph: off, not reached."""
+        status, evidence = self.status(mod, name, obj, tech, regs, compiled)
+        also = f"{status}: {evidence[:120]}"
+        out = []
+        if users:
+            f = users[0]
+            out.append(dict(model=model, path=path, phase="forward", kernel=f"{mod}.{name}", tech=tech,
+                            location=_short(f"{f.module}:{f.qualname}:{f.lineno}"), status="off",
+                            evidence=self._not_reached_why([(u.module, u.qualname) for u in users], also),
+                            patch=""))
+        for r in regs[:1]:
+            out.append(dict(model=model, path=path, phase="jit-warmup", kernel=f"{mod}.{name}", tech=tech,
+                            location=_short(f"{r.module}:{r.func}:{r.lineno}"), status="off",
+                            evidence=self._not_reached_why([(x.module, x.func) for x in regs], also), patch=""))
+        return out
 
     def status(self, mod, name, obj, tech, registered, compiled) -> Tuple[str, str]:
         if tech == "Triton":
@@ -457,7 +579,7 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
     for m in models if not modules else ():
         scopes[(m, "default")] = audit.scope(m)
         for path, parts in _paths.EXTRA_PATHS.get(m, {}).items():
-            scopes[(m, path)] = audit.scope(m, parts)
+            scopes[(m, path)] = audit.scope(m, parts, path)
     all_mods: Dict[str, _source.ModuleIndex] = {}
     for s in scopes.values():
         all_mods.update(s)
