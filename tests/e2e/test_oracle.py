@@ -341,11 +341,27 @@ def _attention_oracle(attn, cfg, x, pos):
     return O.o_proj(out, cos, sin, rd, attn.o_a_proj.weight, attn.o_b_proj.weight, cfg.o_groups)
 
 
+def _sliding_mask(cfg, x, pos):
+    """transformers' own additive sliding-window causal mask [1, 1, T, T] (what DeepseekV4Model builds)."""
+    return mdl.create_sliding_window_causal_mask(config=cfg, inputs_embeds=x[None], attention_mask=None,
+                                                 past_key_values=None, position_ids=pos[None])
+
+
+@pytest.mark.parametrize("window", [1, 5, 128])
+def test_sliding_window_valid(rng, window):
+    cfg = make_config(sliding_window=window)
+    t = 9 + int(rng.ints(140, 1))
+    pos = torch.arange(t)
+    mask = _sliding_mask(cfg, torch.zeros(t, cfg.hidden_size), pos)[0, 0]
+    valid = O.sliding_window_valid(pos, pos, window)
+    assert torch.equal(valid, mask == 0), f"window {window}, T {t} (seed {rng.seed})"
+    assert (valid.sum(1) == torch.clamp(pos + 1, max=window)).all(), f"seed {rng.seed}"
+
+
 def _run_attention(attn, cfg, x, pos):
     rot = mdl.DeepseekV4RotaryEmbedding(cfg)
     pe = {k: rot(x, pos[None], layer_type=k) for k in ("main", "compress")}
-    valid = O.sliding_window_valid(pos, pos, cfg.sliding_window)
-    mask = torch.zeros(valid.shape, dtype=x.dtype).masked_fill(~valid, float("-inf"))[None, None]
+    mask = _sliding_mask(cfg, x, pos)
     out, _ = attn(x[None], position_embeddings=pe, position_ids=pos[None], attention_mask=mask)
     return out[0]
 
