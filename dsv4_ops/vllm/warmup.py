@@ -12,12 +12,23 @@ vLLM aborts startup when a kernel registered with ``JitWarmupRegistry`` fails to
 Failed and replaced: dropped from the warmup (logged at info). Failed and NOT replaced:
 registered anyway and logged as an error naming the kernel, so vLLM's warmup fails loudly
 instead of a later request. Compiles: registered unchanged.
+
+``warmup_with_warm_set`` wraps ``JitWarmupRegistry.warmup``: before vLLM expands its
+registrations, it adds this library's own kernels, one ``VllmJitKernel`` whose compile keys
+are the warm set (``dsv4_ops.vllm.warm_set.build``: every Triton specialization the dispatch
+can pick for the served model, its per-rank heads, the KV-cache block sizes and every batch
+class up to ``max_num_batched_tokens``). So they compile during vLLM's "JIT kernel warmup"
+(its log line reports the seconds), in parallel (``VLLM_TRITON_JIT_WARMUP_NUM_THREADS``),
+and a compile failure aborts startup. ``DSV4_AMPERE_WARMUP=0`` skips it (kernels then compile
+at their first launch); vLLM's ``enable_jit_warmup=False`` skips every JIT warmup, ours too.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -140,9 +151,97 @@ def register_filtered(original):
     return classmethod(register)
 
 
+WARMUP_ENV = "DSV4_AMPERE_WARMUP"
+
+
+def warmup_enabled() -> bool:
+    """False when DSV4_AMPERE_WARMUP is 0 / false / off (default on)."""
+    return os.environ.get(WARMUP_ENV, "1").strip().lower() not in ("0", "false", "off")
+
+
+@functools.lru_cache(maxsize=1)
+def warm_set_kernel_cls():
+    """The VllmJitKernel class of the warm set (built once; vLLM is imported here, lazily)."""
+    from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
+
+    class Dsv4AmpereWarmSet(VllmJitKernel):
+        """dsv4_ops' Triton kernels for the served DeepSeek-V4/V4.1 model: compile keys are
+        dsv4_ops.warm_keys.LaunchKey (the warm set), compiled into Triton's JIT cache."""
+
+        CompileKey = tuple
+
+        def get_warmup_keys(self, vllm_config=None):
+            ws = build_warm_set(vllm_config)
+            return [] if ws is None else sorted(ws.keys, key=lambda k: k.label())
+
+        def compile(self, compile_key):
+            from .. import warm_keys
+
+            warm_keys.compile_jit(compile_key)
+
+        def compile_many(self, compile_keys):
+            from .. import warm_keys
+
+            threads = int(os.environ.get("VLLM_TRITON_JIT_WARMUP_NUM_THREADS", "8") or 1)
+            keys = list(compile_keys)
+            start = time.perf_counter()
+            warm_keys.compile_many_jit(keys, threads=threads)
+            logger.info("dsv4_ops: warmed %d Triton specializations in %.1f s (%d threads)", len(keys),
+                        time.perf_counter() - start, threads)
+
+    return Dsv4AmpereWarmSet
+
+
+def build_warm_set(vllm_config):
+    """The warm set of the model vLLM serves on this worker's GPU, or None (not DSv4/V4.1)."""
+    import torch
+
+    from .. import decode_plan, dispatch
+    from .warm_set import build, shapes_from_vllm_config
+
+    shapes = shapes_from_vllm_config(vllm_config)
+    if shapes is None:
+        return None
+    device = torch.cuda.current_device()
+    variant = dispatch.kernel_variant(dispatch.device_capability(device))
+    max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    ws = build(shapes, max_tokens, sms=decode_plan.num_sms(device), variant=variant)
+    logger.info("dsv4_ops: warm set of %s at TP=%d, <= %d tokens a batch: %d Triton specializations "
+                "(%d batch classes, %s)", shapes.name, shapes.tp, max_tokens, len(ws), len(ws.classes), variant)
+    return ws
+
+
+def warmup_with_warm_set(original):
+    """Builder: ``JitWarmupRegistry.warmup`` that first registers the dsv4_ops warm set."""
+
+    def warmup(self):
+        """dsv4_ops: vLLM's JIT warmup, plus every dsv4_ops Triton specialization of this model."""
+        if warmup_enabled() and _served_model_is_dsv4(getattr(self, "vllm_config", None)):
+            self._add(_warm_set_kernel(), (), {})
+        return original(self)
+
+    return warmup
+
+
+def _served_model_is_dsv4(vllm_config) -> bool:
+    from .warm_set import shapes_from_vllm_config
+
+    return vllm_config is not None and shapes_from_vllm_config(vllm_config) is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _warm_set_kernel():
+    return warm_set_kernel_cls()()
+
+
 PATCHES = (
     Patch("vllm.model_executor.warmup.jit_warmup", "JitWarmupRegistry.register", ("kernel", "args", "kwargs"),
           "JIT warmup compiles every registered kernel for this GPU and aborts startup on the first failure; "
           "replaced kernels that fail on sm_8x are dropped (decided by compiling them), others fail loudly",
           register_filtered, wraps=True),
+    Patch("vllm.model_executor.warmup.jit_warmup", "JitWarmupRegistry.warmup", (),
+          "dsv4_ops' own Triton kernels are unknown to vLLM's JIT warmup (each specialization would compile "
+          "at its first batch class, mid-serving) -> the warm set (every specialization the dispatch can pick "
+          "for this model, TP and max_num_batched_tokens) is registered first, so it compiles at startup",
+          warmup_with_warm_set, wraps=True),
 )

@@ -1,0 +1,427 @@
+"""The warm set: every Triton launch key (``dsv4_ops.warm_keys``) that vLLM's DeepSeek-V4 /
+V4.1 serve path can reach through this library on sm_8x, for one model, TP degree and
+``max_num_batched_tokens``.
+
+Built by driving the real launchers (``dsv4_ops.attention``, ``kv_cache``, ``indexer``,
+``engram``) with ``meta`` tensors under ``warm_keys.recording()``: nothing is allocated on
+a GPU, nothing runs, and every key is what the launcher itself would compile, so a new
+dispatch rule in a launcher shows up here without a hand list. What the calls look like
+(shapes, dtypes, which arguments are present) follows the vLLM integration
+(``dsv4_ops.vllm.attention`` / ``indexer`` / ``compressed_cache`` / ``engram`` and vLLM
+0.33.0's DSv4 forward, cited per call below).
+
+Batch classes. A launch key depends on the token count T only through (a) the decode plan
+(``decode_plan.plan``: kernel and split count), (b) the fused-gather branch of
+``dsv4_decode.dsv4_decode_attention`` and (c) Triton's specialization of ints derived from
+T (equal to 1, multiple of 16; every such int here is T times a constant), so the keys of
+all T in [1, max_tokens] are those of one representative per class (T == 1, T mod 16,
+plan for every K, branch), ``batch_classes``. Sizes that depend on request contents, not on
+T (a prefill workspace's rows, the tokens a compressor writes, indexer key counts), take
+each specialization class: ``DATA_SIZES`` (1, a multiple of 16, neither).
+The plan also depends on the SM count (108 on an A100): ``sms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+from .. import warm_keys
+
+# One value per Triton int class: equal to 1 (a constexpr), a multiple of 16, neither.
+DATA_SIZES = (1, 16, 17)
+HEAD_DIM = 512
+INDEXER_DIM = 128
+RECORD_BYTES = 584
+C128A_TOPK_ALIGNMENT = 128  # vLLM deepseek_v4/sparse_mla.py _C128A_TOPK_ALIGNMENT
+# Engram table rows of a shard and hash columns: stand-ins (they only reach kernel ints, whose
+# classes the real values may differ in: unverified against a V4.1 checkpoint).
+ENGRAM_ROWS, ENGRAM_COLS = 1 << 20, 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShapes:
+    """What the dispatch of one served model depends on.
+
+    heads: query heads of the model (heads per rank = heads // tp); index_heads: indexer
+    heads (replicated over TP in vLLM 0.33.0: ``self.n_head = config.index_n_heads``);
+    index_topk: top-k of the C4A layers; window: sliding-window keys; c128a: V4's C128A
+    layers exist (their top-k width is a power of two >= 128 up to max_model_len / 128,
+    vLLM sparse_mla.py); engram: (DIM, QUANT_BLOCK) of V4.1's Engram rows or None;
+    block_size: KV-cache block size (tokens; compressed caches hold block_size // ratio);
+    swa_block_size: the window cache's; num_blocks: blocks of each cache (capacities are
+    kernel ints); max_image_tokens: V4.1's image tokens in the prefill index width.
+    """
+
+    name: str
+    heads: int
+    index_heads: int
+    index_topk: int = 512
+    window: int = 128
+    c128a: bool = False
+    engram: Optional[Tuple[int, int]] = None
+    tp: int = 1
+    max_model_len: int = 65536
+    block_size: int = 256
+    swa_block_size: int = 64
+    num_blocks: int = 4096
+    max_image_tokens: int = 0
+
+    @property
+    def heads_per_rank(self) -> int:
+        if self.heads % self.tp:
+            raise ValueError(f"{self.name}: {self.heads} heads do not split over TP = {self.tp}")
+        return self.heads // self.tp
+
+    def decode_topk_widths(self) -> Tuple[int, ...]:
+        """K1 of every decode layer kind: 0 (SWA-only), the C4A top-k, V4's C128A widths."""
+        widths = {0, self.index_topk}
+        if self.c128a:
+            top = _cdiv(_cdiv(self.max_model_len, 128), C128A_TOPK_ALIGNMENT) * C128A_TOPK_ALIGNMENT
+            w = C128A_TOPK_ALIGNMENT
+            while w < top:
+                widths.add(w)
+                w *= 2
+            widths.add(top)
+        return tuple(sorted(widths))
+
+    def prefill_index_widths(self) -> Tuple[int, ...]:
+        """Width of vLLM's combined prefill indices: round_up(top_k + window + image tokens, 128)."""
+        return tuple(sorted({_cdiv(k1 + self.window + self.max_image_tokens, 128) * 128
+                             for k1 in self.decode_topk_widths()}))
+
+
+def v4_flash(tp: int = 1, **kw) -> ModelShapes:
+    """DeepSeek-V4-Flash: 64 query heads, indexer 64 x 128, C4A and C128A layers, no Engram."""
+    return ModelShapes("DeepSeek-V4-Flash", heads=64, index_heads=64, c128a=True, tp=tp, **kw)
+
+
+def v41_flash(tp: int = 1, **kw) -> ModelShapes:
+    """DeepSeek-V4.1-Flash: 64 query heads, indexer 32 x 128, Engram rows of 256 E4M3 bytes
+    with one UE8M0 byte per 32."""
+    return ModelShapes("DeepSeek-V4.1-Flash", heads=64, index_heads=32, engram=(256, 32), tp=tp, **kw)
+
+
+# ----------------------------------------------------------------------------- batch classes
+
+def _plan_of(T: int, H: int, K: int, sms: int, mode: str):
+    from .. import decode_plan
+
+    return decode_plan.plan(T, H, K, sms, mode)
+
+
+def int_class(v: int) -> int:
+    """Triton's class of an int argument: 1 (a constexpr), 16 (multiple of 16) or 0."""
+    return 1 if v == 1 else (16 if v % 16 == 0 else 0)
+
+
+def batch_classes(max_tokens: int, H: int, widths: Sequence[int], sms: int, mode: str = "auto",
+                  fused_max_rows: Optional[int] = None,
+                  extra: Optional[Callable[[int], tuple]] = None) -> List[int]:
+    """One token count per class of [1, max_tokens] (module doc): T == 1, T mod 16, the
+    decode plan at every key width in ``widths``, the fused-gather branch
+    (T * width <= fused_max_rows) for each, and ``extra(T)`` (other launch ints computed
+    from T, as their int_class). Ascending."""
+    seen: Dict[tuple, int] = {}
+    for T in range(1, max_tokens + 1):
+        sig = (T == 1, T % 16, tuple(_plan_of(T, H, K, sms, mode) for K in widths),
+               () if fused_max_rows is None else tuple(T * K <= fused_max_rows for K in widths),
+               () if extra is None else extra(T))
+        seen.setdefault(sig, T)
+    return sorted(seen.values())
+
+
+def _other_t_ints(shapes: ModelShapes, sms: int) -> Callable[[int], tuple]:
+    """Launch ints that launchers compute from T besides the plan: the decode indexer's key
+    tiles a program (``indexer.paged_tiles_per_program``) and the Engram grid size (both of
+    engram_calls' grids), as int classes."""
+    from .. import indexer
+    from ..csrc_triton import engram as engram_kernels
+
+    ctx_cols = _cdiv(shapes.max_model_len, 4)
+    cfg = engram_kernels.LOOKUP_CONFIG
+    local = _cdiv(ENGRAM_COLS, shapes.tp)
+
+    def ints(T: int) -> tuple:
+        out = [int_class(indexer.paged_tiles_per_program(T, ctx_cols))]
+        if shapes.engram is not None:
+            for programs in (sms * cfg["PROGRAMS_PER_SM"], max(1, sms // 2)):
+                out.append(int_class(min(_cdiv(T * local, cfg["BLOCK_R"]), programs)))
+        return tuple(out)
+
+    return ints
+
+
+# ----------------------------------------------------------------------------- the calls
+
+def _meta(shape, dtype):
+    import torch
+
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _cache(shapes: ModelShapes, block_size: int, record_bytes: int = RECORD_BYTES):
+    """A paged cache uint8 [num_blocks, page_bytes] as vLLM sizes it (page rounded up to 576)."""
+    import torch
+
+    page = _cdiv(block_size * record_bytes, 576) * 576 if record_bytes == RECORD_BYTES else block_size * record_bytes
+    return _meta((shapes.num_blocks, page), torch.uint8)
+
+
+def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool) -> None:
+    """One decode layer (``vllm.attention.ampere_decode`` -> ``dsv4_decode_attention``):
+    int32 top-k slots [T, K1] with int32 lengths (SWA-only layers: K1 = 0, no lengths),
+    int32 window slots [T, window] with or without lengths, then sparse attention with the
+    sink into vLLM's output buffer. The gather branch is the composite's own threshold."""
+    import torch
+
+    from .. import attention, kv_cache
+    from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
+
+    H, K2 = shapes.heads_per_rank, shapes.window
+    comp_bs = max(1, shapes.block_size // (4 if K1 == shapes.index_topk else 128)) if K1 else shapes.swa_block_size
+    comp = _cache(shapes, comp_bs) if K1 else _cache(shapes, shapes.swa_block_size)
+    swa = _cache(shapes, shapes.swa_block_size)
+    topk = _meta((T, K1), torch.int32)
+    topk_len = _meta((T,), torch.int32) if K1 else None
+    swa_slots = _meta((T, K2), torch.int32)
+    swa_len = _meta((T,), torch.int32) if with_swa_len else None
+    rows = T * (K1 + K2)
+    ws = _meta((rows, HEAD_DIM), torch.bfloat16)
+    if rows <= FUSED_GATHER_MAX_ROWS:
+        idx = attention.dsv4_decode_gather(comp, topk, topk_len, comp_bs, swa, swa_slots, swa_len,
+                                           shapes.swa_block_size, ws, variant=variant)
+    else:  # dsv4_decode._gather_two_launches (window lengths folded into the slots by torch)
+        if K1:
+            kv_cache.kv_cache_gather(comp, topk, comp_bs, out=ws, row_offset=0, variant=variant)
+        kv_cache.kv_cache_gather(swa, swa_slots, shapes.swa_block_size, out=ws, row_offset=T * K1, variant=variant)
+        idx = attention.dsv4_decode_indices(topk, topk_len, swa_slots, comp.shape[0] * comp_bs,
+                                            swa.shape[0] * shapes.swa_block_size)
+    q = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    out = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    sink = _meta((H,), torch.float32)
+    attention.sparse_mla_decode(q, ws, idx, None, sink, HEAD_DIM ** -0.5, 0, variant=variant, out=out)
+
+
+def prefill_attention(shapes: ModelShapes, T: int, width: int, n_kv: int, variant: str) -> None:
+    """``flash_mla_sparse_fwd_ampere`` as vLLM's ``_forward_prefill`` calls it: q [T, H, 512],
+    the chunk's gathered workspace [n_kv, 512], combined int32 indices [T, width] (rows of a
+    [max_num_batched_tokens, width] buffer) with int32 lengths, the sink, ``out`` given."""
+    import torch
+
+    from .. import attention
+
+    H = shapes.heads_per_rank
+    q = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    kv = _meta((n_kv, HEAD_DIM), torch.bfloat16)
+    idx = _meta((T, width), torch.int32)
+    lens = _meta((T,), torch.int32)
+    out = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    attention.sparse_mla_decode(q, kv, idx, lens, _meta((H,), torch.float32), HEAD_DIM ** -0.5, 0,
+                                variant=variant, out=out)
+
+
+def prefill_gather(shapes: ModelShapes, n_slots: int, block_size: int, variant: str) -> None:
+    """``dequantize_and_gather_k_cache_ampere``: int64 slots [R, L] (n_slots in all) gathered."""
+    import torch
+
+    from .. import kv_cache
+
+    kv_cache.kv_cache_gather(_cache(shapes, block_size), _meta((n_slots,), torch.int64), block_size,
+                             variant=variant)
+
+
+def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
+    """The compressed-cache writers: 512-d records (``kv_cache_insert``, int64 slots, at every
+    compressed block size) and indexer keys (``indexer_k_insert`` into [nb, bs, 132])."""
+    import torch
+
+    from .. import indexer, kv_cache
+
+    rows = _meta((n, HEAD_DIM), torch.bfloat16)
+    for ratio in (4, 128) if shapes.c128a else (4,):
+        bs = max(1, shapes.block_size // ratio)
+        kv_cache.kv_cache_insert(rows, _cache(shapes, bs), _meta((n,), torch.int64), bs, variant=variant)
+    bs = max(1, shapes.block_size // 4)
+    icache = _meta((shapes.num_blocks, bs, INDEXER_DIM + 4), torch.uint8)
+    indexer.indexer_k_insert(_meta((n, INDEXER_DIM), torch.bfloat16), icache, _meta((n,), torch.int64), bs,
+                             variant=variant)
+
+
+def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
+    """Indexer Q quant for T tokens (bf16 or fp32 weights, fp32 cos/sin cache), the prefill
+    logits in vLLM's compressed form (rows, keys and columns of every size class) and the
+    decode logits (next_n = 1, 1-D context lengths, max_model_len columns)."""
+    import torch
+
+    from .. import indexer
+
+    Hi = shapes.index_heads
+    for w_dtype in (torch.bfloat16, torch.float32):
+        indexer.indexer_q_quant(_meta((T,), torch.int64), _meta((T, Hi, INDEXER_DIM), torch.bfloat16),
+                                _meta((shapes.max_model_len, 64), torch.float32), _meta((T, Hi), w_dtype),
+                                1.0, 1.0, variant=variant)
+    bs = max(1, shapes.block_size // 4)
+    icache = _meta((shapes.num_blocks, bs, 1, INDEXER_DIM + 4), torch.uint8)
+    ctx_cols = _cdiv(shapes.max_model_len, 4)
+    indexer.paged_mqa_logits(_meta((T, 1, Hi, INDEXER_DIM), torch.uint8), icache, _meta((T, Hi), torch.float32),
+                             _meta((T,), torch.int32), _meta((T, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols,
+                             variant=variant)
+
+
+def prefill_logits(shapes: ModelShapes, M: int, N: int, cols: int, variant: str) -> None:
+    """``fp8_fp4_mqa_logits``: q [M, Hi, 128] E4M3, k [N, 128], compressed [M, cols] output."""
+    import torch
+
+    from .. import indexer
+
+    Hi = shapes.index_heads
+    indexer.mqa_logits(_meta((M, Hi, INDEXER_DIM), torch.uint8), _meta((M, Hi), torch.float32),
+                       _meta((N, INDEXER_DIM), torch.uint8), _meta((N,), torch.float32), _meta((M,), torch.int32),
+                       _meta((M,), torch.int32), cols, variant=variant)
+
+
+def engram_calls(shapes: ModelShapes, T: int, sms: int, variant: str) -> None:
+    """``engram_lookup_ampere``: int32 ids [T, cols], bf16 and packed outputs, the default
+    grid and the background one (sms // 2 programs)."""
+    import torch
+
+    from .. import engram
+
+    dim, qb = shapes.engram
+    rows, cols = ENGRAM_ROWS, ENGRAM_COLS
+    local = _cdiv(cols, shapes.tp)
+    weight, scales = _meta((rows, dim), torch.uint8), _meta((rows, dim // qb), torch.uint8)
+    for out in (_meta((T, local, dim), torch.bfloat16), _meta((T, local, dim + dim // qb), torch.uint8)):
+        for programs in (0, max(1, sms // 2)):
+            engram.engram_lookup(weight, scales, _meta((T, cols), torch.int32), out, 0, rows, 0, cols,
+                                 None, programs, variant=variant)
+
+
+# ----------------------------------------------------------------------------- the set
+
+@dataclasses.dataclass(frozen=True)
+class WarmSet:
+    """keys: the launch keys; classes: the token counts traced (batch_classes)."""
+
+    shapes: ModelShapes
+    max_tokens: int
+    sms: int
+    variant: str
+    keys: FrozenSet[warm_keys.LaunchKey]
+    classes: Tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _patched_device(sms: int):
+    """(attention._decode_plan, engram.default_programs) replacements for meta tensors: the
+    SM count of the target device instead of the CPU defaults."""
+    from .. import decode_plan, engram
+    from ..csrc_triton import engram as engram_kernels
+
+    def plan(T, H, K, q, kernel_mode, num_splits):
+        return decode_plan.plan(T, H, K, sms, kernel_mode, num_splits)
+
+    def programs(device):
+        return sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"]
+
+    return plan, programs
+
+
+def trace(calls: Iterable[Callable[[], None]], sms: int) -> FrozenSet[warm_keys.LaunchKey]:
+    """Launch keys of the calls (each a closure over the launchers) for a device of ``sms``."""
+    from .. import attention, engram
+
+    plan, programs = _patched_device(sms)
+    saved = (attention._decode_plan, engram.default_programs)
+    attention._decode_plan, engram.default_programs = plan, programs
+    try:
+        with warm_keys.recording() as keys:
+            for call in calls:
+                call()
+    finally:
+        attention._decode_plan, engram.default_programs = saved
+    return frozenset(keys)
+
+
+def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, sms: int):
+    """Every call the serve path makes, at each token count (decode, prefill, writers,
+    indexer, Engram); data-dependent sizes at every class of DATA_SIZES."""
+    calls = []
+    for T in token_counts:
+        for K1 in shapes.decode_topk_widths():
+            for with_swa_len in (False, True):
+                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len))
+        for width in shapes.prefill_index_widths():
+            for n_kv in DATA_SIZES[1:]:  # a chunk's workspace holds >= window rows
+                calls.append(functools.partial(prefill_attention, shapes, T, width, n_kv, variant))
+        calls.append(functools.partial(indexer_calls, shapes, T, variant))
+        if shapes.engram is not None:
+            calls.append(functools.partial(engram_calls, shapes, T, sms, variant))
+    for n in DATA_SIZES:
+        for bs in {shapes.swa_block_size, max(1, shapes.block_size // 4), max(1, shapes.block_size // 128)}:
+            calls.append(functools.partial(prefill_gather, shapes, n, bs, variant))
+        calls.append(functools.partial(cache_inserts, shapes, n, variant))
+        for N in DATA_SIZES:
+            for cols in DATA_SIZES:
+                calls.append(functools.partial(prefill_logits, shapes, n, N, cols, variant))
+    return calls
+
+
+def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "portable",
+          mode: Optional[str] = None) -> WarmSet:
+    """The warm set of one model / TP for batches up to ``max_tokens`` tokens on a device of
+    ``sms`` SMs. mode: the decode kernel mode (None: DSV4_AMPERE_DECODE_KERNEL)."""
+    from .. import decode_plan
+    from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
+
+    mode = decode_plan.mode() if mode is None else mode
+    H = shapes.heads_per_rank
+    widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
+                          | set(shapes.prefill_index_widths())))
+    classes = batch_classes(max_tokens, H, widths, sms, mode, FUSED_GATHER_MAX_ROWS, _other_t_ints(shapes, sms))
+    keys = trace(serve_calls(shapes, classes, variant, sms), sms)
+    return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
+
+
+def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
+    """ModelShapes of the model vLLM serves, or None when it is not DeepSeek-V4 / V4.1.
+    Reads the HF config (heads, indexer heads and top-k, window, compress rates, Engram),
+    TP, max_model_len and the cache config (block size, blocks)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf = getattr(model_config, "hf_config", None)
+    archs = " ".join(getattr(hf, "architectures", None) or ())
+    if hf is None or "DeepseekV4" not in archs and "DeepseekV41" not in archs:
+        return None
+    v41 = "V41" in archs or getattr(hf, "engram_layer_ids", None) is not None
+    cache = getattr(vllm_config, "cache_config", None)
+    rates = getattr(hf, "compress_rates", None) or {}
+    kw = dict(name="DeepSeek-V4.1-Flash" if v41 else "DeepSeek-V4-Flash", engram=(256, 32) if v41 else None,
+              tp=int(vllm_config.parallel_config.tensor_parallel_size),
+              max_model_len=int(model_config.max_model_len),
+              heads=int(getattr(hf, "num_attention_heads", 64)),
+              index_heads=int(getattr(hf, "index_n_heads", 64 if not v41 else 32)),
+              index_topk=int(getattr(hf, "index_topk", 512)),
+              window=int(getattr(hf, "sliding_window", None) or getattr(hf, "window_size", None) or 128))
+    if not v41:
+        kw["c128a"] = any(int(r) == 128 for r in (rates.values() if isinstance(rates, dict) else rates))
+    if getattr(cache, "block_size", None):
+        kw["block_size"] = int(cache.block_size)
+    if getattr(cache, "num_gpu_blocks", None):
+        kw["num_blocks"] = int(cache.num_gpu_blocks)
+    return ModelShapes(**kw)
