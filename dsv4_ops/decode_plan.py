@@ -94,7 +94,7 @@ def mode() -> str:
     m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if m not in MODES:
         raise ValueError(f"{ENV_VAR}: expected one of {', '.join(MODES)}, got {m!r}")
-    return m
+    return batch_invariant_mode(m) if batch_invariant() else m
 
 
 @functools.lru_cache(maxsize=16)
@@ -152,11 +152,18 @@ def tiles_plan(T: int, H: int, K: int, splits: int = 0) -> DecodePlan:
     return DecodePlan("tiles", s, 16, PARTITION_N, _cdiv(H, 16), False)
 
 
-@functools.lru_cache(maxsize=4096)
 def plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: int = 0) -> DecodePlan:
     """The decode plan for T tokens, H heads, K key positions on a device of ``sms`` SMs.
     kernel_mode: auto | tiles | heads (see the module doc); splits 0 = the kernel's own
-    choice, else forced (1..MAX_SPLITS). Memoised: static shapes repeat every step."""
+    choice, else forced (1..MAX_SPLITS). Memoised: static shapes repeat every step.
+    With DSV4_AMPERE_BATCH_INVARIANT=1 the heads plan ignores T (``batch_invariant_plan``)."""
+    if kernel_mode == "heads" and batch_invariant():
+        return batch_invariant_plan(H, K, splits)
+    return _plan(T, H, K, sms, kernel_mode, splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: int = 0) -> DecodePlan:
     if kernel_mode not in MODES:
         raise ValueError(f"kernel_mode: expected one of {', '.join(MODES)}, got {kernel_mode!r}")
     if kernel_mode == "auto" and _auto_is_heads(T, H):
@@ -199,3 +206,33 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 def auto_is_fused(T: int, H: int, K: int) -> bool:
     """Whether auto runs the fused kernel in the composite (measured: see benchmarks/NOTES.md)."""
     return False
+
+
+# ---- batch invariance (issue 19): DSV4_AMPERE_BATCH_INVARIANT=1 ----
+# Default plans depend on T (tiles below AUTO_HEADS_MIN_T, split counts from T), so a
+# token's bits depend on how many tokens share its batch. With the switch on, every T runs
+# the heads kernel with a split count fixed by (H, K) alone: a token's output no longer
+# depends on the rest of the batch (int32 indices: int64 runs the tiles as always).
+BATCH_INVARIANT_ENV = "DSV4_AMPERE_BATCH_INVARIANT"
+
+
+def batch_invariant() -> bool:
+    """True when DSV4_AMPERE_BATCH_INVARIANT is 1 / true / on (read at each call)."""
+    return os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "on")
+
+
+def batch_invariant_mode(m: str) -> str:
+    """The decode mode under the switch: heads (auto and heads); tiles and fused plan from T,
+    so asking for them too is a ValueError."""
+    if m not in ("auto", "heads"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV}=1 runs the heads kernel; {ENV_VAR}={m} cannot be batch-invariant "
+                         f"(unset it or use auto / heads)")
+    return "heads"
+
+
+def batch_invariant_plan(H: int, K: int, splits: int = 0) -> DecodePlan:
+    """The heads plan for every T: the measured split count of T in [64, 96)
+    (``auto_heads_splits``: 4 for H <= 16, 2 above), capped by the key blocks; splits > 0
+    forces a count (the caller's, fixed as well)."""
+    nb = _cdiv(max(K, 1), _hk.HEADS_CONFIG[_hk.block_h_for(H)]["BLOCK_N"])
+    return heads_plan(AUTO_HEADS_MIN_T, H, K, 0, splits or min(4 if H <= 16 else 2, nb, MAX_SPLITS))

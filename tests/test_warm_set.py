@@ -46,11 +46,11 @@ def test_every_dispatched_specialization_is_warm(model, tp):
     for sms in SMS:
         warm = ws.build(shapes, MAX_TOKENS, sms=sms, mode="auto")
         counts = _sweep_token_counts(shapes, sms, seed=tp * 1000 + sms)
-        seen = ws.trace(ws.serve_calls(shapes, counts, "portable", sms), sms)
+        seen = ws.trace(ws.serve_calls(shapes, counts, "portable", sms, "auto"), sms)
         missing = sorted(k.label() for k in seen - warm.keys)
         assert not missing, f"{shapes.name} TP={tp} sms={sms}: {len(missing)} dispatched, not warm: {missing[:5]}"
         # and nothing in the warm set is unreachable by the same calls at its own batch classes
-        assert warm.keys == ws.trace(ws.serve_calls(shapes, warm.classes, "portable", sms), sms)
+        assert warm.keys == ws.trace(ws.serve_calls(shapes, warm.classes, "portable", sms, "auto"), sms)
 
 
 def test_warm_set_tracks_the_batch_size_limit():

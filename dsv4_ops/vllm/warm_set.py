@@ -122,6 +122,12 @@ def _plan_of(T: int, H: int, K: int, sms: int, mode: str):
     return decode_plan.plan(T, H, K, sms, mode)
 
 
+def _fused_plan_of(T: int, H: int, K: int, sms: int):
+    from .. import decode_plan
+
+    return decode_plan.fused_plan(T, H, K, sms)
+
+
 def int_class(v: int) -> int:
     """Triton's class of an int argument: 1 (a constexpr), 16 (multiple of 16) or 0."""
     return 1 if v == 1 else (16 if v % 16 == 0 else 0)
@@ -137,6 +143,7 @@ def batch_classes(max_tokens: int, H: int, widths: Sequence[int], sms: int, mode
     seen: Dict[tuple, int] = {}
     for T in range(1, max_tokens + 1):
         sig = (T == 1, T % 16, tuple(_plan_of(T, H, K, sms, mode) for K in widths),
+               tuple(_fused_plan_of(T, H, K, sms) if _fused(mode, T, H, K) else None for K in widths),
                () if fused_max_rows is None else tuple(T * K <= fused_max_rows for K in widths),
                () if extra is None else extra(T))
         seen.setdefault(sig, T)
@@ -180,11 +187,19 @@ def _cache(shapes: ModelShapes, block_size: int, record_bytes: int = RECORD_BYTE
     return _meta((shapes.num_blocks, page), torch.uint8)
 
 
-def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool) -> None:
+def _fused(mode: str, T: int, H: int, K: int) -> bool:
+    """Whether dsv4_decode_attention takes its fused paged path (its own test)."""
+    from .. import decode_plan
+
+    return mode == "fused" or (mode == "auto" and decode_plan.auto_is_fused(T, H, K))
+
+
+def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool, mode: str) -> None:
     """One decode layer (``vllm.attention.ampere_decode`` -> ``dsv4_decode_attention``):
     int32 top-k slots [T, K1] with int32 lengths (SWA-only layers: K1 = 0, no lengths),
     int32 window slots [T, window] with or without lengths, then sparse attention with the
-    sink into vLLM's output buffer. The gather branch is the composite's own threshold."""
+    sink into vLLM's output buffer. The branches (fused paged kernel; one-launch gather or
+    two gathers) are the composite's own tests and threshold."""
     import torch
 
     from .. import attention, kv_cache
@@ -198,6 +213,13 @@ def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len
     topk_len = _meta((T,), torch.int32) if K1 else None
     swa_slots = _meta((T, K2), torch.int32)
     swa_len = _meta((T,), torch.int32) if with_swa_len else None
+    q = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    out = _meta((T, H, HEAD_DIM), torch.bfloat16)
+    sink = _meta((H,), torch.float32)
+    if _fused(mode, T, H, K1 + K2):
+        attention.dsv4_decode_fused(q, comp, topk, topk_len, comp_bs, swa, swa_slots, swa_len, shapes.swa_block_size,
+                                    sink, HEAD_DIM ** -0.5, 0, out=out, variant=variant)
+        return
     rows = T * (K1 + K2)
     ws = _meta((rows, HEAD_DIM), torch.bfloat16)
     if rows <= FUSED_GATHER_MAX_ROWS:
@@ -209,13 +231,11 @@ def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len
         kv_cache.kv_cache_gather(swa, swa_slots, shapes.swa_block_size, out=ws, row_offset=T * K1, variant=variant)
         idx = attention.dsv4_decode_indices(topk, topk_len, swa_slots, comp.shape[0] * comp_bs,
                                             swa.shape[0] * shapes.swa_block_size)
-    q = _meta((T, H, HEAD_DIM), torch.bfloat16)
-    out = _meta((T, H, HEAD_DIM), torch.bfloat16)
-    sink = _meta((H,), torch.float32)
-    attention.sparse_mla_decode(q, ws, idx, None, sink, HEAD_DIM ** -0.5, 0, variant=variant, out=out)
+    attention.sparse_mla_decode(q, ws, idx, None, sink, HEAD_DIM ** -0.5, 0, variant=variant, out=out,
+                                kernel=mode)
 
 
-def prefill_attention(shapes: ModelShapes, T: int, width: int, n_kv: int, variant: str) -> None:
+def prefill_attention(shapes: ModelShapes, T: int, width: int, n_kv: int, variant: str, mode: str) -> None:
     """``flash_mla_sparse_fwd_ampere`` as vLLM's ``_forward_prefill`` calls it: q [T, H, 512],
     the chunk's gathered workspace [n_kv, 512], combined int32 indices [T, width] (rows of a
     [max_num_batched_tokens, width] buffer) with int32 lengths, the sink, ``out`` given."""
@@ -230,7 +250,7 @@ def prefill_attention(shapes: ModelShapes, T: int, width: int, n_kv: int, varian
     lens = _meta((T,), torch.int32)
     out = _meta((T, H, HEAD_DIM), torch.bfloat16)
     attention.sparse_mla_decode(q, kv, idx, lens, _meta((H,), torch.float32), HEAD_DIM ** -0.5, 0,
-                                variant=variant, out=out)
+                                variant=variant, out=out, kernel=mode)
 
 
 def prefill_gather(shapes: ModelShapes, n_slots: int, block_size: int, variant: str) -> None:
@@ -329,8 +349,8 @@ class WarmSet:
 
 @functools.lru_cache(maxsize=None)
 def _patched_device(sms: int):
-    """(attention._decode_plan, engram.default_programs) replacements for meta tensors: the
-    SM count of the target device instead of the CPU defaults."""
+    """(attention._decode_plan, engram.default_programs, attention._fused_plan) for meta
+    tensors: the SM count of the target device instead of the CPU default (108)."""
     from .. import decode_plan, engram
     from ..csrc_triton import engram as engram_kernels
 
@@ -340,36 +360,44 @@ def _patched_device(sms: int):
     def programs(device):
         return sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"]
 
-    return plan, programs
+    def fused(T, H, K, q, num_splits):
+        return decode_plan.fused_plan(T, H, K, sms, num_splits)
+
+    return plan, programs, fused
 
 
 def trace(calls: Iterable[Callable[[], None]], sms: int) -> FrozenSet[warm_keys.LaunchKey]:
     """Launch keys of the calls (each a closure over the launchers) for a device of ``sms``."""
     from .. import attention, engram
 
-    plan, programs = _patched_device(sms)
-    saved = (attention._decode_plan, engram.default_programs)
-    attention._decode_plan, engram.default_programs = plan, programs
+    plan, programs, fused = _patched_device(sms)
+    saved = (attention._decode_plan, engram.default_programs, attention._fused_plan)
+    attention._decode_plan, engram.default_programs, attention._fused_plan = plan, programs, fused
     try:
         with warm_keys.recording() as keys:
             for call in calls:
                 call()
     finally:
-        attention._decode_plan, engram.default_programs = saved
+        attention._decode_plan, engram.default_programs, attention._fused_plan = saved
     return frozenset(keys)
 
 
-def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, sms: int):
+def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, sms: int,
+                mode: Optional[str] = None):
     """Every call the serve path makes, at each token count (decode, prefill, writers,
-    indexer, Engram); data-dependent sizes at every class of DATA_SIZES."""
+    indexer, Engram); data-dependent sizes at every class of DATA_SIZES. mode: the decode
+    kernel mode (None: DSV4_AMPERE_DECODE_KERNEL)."""
+    from .. import decode_plan
+
+    mode = decode_plan.mode() if mode is None else mode
     calls = []
     for T in token_counts:
         for K1 in shapes.decode_topk_widths():
             for with_swa_len in (False, True):
-                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len))
+                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len, mode))
         for width in shapes.prefill_index_widths():
             for n_kv in DATA_SIZES[1:]:  # a chunk's workspace holds >= window rows
-                calls.append(functools.partial(prefill_attention, shapes, T, width, n_kv, variant))
+                calls.append(functools.partial(prefill_attention, shapes, T, width, n_kv, variant, mode))
         calls.append(functools.partial(indexer_calls, shapes, T, variant))
         if shapes.engram is not None:
             calls.append(functools.partial(engram_calls, shapes, T, sms, variant))
@@ -395,7 +423,7 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
                           | set(shapes.prefill_index_widths())))
     classes = batch_classes(max_tokens, H, widths, sms, mode, FUSED_GATHER_MAX_ROWS, _other_t_ints(shapes, sms))
-    keys = trace(serve_calls(shapes, classes, variant, sms), sms)
+    keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms)
     return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
 
 
