@@ -26,6 +26,7 @@ Conventions (all checked against transformers by test_oracle.py):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -208,7 +209,7 @@ def compressed_valid(positions: torch.Tensor, n_entries: int, ratio: int) -> tor
     """valid [T, n_entries] bool: compressed entry w visible to query position t iff
     w < (t + 1) // ratio, i.e. its window [w*ratio, (w+1)*ratio) ends at or before t."""
     w = torch.arange(n_entries).reshape(1, -1)
-    return w <= (positions.reshape(-1, 1) + 1) // ratio
+    return w < (positions.reshape(-1, 1) + 1) // ratio
 
 
 def o_proj(
@@ -500,3 +501,171 @@ def hyper_head(
     y = rms_norm(_f64(streams).reshape(t, n * d), None, norm_eps) @ _f64(fn).T
     pre = torch.sigmoid(y * _f64(scale).reshape(-1)[0] + _f64(base)) + eps
     return mhc_collapse(streams, pre)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole layers (compositions of the functions above, checked against transformers' modules)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Scalars of one V4 decoder layer. attention: 'sliding_attention' | 'compressed_sparse_attention'
+    | 'heavily_compressed_attention'; rope_main / rope_compress: (base, scaling) as from rope_args."""
+
+    attention: str
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    eps: float
+    sliding_window: int
+    o_groups: int
+    rope_main: tuple
+    rope_compress: tuple
+    compress_ratio: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    hc_eps: float = 1e-6
+    sinkhorn_iters: int = 20
+    topk: int = 0
+    routed_scaling_factor: float = 1.0
+    scoring: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    swiglu_limit: float | None = None
+    hash_moe: bool = False
+
+
+def spec_from_config(config, layer_idx: int) -> LayerSpec:
+    """LayerSpec from a transformers DeepseekV4Config (its attribute names) for layer `layer_idx`."""
+    lt = config.layer_types[layer_idx]
+    return LayerSpec(
+        attention=lt,
+        n_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        rope_dim=config.qk_rope_head_dim,
+        eps=config.rms_norm_eps,
+        sliding_window=config.sliding_window,
+        o_groups=config.o_groups,
+        rope_main=rope_args(config.rope_parameters, "main"),
+        rope_compress=rope_args(config.rope_parameters, "compress"),
+        compress_ratio=0 if lt == "sliding_attention" else config.compress_rates[lt],
+        index_n_heads=config.index_n_heads,
+        index_head_dim=config.index_head_dim,
+        index_topk=config.index_topk,
+        hc_eps=config.hc_eps,
+        sinkhorn_iters=config.hc_sinkhorn_iters,
+        topk=config.num_experts_per_tok,
+        routed_scaling_factor=config.routed_scaling_factor,
+        scoring=config.scoring_func,
+        norm_topk_prob=config.norm_topk_prob,
+        swiglu_limit=config.swiglu_limit,
+        hash_moe=config.mlp_layer_types[layer_idx] == "hash_moe",
+    )
+
+
+def attention_layer(x: torch.Tensor, w: dict, spec: LayerSpec) -> tuple[torch.Tensor, dict]:
+    """One V4 attention block over a whole sequence from position 0 (prefill semantics).
+
+    x [T, hidden] (the block input, i.e. after input_layernorm), token t at position t.
+    w: tensors under transformers' names relative to `self_attn.`: q_a_proj.weight, q_a_norm.weight,
+    q_b_proj.weight, kv_proj.weight, kv_norm.weight, o_a_proj.weight, o_b_proj.weight, sinks;
+    CSA/HCA: compressor.{kv_proj.weight, gate_proj.weight, position_bias, kv_norm.weight};
+    CSA: compressor.indexer.{kv_proj.weight, gate_proj.weight, position_bias, kv_norm.weight,
+    q_b_proj.weight, scorer.weights_proj.weight}.
+      qr = rms_norm(x Wqa^T, q_a_norm);  q = rope(rms_norm_per_head(qr Wqb^T))   (no weight)
+      kv = rope(rms_norm(x Wkv^T, kv_norm));  keys = sliding window of kv (+ compressed entries:
+      HCA all closed windows, CSA the indexer's top-k of the closed windows)
+      out = o_proj(sparse_attention(q, keys, valid, sinks, head_dim^-0.5))
+    RoPE: rope_main on sliding layers, rope_compress on CSA/HCA layers (q, kv, o de-rotation).
+    Returns out [T, hidden] f64 and parts: q, kv, qr, entries, index_entries, index_q,
+    index_scores [T, N], topk [T, k] (-1 = none), valid [T, T+N], attn [T, H, D], lse [T, H].
+    """
+    x = _f64(x)
+    t = x.shape[0]
+    h, d, rd, eps = spec.n_heads, spec.head_dim, spec.rope_dim, spec.eps
+    pos = torch.arange(t)
+    base, scaling = spec.rope_main if spec.attention == "sliding_attention" else spec.rope_compress
+    cos, sin = rope_cos_sin(pos, rd, base, scaling)
+    parts: dict = {}
+    qr = rms_norm(x @ _f64(w["q_a_proj.weight"]).T, w["q_a_norm.weight"], eps)
+    q = rms_norm((qr @ _f64(w["q_b_proj.weight"]).T).reshape(t, h, d), None, eps)
+    q = rope_interleaved(q, cos, sin)
+    kv = rope_interleaved(rms_norm(x @ _f64(w["kv_proj.weight"]).T, w["kv_norm.weight"], eps), cos, sin)
+    parts.update(qr=qr, q=q, kv=kv)
+    keys = kv.expand(t, t, d)
+    valid = sliding_window_valid(pos, pos, spec.sliding_window)
+    if spec.attention != "sliding_attention":
+        m = spec.compress_ratio
+        csa = spec.attention == "compressed_sparse_attention"
+        cb, cs = spec.rope_compress
+
+        def comp(pfx, overlap):
+            return compress(x @ _f64(w[pfx + "kv_proj.weight"]).T, x @ _f64(w[pfx + "gate_proj.weight"]).T,
+                            w[pfx + "position_bias"], m, overlap, w[pfx + "kv_norm.weight"], eps, rd, cb, cs)[0]
+
+        ent = comp("compressor.", csa)
+        n = ent.shape[0]
+        parts["entries"] = ent
+        if csa:
+            p = "compressor.indexer."
+            ik = comp(p, True)
+            hi, di = spec.index_n_heads, spec.index_head_dim
+            iq = rope_interleaved((qr @ _f64(w[p + "q_b_proj.weight"]).T).reshape(t, hi, di),
+                                  *rope_cos_sin(pos, rd, cb, cs))
+            sc = indexer_scores(iq, x @ _f64(w[p + "scorer.weights_proj.weight"]).T, ik, di**-0.5, hi**-0.5)
+            idx = indexer_topk(sc, pos, m, spec.index_topk)
+            cvalid = torch.zeros(t, n + 1, dtype=torch.bool).scatter_(1, torch.where(idx < 0, n, idx), True)[:, :n]
+            parts.update(index_entries=ik, index_q=iq, index_scores=sc, topk=idx)
+        else:
+            cvalid = compressed_valid(pos, n, m)
+        keys = torch.cat((keys, ent.expand(t, n, d)), 1)
+        valid = torch.cat((valid, cvalid), 1)
+    o, lse = sparse_attention(q, keys, valid, w["sinks"], d**-0.5)
+    parts.update(valid=valid, attn=o, lse=lse)
+    return o_proj(o, cos, sin, rd, w["o_a_proj.weight"], w["o_b_proj.weight"], spec.o_groups), parts
+
+
+def decoder_layer(
+    streams: torch.Tensor, w: dict, spec: LayerSpec, input_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
+    """One V4 decoder layer over a whole sequence from position 0. streams [T, N, hidden] -> [T, N, hidden].
+
+    w: tensors under transformers' names relative to the layer: attn_hc.{fn, base, scale},
+    ffn_hc.{fn, base, scale}, input_layernorm.weight, post_attention_layernorm.weight,
+    self_attn.* (see attention_layer), mlp.gate.weight, mlp.gate.e_score_correction_bias (top-k) or
+    mlp.gate.tid2eid (hash; needs input_ids [T]), mlp.experts.gate_up_proj [E, 2I, hidden]
+    (rows: w1 then w3), mlp.experts.down_proj, mlp.shared_experts.{gate,up,down}_proj.weight.
+      pre, post, comb = mhc_coeffs(streams, attn_hc);  a = attention(rms_norm(collapse(streams, pre)))
+      s1 = mhc_expand(a, streams, post, comb);  same with ffn_hc and the MoE on s1.
+    Returns the new streams and parts: attn_in, attn_out, mid (s1), moe_in, moe_out, chosen,
+    margin (top-k only), attn_parts, and the mHC coefficients (attn_pre/post/comb, ffn_*).
+    """
+    eps = spec.eps
+    parts: dict = {}
+
+    def coeffs(pfx, s):
+        return mhc_coeffs(s, w[pfx + "fn"], w[pfx + "base"], w[pfx + "scale"], spec.hc_eps, eps, spec.sinkhorn_iters)
+
+    pre, post, comb = coeffs("attn_hc.", _f64(streams))
+    a_in = rms_norm(mhc_collapse(streams, pre), w["input_layernorm.weight"], eps)
+    a_out, ap = attention_layer(a_in, {k[len("self_attn."):]: v for k, v in w.items() if k.startswith("self_attn.")},
+                                spec)
+    s1 = mhc_expand(a_out, streams, post, comb)
+    parts.update(attn_pre=pre, attn_post=post, attn_comb=comb, attn_in=a_in, attn_out=a_out, attn_parts=ap, mid=s1)
+    pre, post, comb = coeffs("ffn_hc.", s1)
+    m_in = rms_norm(mhc_collapse(s1, pre), w["post_attention_layernorm.weight"], eps)
+    gu = _f64(w["mlp.experts.gate_up_proj"])
+    i = gu.shape[1] // 2
+    experts = (gu[:, :i], gu[:, i:], w["mlp.experts.down_proj"])
+    shared = tuple(w[f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    common = dict(scoring=spec.scoring, norm_topk_prob=spec.norm_topk_prob, swiglu_limit=spec.swiglu_limit)
+    if spec.hash_moe:
+        m_out, chosen = moe_hash(m_in, input_ids, w["mlp.gate.tid2eid"], w["mlp.gate.weight"], experts, shared,
+                                 spec.routed_scaling_factor, **common)
+    else:
+        m_out, chosen, margin = moe(m_in, w["mlp.gate.weight"], w.get("mlp.gate.e_score_correction_bias"), experts,
+                                    shared, spec.topk, spec.routed_scaling_factor, **common)
+        parts["margin"] = margin
+    parts.update(ffn_pre=pre, ffn_post=post, ffn_comb=comb, moe_in=m_in, moe_out=m_out, chosen=chosen)
+    return mhc_expand(m_out, s1, post, comb), parts

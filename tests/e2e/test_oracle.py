@@ -305,40 +305,15 @@ def test_o_proj(rng):
     close(out, y @ attn.o_b_proj.weight.T, rng, "explicit group loop")
 
 
+def _weights(module):
+    """Parameters and buffers of a transformers module under their names, in float64."""
+    named = dict(module.named_parameters()) | dict(module.named_buffers())
+    return {k: (v.detach().to(F64) if v.is_floating_point() else v) for k, v in named.items()}
+
+
 def _attention_oracle(attn, cfg, x, pos):
-    """Oracle composition of one DeepseekV4Attention layer (no cache, positions `pos`)."""
-    attn, x = copy.deepcopy(attn).double(), x.to(F64)
-    eps, h, d, rd = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
-    kind = "main" if attn.layer_type == "sliding_attention" else "compress"
-    base, scaling = O.rope_args(cfg.rope_parameters, kind)
-    cos, sin = O.rope_cos_sin(pos, rd, base, scaling)
-    t = x.shape[0]
-    qr = O.rms_norm(x @ attn.q_a_proj.weight.T, attn.q_a_norm.weight, eps)
-    q = O.rope_interleaved(O.rms_norm((qr @ attn.q_b_proj.weight.T).reshape(t, h, d), None, eps), cos, sin)
-    kv = O.rope_interleaved(O.rms_norm(x @ attn.kv_proj.weight.T, attn.kv_norm.weight, eps), cos, sin)
-    keys, valid = kv.expand(t, t, d), O.sliding_window_valid(pos, pos, cfg.sliding_window)
-    c = attn.compressor
-    if c is not None:
-        cb, cs = O.rope_args(cfg.rope_parameters, "compress")
-        overlap = attn.layer_type == "compressed_sparse_attention"
-        ent, _ = O.compress(x @ c.kv_proj.weight.T, x @ c.gate_proj.weight.T, c.position_bias, c.compress_rate,
-                            overlap, c.kv_norm.weight, eps, rd, cb, cs)
-        n = ent.shape[0]
-        if overlap:
-            ix = c.indexer
-            ik, _ = O.compress(x @ ix.kv_proj.weight.T, x @ ix.gate_proj.weight.T, ix.position_bias, ix.compress_rate,
-                               True, ix.kv_norm.weight, eps, rd, cb, cs)
-            qc, qs = O.rope_cos_sin(pos, rd, cb, cs)
-            iq = O.rope_interleaved((qr @ ix.q_b_proj.weight.T).reshape(t, ix.num_heads, ix.head_dim), qc, qs)
-            sc = O.indexer_scores(iq, x @ ix.scorer.weights_proj.weight.T, ik, ix.head_dim**-0.5, ix.num_heads**-0.5)
-            idx = O.indexer_topk(sc, pos, ix.compress_rate, ix.index_topk)
-            cvalid = torch.zeros(t, n + 1, dtype=torch.bool).scatter_(1, torch.where(idx < 0, n, idx), True)[:, :n]
-        else:
-            cvalid = O.compressed_valid(pos, n, c.compress_rate)
-        keys = torch.cat((keys, ent.expand(t, n, d)), 1)
-        valid = torch.cat((valid, cvalid), 1)
-    out, _ = O.sparse_attention(q, keys, valid, attn.sinks, d**-0.5)
-    return O.o_proj(out, cos, sin, rd, attn.o_a_proj.weight, attn.o_b_proj.weight, cfg.o_groups)
+    assert torch.equal(pos, torch.arange(x.shape[0]))
+    return O.attention_layer(x, _weights(attn), O.spec_from_config(cfg, attn.layer_idx))[0]
 
 
 def _sliding_mask(cfg, x, pos):
@@ -700,3 +675,37 @@ def test_hyper_head(rng):
     y = O.rms_norm(s[0].reshape(t, -1), None, cfg.rms_norm_eps) @ hh.hc_fn.T
     pre = torch.sigmoid(y * hh.hc_scale + hh.hc_base) + cfg.hc_eps
     close(out, torch.einsum("tn,tnd->td", pre, s[0]), rng, "hyper head by hand")
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["sliding+hash", "csa+moe", "hca+moe"])
+def test_decoder_layer(rng, layer):
+    """Whole DeepseekV4DecoderLayer (mHC, norms, attention, MoE) vs oracle.decoder_layer."""
+    cfg = make_config(swiglu_limit=2.0)
+    t, n = 18, cfg.hc_mult
+    pos = torch.arange(t)
+    with f64_transformers():
+        dl = mdl.DeepseekV4DecoderLayer(cfg, layer).eval()
+        rng.fill(dl)
+        dl.attn_hc, dl.ffn_hc = _hc(rng, cfg), _hc(rng, cfg)
+        with torch.no_grad():
+            for name, p in dl.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1 + 0.3 * rng.n(*p.shape))
+                elif name.endswith("position_bias"):
+                    p.copy_(rng.n(*p.shape))
+            dl.mlp.experts.gate_up_proj.copy_(rng.n(*dl.mlp.experts.gate_up_proj.shape))
+            if dl.mlp.is_hash:
+                dl.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=rng.g)[:2]
+                                                       for _ in range(cfg.vocab_size)]))
+            else:
+                dl.mlp.gate.e_score_correction_bias.copy_(rng.n(cfg.n_routed_experts, std=0.3))
+        ids = rng.ints(cfg.vocab_size, 1, t)
+        s = rng.n(1, t, n, cfg.hidden_size)
+        rot = mdl.DeepseekV4RotaryEmbedding(cfg)
+        pe = {k: rot(s, pos[None], layer_type=k) for k in ("main", "compress")}
+        with torch.no_grad():
+            ref = dl(s, input_ids=ids, position_embeddings=pe, position_ids=pos[None],
+                     attention_mask=_sliding_mask(cfg, s[0, :, 0], pos))[0]
+    out, parts = O.decoder_layer(s[0], _weights(dl), O.spec_from_config(cfg, layer), input_ids=ids[0])
+    close(out, ref, rng, f"decoder layer {layer}", rtol=1e-9, atol=1e-11)
+    assert parts["chosen"].shape == (t, cfg.num_experts_per_tok), f"seed {rng.seed}"
