@@ -69,6 +69,17 @@ def ref_e4m3_encode(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
 ATTN_PARTITION_N = 16  # key-block granularity of the split partition (csrc_triton.sparse_mla)
 
 
+def ref_sink_logits(sink, H: int, device) -> torch.Tensor:
+    """float64 [H] sink logits as the attention uses them. Non-finite sinks: -inf (and None)
+    is no sink; NaN counts as no sink too (a logit with no value adds nothing to the
+    denominator; it never turns the row into NaN); +inf takes the whole mass: out 0 and, as
+    for a row without keys, lse -inf (the denominator inf/inf is not formed)."""
+    if sink is None:
+        return torch.full((H,), float("-inf"), dtype=torch.float64, device=device)
+    sk = sink.to(torch.float64)
+    return torch.where(torch.isnan(sk), torch.full_like(sk, float("-inf")), sk)
+
+
 def _ref_attn_valid(indices: torch.Tensor, topk_length, n_rows: int) -> torch.Tensor:
     """bool [T, K]: 0 <= indices < N and j < topk_length[t]."""
     valid = (indices >= 0) & (indices < n_rows)
@@ -98,8 +109,7 @@ def ref_sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
     T, H = q.shape[0], q.shape[1]
     valid = _ref_attn_valid(indices, topk_length, kv.shape[0])
     s, kv_g = _ref_attn_scores(q, kv, indices, valid, sm_scale, torch.float64)  # [T, H, K]
-    sk = (torch.full((H,), float("-inf"), dtype=torch.float64, device=q.device) if sink is None
-          else sink.to(torch.float64))
+    sk = ref_sink_logits(sink, H, q.device)
     m = torch.maximum(s.amax(dim=-1) if s.shape[-1] else torch.full((T, H), float("-inf"), dtype=torch.float64,
                                                                      device=q.device), sk[None, :])
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
@@ -150,8 +160,7 @@ def ref_merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, sink, out_dty
     """LSE merge with sink, in float64: out [T, H, D] (``out_dtype``), lse float32 [T, H]."""
     lse = lse_part.to(torch.float64)  # [T, H, S]
     H = lse.shape[1]
-    sk = (torch.full((H,), float("-inf"), dtype=torch.float64, device=lse.device) if sink is None
-          else sink.to(torch.float64))
+    sk = ref_sink_logits(sink, H, lse.device)
     m = torch.maximum(lse.amax(dim=-1), sk[None, :])  # [T, H]
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     w = torch.exp(lse - m_safe[..., None])  # [T, H, S]
