@@ -23,6 +23,7 @@ The plan also depends on the SM count (108 on an A100): ``sms``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
@@ -173,10 +174,28 @@ def _other_t_ints(shapes: ModelShapes, sms: int) -> Callable[[int], tuple]:
 
 # ----------------------------------------------------------------------------- the calls
 
+_DEVICE = ["meta"]
+
+
 def _meta(shape, dtype):
+    """A tensor of the calls: meta (enumeration), or zeros on a real device (``on_device``:
+    zero slots, indices, lengths and positions are valid everywhere, so the calls run)."""
     import torch
 
-    return torch.empty(shape, dtype=dtype, device="meta")
+    if _DEVICE[0] == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.zeros(shape, dtype=dtype, device=_DEVICE[0])
+
+
+@contextlib.contextmanager
+def on_device(device: str):
+    """Run the call functions below on real tensors of ``device`` (GPU tests, benchmarks)."""
+    saved = _DEVICE[0]
+    _DEVICE[0] = device
+    try:
+        yield
+    finally:
+        _DEVICE[0] = saved
 
 
 def _cache(shapes: ModelShapes, block_size: int, record_bytes: int = RECORD_BYTES):
