@@ -182,7 +182,9 @@ def warm_set_kernel_cls():
         def compile_many(self, compile_keys):
             from .. import warm_keys
 
-            threads = int(os.environ.get("VLLM_TRITON_JIT_WARMUP_NUM_THREADS", "8") or 1)
+            from vllm import envs
+
+            threads = max(1, int(envs.VLLM_TRITON_JIT_WARMUP_NUM_THREADS))  # vLLM's own pool size (4)
             keys = list(compile_keys)
             start = time.perf_counter()
             warm_keys.compile_many_jit(keys, threads=threads)
