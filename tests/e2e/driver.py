@@ -4,6 +4,7 @@ test_e2e.py, which runs this module in a subprocess and reads its JSON report)."
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -32,32 +33,164 @@ def setup(device: str):
     return plugin
 
 
+def run_model(model_name: str, device: str) -> dict:
+    """Build, run the steps, check every layer; returns the report."""
+    import torch
+    import build
+    import capture
+    import checks
+    import standins
+    import steps
+    import tripwire
+    from dsv4_ops.vllm import plugin
+
+    import vllm.models.deepseek_v41.nvidia.model  # noqa: F401 (the modules whose names are rebound)
+    report = dict(model=model_name, device=device, mhc_standins=standins.install_mhc())
+    standins.install_flashmla_metadata()
+    if device == "cpu":
+        import platform_spoof
+        platform_spoof.cpu_vllm_streams()
+    report["tripwire"] = tripwire.install(model_name, plugin.STATE.originals)
+    report["mutation"] = mutate(os.environ.get("DSV4_E2E_MUTATE", ""))
+    import counters
+    from dsv4_ops.vllm import attention as ampere_attention
+    counters.install(model_name, [ampere_attention.make_ampere_attention_cls(
+        sys.modules["vllm.models.deepseek_v41.nvidia.flashmla"].DeepseekV4FlashMLAAttention)])
+    counters.install_ops()
+    cfg = build.V41_CONFIG
+    b = build.build(cfg, device)
+    cc = b.vllm_config.cache_config
+    report["resolved"] = dict(block_size=cc.block_size, cache_dtype=str(cc.cache_dtype),
+                              kv_cache_layout=str(cc.kv_cache_layout), kernel_block_sizes=b.kernel_block_sizes,
+                              groups=[type(g.kv_cache_spec).__name__ for g in b.kv_cache_config.kv_cache_groups])
+    rec = capture.Recorder(b.model)
+    chk = checks.Checker(b.model, cfg)
+    sch = steps.Scheduler(b)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    P0, P1 = 40, 24
+    sch.add(0, torch.randint(2, cfg["vocab_size"], (P0 + 4,), generator=g).tolist())
+    sch.add(1, torch.randint(2, cfg["vocab_size"], (P1 + 4,), generator=g).tolist())
+    plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
+            ("decode2", [(0, 1), (1, 1)])]
+    only = os.environ.get("DSV4_E2E_STEPS")
+    for name, schedule in plan:
+        if only and name not in only.split(","):
+            continue
+        t = time.time()
+        hidden, logits, bt = sch.step(schedule, hook=lambda batch, n=name: rec.begin(n, batch))
+        step = rec.current
+        assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
+        for i, lr in sorted(step.layers.items()):
+            chk.check_attention(step, lr)
+            chk.check_moe(step, lr)
+        chk.check_logits(step, hidden, logits)
+        print(f"step {name} {time.time() - t:.1f}s", flush=True)
+    report["checks"] = chk.results
+    report["standin_calls"] = dict(standins.CALLS)
+    report["triton_launches"] = dict(tripwire.LAUNCHES)
+    report["tripped"] = list(tripwire.TRIPPED)
+    report["rows_called"] = dict(counters.ROWS)
+    report["rows_uncounted"] = list(counters.UNCOUNTED)
+    report["ops_called"] = dict(counters.OPS)
+    report["positive_control"] = positive_control(plugin)
+    return report
+
+
+def mutate(kind: str) -> str:
+    """Deliberately broken replacements (the test shows each one makes the run fail):
+    ``topk_off_by_one``: the sparse-prefill replacement reads workspace row i+1 for index i;
+    ``unpatched_import``: one by-name import of a replaced original left unpatched."""
+    if not kind:
+        return ""
+    from dsv4_ops.vllm import attention as va
+    from dsv4_ops.vllm import plugin
+
+    if kind == "topk_off_by_one":
+        good = va.flash_mla_sparse_fwd_ampere
+
+        def broken(q, kv, indices, *a, **k):
+            return good(q, kv, torch_where_valid_plus_one(indices, kv.shape[0]), *a, **k)
+
+        n = 0
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "flash_mla_sparse_fwd", None) is good:
+                mod.flash_mla_sparse_fwd = broken
+                n += 1
+        return f"{kind} ({n} bindings)"
+    if kind == "unpatched_import":
+        import vllm.models.deepseek_v41.attention as a41
+
+        a41.indexer_k_norm_rope_store = plugin.STATE.originals[
+            ("vllm.models.deepseek_v41.attention", "indexer_k_norm_rope_store")][2]
+        return kind
+    raise ValueError(f"unknown DSV4_E2E_MUTATE={kind!r}")
+
+
+def torch_where_valid_plus_one(indices, n_rows: int):
+    import torch
+
+    return torch.where((indices >= 0) & (indices + 1 < n_rows), indices + 1, indices)
+
+
+def positive_control(plugin) -> list:
+    """The tripwire fires. Each control must raise DeadOnSm80: a by-name import the plugin
+    missed (the replaced original bound again in a vLLM module), a DeepGEMM wrapper, a Triton
+    kernel the audit lists dead, and a Triton launch with an fp8 tensor."""
+    import torch
+    import triton
+    import triton.language as tl
+    import tripwire
+    import vllm.models.deepseek_v41.attention as a41
+    import vllm.utils.deep_gemm as dg
+    from vllm.models.deepseek_v41.common.ops import indexer_k_store
+
+    original = plugin.STATE.originals[("vllm.models.deepseek_v41.attention", "indexer_k_norm_rope_store")][2]
+    replacement = a41.indexer_k_norm_rope_store
+
+    @triton.jit
+    def _probe_kernel(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr))
+
+    def missed_import():
+        a41.indexer_k_norm_rope_store = original      # as if a module had imported it by name
+        try:
+            tripwire.install_originals(plugin.STATE.originals)
+            a41.indexer_k_norm_rope_store()
+        finally:
+            a41.indexer_k_norm_rope_store = replacement
+
+    controls = (("missed by-name import of a replaced original", missed_import),
+                ("DeepGEMM fp8_fp4_mqa_logits", lambda: dg.fp8_fp4_mqa_logits()),
+                ("audit-dead Triton kernel", lambda: indexer_k_store._indexer_k_norm_rope_quant_store_kernel[(1,)]()),
+                ("fp8 tensor into a Triton kernel", lambda: _probe_kernel[(1,)](torch.zeros(4, dtype=torch.float8_e4m3fn))))
+    fired = []
+    for what, fn in controls:
+        try:
+            fn()
+            fired.append(f"NOT FIRED {what}: returned")
+        except tripwire.DeadOnSm80:
+            fired.append(what)
+        except Exception as exc:  # noqa: BLE001
+            fired.append(f"NOT FIRED {what}: {type(exc).__name__}: {exc}"[:300])
+    tripwire.TRIPPED.clear()
+    return fired
+
+
 def main(argv=None):
+    import os
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="v41")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    t0 = time.time()
-    plugin = setup(a.device)
-    import build
-    import standins
-    import vllm.models.deepseek_v41.nvidia.model  # noqa: F401 (the modules whose names are rebound)
-    print("mhc stand-ins:", standins.install_mhc())
-    if a.device == "cpu":
-        import platform_spoof
-        platform_spoof.cpu_vllm_streams()
-    b = build.build(build.V41_CONFIG, a.device)
-    print("built", time.time() - t0, len(b.kv_caches), b.kernel_block_sizes,
-          b.vllm_config.cache_config.block_size, b.vllm_config.cache_config.cache_dtype, flush=True)
-    import torch
-    import steps
-    sch = steps.Scheduler(b)
-    g = torch.Generator().manual_seed(1)
-    P = 40
-    sch.add(0, torch.randint(2, 500, (P + 4,), generator=g).tolist())
-    h, logits, bt = sch.step([(0, P)])
-    print("prefill", time.time() - t0, logits.shape, torch.isfinite(logits).all().item(), flush=True)
+    setup(a.device)
+    report = run_model(a.model, a.device)
+    text = json.dumps(report, indent=1, default=str)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 CALLS: "collections.Counter[str]" = collections.Counter()
+LAST_ROUTING: list = []   # the expert ids each router call chose (the oracle is teacher-forced on them)
 _LIBS = []
 
 # fp8_ds_mla record (the layout is written down once in dsv4_ops.layout; these are the
@@ -199,6 +200,7 @@ def _topk_softplus_sqrt(topk_weights, topk_indices, token_expert_indices, gating
         w = w / w.sum(1, keepdim=True)
     topk_weights.copy_(w * routed_scaling_factor)
     topk_indices.copy_(idx.to(topk_indices.dtype))
+    LAST_ROUTING.append(idx.detach().clone())
     token_expert_indices.copy_(torch.arange(idx.numel(), device=idx.device).view_as(idx).to(token_expert_indices.dtype))
 
 
@@ -348,3 +350,16 @@ def install_mhc() -> list:
                 setattr(mod, attr, fn)
                 rebound.append(f"{name}.{attr}")
     return rebound
+
+
+def install_flashmla_metadata() -> None:
+    """The SWA builder's ``get_mla_metadata()`` is FlashMLA's pure-Python entry point (an empty
+    scheduler struct); without ``_flashmla_C`` vLLM bound a raiser. The Ampere decode never
+    reads the struct, so an empty one is what a real A100 install returns."""
+    import vllm.v1.attention.backends.mla.sparse_swa as sw
+
+    def get_mla_metadata(*a, **k):
+        CALLS["flashmla.get_mla_metadata"] += 1
+        return sw.FlashMLASchedMeta(), None
+
+    sw.get_mla_metadata = get_mla_metadata

@@ -1,0 +1,173 @@
+"""Teacher-forced float64 checks of one captured step, layer by layer (oracle math in oracle.py).
+
+Each layer is run from its own captured input, so errors do not compound. The KV values the
+oracle attends over are the bytes vLLM's run wrote, decoded here by an independent decoder (which
+also checks the writers against the oracle's own K); discrete choices (the indexer top-k, the
+experts) are taken from vLLM's run and checked for validity / against the oracle's choice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+import oracle as O
+
+F64 = torch.float64
+MARGIN = 2e-2   # router-key gap above which vLLM's bf16 choice must equal the oracle's
+
+
+def decode_record(cache: torch.Tensor, slot: int, block_size: int) -> torch.Tensor:
+    """One fp8_ds_mla record -> float64 [512]. ``cache`` [nb, bs, 584] view or its pages: per page
+    all 576-byte data rows (448 E4M3 NoPE bytes, 64 bf16 RoPE dims), then all 8-byte scale rows
+    (7 UE8M0 exponents, a pad). Written from the layout, with torch's own E4M3 decode."""
+    nb = cache.shape[0]
+    page = cache.reshape(nb, -1) if cache.is_contiguous() else cache.flatten(1)
+    b, p = divmod(int(slot), block_size)
+    rec = page[b, p * 576:(p + 1) * 576]
+    sc = page[b, block_size * 576 + p * 8: block_size * 576 + p * 8 + 7]
+    nope = rec[:448].clone().view(torch.float8_e4m3fn).to(F64).view(7, 64)
+    scale = torch.exp2(sc.to(F64) - 127.0)
+    rope = rec[448:576].clone().view(torch.bfloat16).to(F64)
+    return torch.cat([(nope * scale[:, None]).reshape(-1), rope])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm() + 1e-30))
+
+
+def _req_of(batch) -> List[int]:
+    qsl = batch["query_start_loc_cpu"].tolist()
+    out = []
+    for r in range(len(qsl) - 1):
+        out += [r] * (qsl[r + 1] - qsl[r])
+    return out
+
+
+def _slot(block_table: torch.Tensor, r: int, pos: int, bs: int) -> int:
+    return int(block_table[r, pos // bs]) * bs + pos % bs
+
+
+class Checker:
+    """Float64 checks of one model (cfg: the tiny config dict; model: vLLM's built module)."""
+
+    def __init__(self, model, cfg: dict):
+        self.m, self.cfg = model, cfg
+        self.fwd_ctx = model.model.layers[0].attn._static_forward_context
+        self.results: List[dict] = []
+
+    # -------------------------------------------------------------- attention
+    def q_kv(self, attn, x, positions):
+        """Oracle q [T, H, 512] and kv [T, 512] (RoPE applied), float64."""
+        w = attn.fused_wqa_wkv.weight.to(F64)
+        qr = O.rms_norm(x.to(F64) @ w[: attn.q_lora_rank].T, attn.q_norm.weight, attn.eps)
+        kv = O.rms_norm(x.to(F64) @ w[attn.q_lora_rank:].T, attn.kv_norm.weight, attn.eps)
+        q = (qr @ attn.wq_b.weight.to(F64).T).view(-1, attn.n_local_heads, attn.head_dim)
+        cs = attn.rotary_emb.cos_sin_cache[positions.cpu()].to(F64)
+        cos, sin = cs[:, : cs.shape[1] // 2], cs[:, cs.shape[1] // 2:]
+        return O.rope_interleaved(q, cos, sin), O.rope_interleaved(kv, cos, sin), (cos, sin)
+
+    def check_attention(self, step, rec) -> Dict[str, float]:
+        attn = self.m.model.layers[rec.layer].attn
+        batch = step.batch
+        T = rec.x.shape[0]
+        q, kv, (cos, sin) = self.q_kv(attn, rec.x.cpu(), rec.positions.cpu())
+        swa_cache = attn.swa_cache_layer.kv_cache
+        bs = rec.swa_block_size
+        req = _req_of(batch)
+        pos = rec.positions.cpu().tolist()
+        # 1. the SWA writer: this step's records decode to the oracle's K
+        werr = 0.0
+        for t in range(T):
+            dec = decode_record(swa_cache, int(rec.swa_slot_mapping[t]), bs)
+            ref = kv[t]
+            # E4M3 rounding (half a step: |x|/16, subnormals 2**-10 of the scale) plus the bf16
+            # pipeline before the writer (GEMM, norm, RoPE in bf16: a few bf16 ulps of the element,
+            # or of the row's rms for small elements)
+            scale = torch.exp2(torch.ceil(torch.log2(ref[:448].abs().view(7, 64).amax(1).clamp(min=1e-4) / 448)))
+            slack = 2 ** -6 * (ref.abs() + float(ref.pow(2).mean().sqrt()))
+            nope_bound = ref[:448].abs() * (1 / 16) * 1.02 + scale.repeat_interleave(64) * 2 ** -9 + slack[:448]
+            rope_bound = slack[448:]
+            err = torch.cat([(dec[:448] - ref[:448]).abs() / nope_bound, (dec[448:] - ref[448:]).abs() / rope_bound])
+            werr = max(werr, float(err.max()))
+        # 2. keys: the request's window from the SWA cache, the chosen compressed entries
+        W = attn.window_size
+        keys, valid = [], []
+        ratio = attn.compress_ratio
+        comp_cache = self.fwd_ctx[attn.compressed_cache_prefix].kv_cache if ratio > 0 else None
+        topk_bad = 0
+        for t in range(T):
+            r, p = req[t], pos[t]
+            ks = [decode_record(swa_cache, _slot(rec.swa_block_table, r, j, bs), bs) for j in range(max(0, p - W + 1), p + 1)]
+            if ratio > 0:
+                n_entries = (p + 1) // ratio
+                for w in rec.topk[t].tolist():
+                    if w < 0:
+                        continue
+                    if w >= n_entries:
+                        topk_bad += 1
+                        continue
+                    ks.append(decode_record(comp_cache, _slot(rec.comp_block_table, r, w, rec.comp_block_size),
+                                            rec.comp_block_size))
+            keys.append(torch.stack(ks))
+        K = max(k.shape[0] for k in keys)
+        keyt = torch.zeros(T, K, 512, dtype=F64)
+        valid = torch.zeros(T, K, dtype=torch.bool)
+        for t, k in enumerate(keys):
+            keyt[t, : k.shape[0]] = k
+            valid[t, : k.shape[0]] = True
+        sink = attn.attn_sink[: attn.n_local_heads]
+        o, _ = O.sparse_attention(q, keyt, valid, sink, attn.scale)
+        out = O.o_proj(o, cos, sin, attn.rotary_emb.rotary_dim if hasattr(attn.rotary_emb, "rotary_dim") else 64,
+                       attn.wo_a.weight, attn.wo_b.weight, attn.n_local_groups)
+        got = rec.out.cpu().to(F64)
+        res = dict(step=step.name, layer=rec.layer, kind=f"attn(ratio={ratio})", tokens=T,
+                   cos=cosine(got, out), max_abs=float((got - out).abs().max()),
+                   ref_max=float(out.abs().max()), writer_err=werr, topk_out_of_range=topk_bad)
+        self.results.append(res)
+        return res
+
+    # -------------------------------------------------------------- MoE
+    def check_moe(self, step, rec) -> Dict[str, float]:
+        ffn = self.m.model.layers[rec.layer].ffn
+        cfg = self.cfg
+        x = rec.ffn_x.cpu()
+        ex = ffn.experts.routed_experts
+        I = ex.w2_weight.shape[-1]
+        w13 = ex.w13_weight.to(F64)
+        sh = ffn.shared_experts
+        su = sh.gate_up_proj.weight.to(F64)
+        shared = (su[:I * cfg["n_shared_experts"]], su[I * cfg["n_shared_experts"]:], sh.down_proj.weight.to(F64))
+        experts = (w13[:, :I], w13[:, I:], ex.w2_weight.to(F64))
+        _, chosen, margin = O.moe(x, ffn.gate.weight, ffn.gate.e_score_correction_bias, experts, shared,
+                                  cfg["num_experts_per_tok"], cfg["routed_scaling_factor"],
+                                  scoring=cfg["scoring_func"], norm_topk_prob=cfg["norm_topk_prob"],
+                                  swiglu_limit=cfg["swiglu_limit"])
+        # teacher-forced on vLLM's choice; the choice itself must be the oracle's where the
+        # margin is clear of bf16 router noise
+        used = rec.experts.long()
+        clear = margin > MARGIN
+        mismatch = int((used.sort(1).values != chosen.sort(1).values).any(1)[clear].sum())
+        scores = O.router_scores(x.to(F64) @ ffn.gate.weight.to(F64).T, cfg["scoring_func"])
+        out, _ = O._moe_combine(x.to(F64), scores, used, experts, shared, cfg["routed_scaling_factor"],
+                                cfg["norm_topk_prob"], cfg["swiglu_limit"], cfg["swiglu_limit"])
+        got = rec.ffn_out.cpu().to(F64)
+        res = dict(step=step.name, layer=rec.layer, kind="moe", tokens=x.shape[0], cos=cosine(got, out),
+                   max_abs=float((got - out).abs().max()), ref_max=float(out.abs().max()),
+                   choice_mismatch=mismatch, clear_rows=int(clear.sum()))
+        self.results.append(res)
+        return res
+
+    # -------------------------------------------------------------- logits
+    def check_logits(self, step, hidden, logits):
+        lm = self.m.lm_head.weight.to(F64)
+        ref = hidden.cpu().to(F64) @ lm.T
+        got = logits.cpu().to(F64)[:, : lm.shape[0]]
+        res = dict(step=step.name, layer=-1, kind="logits", tokens=got.shape[0], cos=cosine(got, ref),
+                   max_abs=float((got - ref).abs().max()), ref_max=float(ref.abs().max()),
+                   argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean()))
+        self.results.append(res)
+        return res

@@ -1,0 +1,157 @@
+"""End to end: vLLM 0.33.0's own DeepSeek-V4.1 model code runs forward with the plugin on the
+Ampere path (the platform answers as an A100: capability 8.0, 108 SMs, its name), every layer
+checked against a float64 oracle teacher-forced from its captured input.
+
+What runs (``driver.py``, in a subprocess: the setup changes process-wide state): a tiny random
+V4.1 (``build.V41_CONFIG``: SWA-only layers 0 and 4, a ratio-2 kv + index source (1), a
+ratio-2 consumer that is an index source on the source's K cache (2), a ratio-1 kv + index
+source (3)) built by vLLM's classes; vLLM's KV-cache spec, planner (``get_kv_cache_configs``)
+and binder (``init_kv_cache``) at the block size and cache dtype vLLM itself resolves;
+``process_weights_after_loading`` (the wo_a hook); per step only the block tables and slot
+mappings are hand-made (one block pool for all groups), then vLLM's ``build_attn_metadata``,
+``set_forward_context`` and the model's forward. Steps: a 40-token prefill (longer than top-k 8
+x ratio 2, so the long indexer path runs), a mixed step (one request decodes while a second
+prefills 24 tokens), two decode steps with both requests.
+
+The oracle (``oracle.py``, float64, written from DeepSeek's published math and checked against
+transformers' ``deepseek_v4`` in ``test_oracle.py``; ``checks.py`` applies it): q and the KV row
+from the layer's input (projections, RMSNorms, GPT-J RoPE); the SWA writer checked by decoding
+the bytes vLLM's run wrote with an independent decoder; sparse attention with the sink over the
+request's window and the compressed entries the indexer chose (read from the bytes in the
+caches); inverse RoPE + grouped wo_a + wo_b; MoE teacher-forced on vLLM's experts, whose choice
+must equal the oracle's wherever the router margin is clear; the LM head.
+
+Stand-ins (``standins.py``; all KEPT rows of the audit: the plugin replaces none of them, and
+each output is checked downstream by the oracle, so a wrong stand-in fails rather than hides):
+the fused SWA insert + q RoPE (torch, an fp8_ds_mla writer on ``torch.float8_e4m3fn``), the
+C++ top-k ops (masked torch top-k, vLLM's "torch" branch semantics), the indexer K gather, the
+sqrtsoftplus router, ``moe_align_block_size`` / ``moe_sum``, ``silu_and_mul_with_clamp``,
+RMSNorm, the cutlass capability probes (sm_80 answers), ``aten::mm.dtype`` on the CPU, the TileLang
+mHC wrappers (vLLM's torch references ``mhc_pre_delayed_torch`` / ``mhc_post_torch`` + the
+collapsed input's RMSNorm), FlashMLA's pure-Python ``get_mla_metadata`` (an empty struct), and
+no-op CUDA streams on the CPU. The Triton interpreter is patched for bf16 ``tl.dot`` and
+fp32->bf16 rounding (``interpreter_patch.py``). No vLLM fp8 Triton kernel is used as a stand-in.
+
+The tripwire (``tripwire.py``) raises on any kernel the audit lists dead, any Triton launch with
+an fp8 tensor or an fp8 type in its source, any DeepGEMM / FlashMLA entry point, and any original
+the plugin replaced wherever it is still bound; its positive controls must fire.
+
+What this cannot prove: kernel numerics on sm_80 (on the CPU every dsv4_ampere op runs its
+reference; the kernels are proven by the AOT, H200 and reference legs), CUDA-graph capture,
+Marlin / MXFP4 weights (the model is bf16), Engram over UVA, MTP / next_n > 1, the TileLang mHC
+kernels and the plugin's mHC prenorm-GEMM row behind them, stream-ordering races.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="the end-to-end test needs vllm==0.33.0 (pip install dsv4-ops[test])")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Patch-table rows of V4.1 that this run does not reach, and why (every other row must run).
+NOT_ON_PATH = {
+    "vllm.models.deepseek_v41.common.engram.ParallelEngramEmbedding.lookup": "no Engram layer in the tiny config",
+    "vllm.model_executor.layers.quantization.fp8.Fp8LinearMethod.process_weights_after_loading": "bf16 weights",
+    "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod.process_weights_after_loading":
+        "bf16 weights",
+    "vllm.model_executor.warmup.jit_warmup.JitWarmupRegistry.register": "enforce_eager turns JIT warmup off",
+    "vllm.model_executor.warmup.jit_warmup.JitWarmupRegistry.warmup": "enforce_eager turns JIT warmup off",
+    "vllm.model_executor.layers.sparse_attn_indexer.pack_seq_triton": "ragged spec-decode path (no MTP)",
+    "vllm.utils.deep_gemm.tf32_hc_prenorm_gemm": "behind the TileLang mHC wrappers, which are stood in for",
+}
+OPS_ON_PATH = ("kv_cache_gather", "kv_cache_insert", "sparse_mla_decode_out", "dsv4_decode_gather",
+               "indexer_k_insert", "indexer_q_quant", "mqa_logits", "paged_mqa_logits")
+ATTN_COS, MOE_COS, LOGITS_COS = 0.9999, 0.9999, 0.9999
+REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activations and weights
+
+
+def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
+    out = tmp_path / f"e2e_{model}_{device}.json"
+    full_env = dict(os.environ, **env)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), "--model", model, "--device", device,
+                           "--out", str(out)], env=full_env, capture_output=True, text=True, timeout=timeout)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+@pytest.fixture(scope="module")
+def v41_report(tmp_path_factory):
+    proc, report = run_driver(tmp_path_factory.mktemp("e2e"))
+    assert proc.returncode == 0 and report is not None, proc.stderr[-6000:]
+    return report
+
+
+def test_default_serve_configuration(v41_report):
+    res = v41_report["resolved"]
+    # what vLLM resolves with no flags: the packed KV blocks must split into the V4.1 backend's
+    # 128-token kernel blocks (sm_80: 128, sm_90: 64), in the fp8_ds_mla record our kernels read
+    assert res["block_size"] % 128 == 0, res
+    assert res["cache_dtype"] in ("auto", "fp8_ds_mla"), res
+    assert 128 in res["kernel_block_sizes"], res
+
+
+def test_every_attention_layer_matches_the_oracle(v41_report):
+    rows = [c for c in v41_report["checks"] if c["kind"].startswith("attn")]
+    assert {c["step"] for c in rows} == {"prefill", "mixed", "decode1", "decode2"}
+    assert {c["kind"] for c in rows} == {"attn(ratio=0)", "attn(ratio=1)", "attn(ratio=2)"}
+    for c in rows:
+        assert c["topk_out_of_range"] == 0, c
+        assert c["writer_err"] <= 1.0, c
+        assert c["cos"] >= ATTN_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
+
+
+def test_every_moe_matches_the_oracle(v41_report):
+    rows = [c for c in v41_report["checks"] if c["kind"] == "moe"]
+    assert len(rows) == 4 * 5
+    for c in rows:
+        assert c["choice_mismatch"] == 0 and c["clear_rows"] > 0, c
+        assert c["cos"] >= MOE_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
+
+
+def test_logits_match_the_oracle(v41_report):
+    for c in [c for c in v41_report["checks"] if c["kind"] == "logits"]:
+        assert c["cos"] >= LOGITS_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
+
+
+def test_every_plugin_row_on_the_path_ran(v41_report):
+    from dsv4_ops.vllm.table import patches
+
+    called = v41_report["rows_called"]
+    expected = [p.qualname for p in patches() if p.model in ("v41", None, "")
+                and p.kind in ("patch", "hook", "override") and p.qualname not in NOT_ON_PATH]
+    missing = [q for q in expected if called.get(q, 0) == 0 and q not in v41_report["rows_uncounted"]]
+    assert not missing, f"plugin rows on the V4.1 path that never ran: {missing}"
+    for op in OPS_ON_PATH:
+        assert v41_report["ops_called"].get(op, 0) > 0, (op, v41_report["ops_called"])
+
+
+def test_no_dead_kernel_ran_and_the_tripwire_fires(v41_report):
+    assert v41_report["tripped"] == []
+    assert v41_report["tripwire"]["dead_rows"] > 0
+    assert all(not f.startswith("NOT FIRED") for f in v41_report["positive_control"]), v41_report["positive_control"]
+    assert len(v41_report["positive_control"]) == 4
+
+
+def _failures(report):
+    bad = [c for c in report["checks"] if c["kind"].startswith("attn")
+           and (c["cos"] < ATTN_COS or c["max_abs"] > REL_MAX * c["ref_max"])]
+    return bad
+
+
+def test_a_broken_replacement_fails(tmp_path):
+    """An off-by-one in the sparse-prefill index mapping must show in the attention checks."""
+    proc, report = run_driver(tmp_path, DSV4_E2E_MUTATE="topk_off_by_one", DSV4_E2E_STEPS="prefill")
+    assert proc.returncode == 0 and report is not None, proc.stderr[-4000:]
+    assert report["mutation"].startswith("topk_off_by_one") and not report["mutation"].endswith("(0 bindings)")
+    assert _failures(report), "the off-by-one went unnoticed"
+
+
+def test_an_unpatched_by_name_import_fails(tmp_path):
+    proc, report = run_driver(tmp_path, DSV4_E2E_MUTATE="unpatched_import", DSV4_E2E_STEPS="prefill")
+    assert proc.returncode != 0
+    assert "DeadOnSm80" in proc.stderr and "indexer_k_norm_rope_store" in proc.stderr, proc.stderr[-3000:]
