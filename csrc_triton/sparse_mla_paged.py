@@ -154,7 +154,7 @@ def _dsv4_decode_fused_kernel(
         bs = tl.where(is_c, bs_c, bs_w).to(tl.int64)
         cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
         m_n = (b_slot >= 0) & (b_slot < cap)  # [BLOCK_N]
-        b_slot = tl.where(m_n, b_slot, 0)
+        b_slot = tl.minimum(tl.maximum(b_slot, 0), cap - 1)  # in range; rows with m_n false load nothing
         b_pg = b_slot // bs
         b_pos = b_slot - b_pg * bs
         o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import attention, decode_plan, dsv4_decode, reference
+from dsv4_ops import aot, attention, decode_plan, dsv4_decode, reference
 from dsv4_ops.csrc_triton import sparse_mla_paged as _pk
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
@@ -199,6 +199,19 @@ def test_fused_mode_is_a_known_mode(monkeypatch):
         decode_plan.mode()
 
 
+def test_aot_fused_kernels_compile_for_sm80_and_sm86(aot_results):
+    """Every specialization: compiles, fits shared memory, no spills (triton of this
+    environment; triton 3.6 spills 8-48 B in some, see benchmarks/NOTES.md)."""
+    results = [r for r in aot_results if r.label.startswith("fused[") and r.variant == "portable"]
+    assert {r.arch for r in results} == set(aot.AMPERE_ARCHS)
+    assert len(results) == 2 * len([s for s in attention.aot_specs() if s.label.startswith("fused[portable")])
+    failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert r.shared_bytes <= aot.SMEM_LIMIT[r.arch] and r.registers <= 255
+        assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 
 
@@ -284,4 +297,24 @@ def test_gpu_fused_torch_compile_fullgraph(variant, monkeypatch):
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True)(*inputs)
     want = f(*inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("T,H,K,want", [(4, 8, 640, True), (4, 16, 640, True), (4, 64, 640, False),
+                                        (1, 8, 640, False), (16, 8, 640, False), (64, 64, 640, False),
+                                        (4, 8, 256, False)])
+def test_auto_picks_fused_only_where_measured_faster(T, H, K, want):
+    """decode_fused.md (H200, portable): fused won only at T = 4, H <= 16, K = 640 (1.17-1.18x)."""
+    assert decode_plan.auto_is_fused(T, H, K) is want
+
+
+def test_auto_fused_composite_on_cpu_equals_workspace_path(monkeypatch):
+    """At a shape where auto takes the fused op, the CPU composite's outputs are unchanged."""
+    args = case(4, 8, 512, 128, seed=12, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
+    sl = args.pop("swa_length")
+    assert decode_plan.auto_is_fused(4, 8, 640)
+    monkeypatch.setenv(decode_plan.ENV_VAR, "tiles")
+    want = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
+    monkeypatch.setenv(decode_plan.ENV_VAR, "auto")
+    got = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
