@@ -2,6 +2,7 @@
 
   dsv4-ops check   environment, op table, AOT sm_80/86 table, numeric self-test; exit 1 on a failure
   dsv4-ops bench   the benchmarks (needs a CUDA GPU and a source checkout)
+  dsv4-ops doctor  this host against a vLLM deployment (driver, GPUs, Engram host memory, plugin, PP, block size)
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ def cmd_pp_partition(args) -> int:
     return 0 if pp_partition.best_partitions(pp_partition.layout_from_config(args.config), args.pp) else 1
 
 
+def cmd_doctor(args) -> int:
+    """One line per deployment check (dsv4_ops.doctor); exit 1 when one fails."""
+    from . import doctor
+
+    return doctor.main(args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv4-ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -161,9 +169,16 @@ def main(argv=None) -> int:
     pp.add_argument("config", help="config.json or a model directory holding it")
     pp.add_argument("--pp", type=int, required=True, help="--pipeline-parallel-size")
     pp.add_argument("--check", default=None, metavar="PARTITION", help="also check this partition string")
+    dr = sub.add_parser("doctor", help="check this host for a vLLM DeepSeek-V4/V4.1 deployment")
+    dr.add_argument("--model", default=None, help="model directory, config.json, or a cached Hugging Face id")
+    dr.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    dr.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    dr.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    dr.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    dr.add_argument("--block-size", type=int, default=None, help="the --block-size you will pass to vllm serve")
     args = p.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
-            "pp-partition": cmd_pp_partition}[args.cmd](args)
+            "pp-partition": cmd_pp_partition, "doctor": cmd_doctor}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,14 @@ def target_platform(arch: int):
     import torch
 
     cap = DeviceCapability(major=arch // 10, minor=arch % 10)
-    saved = {k: cp.__dict__[k] for k in ("get_device_capability", "is_arch_support_pdl") if k in cp.__dict__}
+    names = ("get_device_capability", "is_arch_support_pdl", "has_device_capability", "is_device_capability_family")
+    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
     cp.get_device_capability = lambda device_id=0: cap
     cp.is_arch_support_pdl = lambda: arch >= 90
+    # the classmethods read cls.get_device_capability (the platform class's, not this instance's)
+    cp.has_device_capability = lambda capability, device_id=0: (
+        cap >= capability if isinstance(capability, tuple) else cap.to_int() >= capability)
+    cp.is_device_capability_family = lambda capability, device_id=0: cap.to_int() // 10 == capability // 10
     real_props = torch.cuda.get_device_properties
     if not torch.cuda.is_available():  # SM count for split-K heuristics (mHC TileLang warmup keys)
         torch.cuda.get_device_properties = lambda device=None: NS(
@@ -90,7 +95,7 @@ def target_platform(arch: int):
         yield
     finally:
         torch.cuda.get_device_properties = real_props
-        for k in ("get_device_capability", "is_arch_support_pdl"):
+        for k in names:
             if k in saved:
                 setattr(cp, k, saved[k])
             else:
