@@ -176,8 +176,10 @@ def _plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: i
 
 
 # ---- the fused paged decode (csrc_triton.sparse_mla_paged, issue 17) ----
-# Programs aimed at per SM when T * groups alone does not fill the SMs (guess, refit from
-# benchmarks/bench_decode_fused.py).
+# Programs aimed at per SM when T * groups alone does not fill the SMs. Measured
+# (decode_fused.md): the plan's count was the best of the sweep at T <= 4 with H <= 16 (20
+# splits); from T = 16 or H = 64 fewer splits measured faster (the kernel is slow there and
+# not dispatched, so the table is left as it is).
 FUSED_PROGRAMS_PER_SM = 2
 
 
@@ -203,9 +205,18 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
     return DecodePlan("fused", s, bh, _pk.FUSED_CONFIG[bh]["BLOCK_N"], _cdiv(H, bh), s == 1)
 
 
+# Where auto runs the fused kernel in the composite: measured windows (T_lo, T_hi, H_max, K),
+# benchmarks/results/decode_fused.md (H200, portable, in-graph, same-run ratio against the
+# workspace step): T = 4, H = 8 / 16, K = 640: 10.2 / 10.6 us against 12.1 / 12.5 (1.18x /
+# 1.17x). Everywhere else it measured even (T = 1, H <= 16: 1.00-1.02x) or slower (0.26-0.99x
+# from T = 16 or H = 64; the draft's K = 256: 0.96x at T = 1), so auto keeps the workspace
+# there. Unmeasured shapes (T = 2, 3, 5..15) keep the workspace step too.
+AUTO_FUSED_WINDOWS = ((4, 4, 16, 640),)
+
+
 def auto_is_fused(T: int, H: int, K: int) -> bool:
-    """Whether auto runs the fused kernel in the composite (measured: see benchmarks/NOTES.md)."""
-    return False
+    """Whether auto runs the fused kernel in the composite (a measured window holds T, H, K)."""
+    return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_FUSED_WINDOWS)
 
 
 # ---- batch invariance (issue 19): DSV4_AMPERE_BATCH_INVARIANT=1 ----
