@@ -45,6 +45,19 @@ def _paged_cache(num_blocks, block_size, n_rows, g, device):
     return cache
 
 
+def _with_env(name, value, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with os.environ[name] = value for the call."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = saved
+
+
 def op_cases(device: str):
     """(name, thunk) for every op and the decode step; each thunk returns its outputs."""
     from dsv4_ops.dsv4_decode import dsv4_decode_attention
@@ -92,6 +105,9 @@ def op_cases(device: str):
                       ops.dsv4_decode_indices(topk, tl_, win, nb * bs, nb * bs)))
         cases.append((f"dsv4_decode_step_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
                       dsv4_decode_attention(q, cache, topk, swa, win, sink, SCALE, bs, bs, topk_length=tl_)))
+        cases.append((f"dsv4_decode_step_fused_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
+                      _with_env(decode_plan.ENV_VAR, "fused", dsv4_decode_attention, q, cache, topk, swa, win,
+                                sink, SCALE, bs, bs, topk_length=tl_)))
     # indexer
     Hi, D = 32, 128
     k = torch.randn(300, D, generator=g).to(torch.bfloat16).to(dev)
@@ -173,7 +189,10 @@ def test_digest_script_runs_on_the_cpu_references():
     """The same script on CPU tensors (the ops' CPU implementations): every case runs and
     repeats itself bit for bit (a guard on the script; the GPU test is the claim)."""
     d = digests("cpu")
-    assert len(d) >= 20 and len(set(d.values())) == len(d), "every case must have its own output"
+    plain = {k: v for k, v in d.items() if "_fused_" not in k}
+    assert len(plain) >= 20 and len(set(plain.values())) == len(plain), "every case must have its own output"
+    for T in (1, 64):  # the fused path's CPU implementation is the same reference as the workspace step
+        assert d[f"dsv4_decode_step_fused_T{T}"] == d[f"dsv4_decode_step_T{T}"]
 
 
 # ------------------------------------------------------------------------ batch invariance

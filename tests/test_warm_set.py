@@ -53,6 +53,17 @@ def test_every_dispatched_specialization_is_warm(model, tp):
         assert warm.keys == ws.trace(ws.serve_calls(shapes, warm.classes, "portable", sms, "auto"), sms)
 
 
+def test_speculative_decode_rows_are_warm():
+    """With MTP (2 query rows a request) the decode indexer logits of next_n = 2 are warm too."""
+    shapes = ws.v4_flash(tp=8, next_n=(1, 2))
+    warm = ws.build(shapes, 512, sms=108, mode="auto")
+    seen = ws.trace(ws.serve_calls(shapes, range(1, 513, 3), "portable", 108, "auto"), 108)
+    assert seen <= warm.keys
+    paged = [k for k in warm.keys if "paged_mqa" in k.kernel]
+    assert {dict((a[0], a[1:]) for a in k.args)["next_n"] for k in paged} == {("constexpr", 1), ("i32", "")}
+    assert len(ws.build(ws.v4_flash(tp=8), 512, sms=108, mode="auto")) < len(warm)
+
+
 def test_warm_set_tracks_the_batch_size_limit():
     """A smaller max_num_batched_tokens drops the large-T plans (heads with 1 split at
     T >= 2 * SMs), a larger one never loses a key."""
@@ -136,6 +147,9 @@ def test_shapes_from_vllm_config():
     assert (s41.heads_per_rank, s41.index_heads, s41.engram) == (8, 32, (256, 32))
     other = fake_vllm_config("LlamaForCausalLM")
     assert ws.shapes_from_vllm_config(other) is None
+    mtp = fake_vllm_config(tp=8)
+    mtp.speculative_config = _Obj(num_speculative_tokens=3)
+    assert ws.shapes_from_vllm_config(mtp).next_n == (1, 4)
 
 
 def test_vllm_jit_warmup_compiles_the_warm_set(monkeypatch):

@@ -63,7 +63,8 @@ class ModelShapes:
     vLLM sparse_mla.py); engram: (DIM, QUANT_BLOCK) of V4.1's Engram rows or None;
     block_size: KV-cache block size (tokens; compressed caches hold block_size // ratio);
     swa_block_size: the window cache's; num_blocks: blocks of each cache (capacities are
-    kernel ints); max_image_tokens: V4.1's image tokens in the prefill index width.
+    kernel ints); max_image_tokens: V4.1's image tokens in the prefill index width;
+    next_n: query rows a request has in a decode step (1, and 1 + speculative tokens with MTP).
     """
 
     name: str
@@ -79,6 +80,7 @@ class ModelShapes:
     swa_block_size: int = 64
     num_blocks: int = 4096
     max_image_tokens: int = 0
+    next_n: Tuple[int, ...] = (1,)
 
     @property
     def heads_per_rank(self) -> int:
@@ -163,7 +165,8 @@ def _other_t_ints(shapes: ModelShapes, sms: int) -> Callable[[int], tuple]:
     local = _cdiv(ENGRAM_COLS, shapes.tp)
 
     def ints(T: int) -> tuple:
-        out = [int_class(indexer.paged_tiles_per_program(T, ctx_cols))]
+        out = [T % n == 0 for n in shapes.next_n]
+        out.append(int_class(indexer.paged_tiles_per_program(T, ctx_cols)))
         if shapes.engram is not None:
             for programs in (sms * cfg["PROGRAMS_PER_SM"], max(1, sms // 2)):
                 out.append(int_class(min(_cdiv(T * local, cfg["BLOCK_R"]), programs)))
@@ -300,9 +303,9 @@ def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
 
 
 def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
-    """Indexer Q quant for T tokens (bf16 or fp32 weights, fp32 cos/sin cache), the prefill
-    logits in vLLM's compressed form (rows, keys and columns of every size class) and the
-    decode logits (next_n = 1, 1-D context lengths, max_model_len columns)."""
+    """Indexer Q quant for T tokens (bf16 or fp32 weights, fp32 cos/sin cache) and the decode
+    logits (T = B * next_n rows for every next_n, 1-D context lengths, max_model_len / 4
+    columns)."""
     import torch
 
     from .. import indexer
@@ -315,9 +318,13 @@ def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
     bs = max(1, shapes.block_size // 4)
     icache = _meta((shapes.num_blocks, bs, 1, INDEXER_DIM + 4), torch.uint8)
     ctx_cols = _cdiv(shapes.max_model_len, 4)
-    indexer.paged_mqa_logits(_meta((T, 1, Hi, INDEXER_DIM), torch.uint8), icache, _meta((T, Hi), torch.float32),
-                             _meta((T,), torch.int32), _meta((T, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols,
-                             variant=variant)
+    for next_n in shapes.next_n:
+        if T % next_n:
+            continue
+        B = T // next_n
+        indexer.paged_mqa_logits(_meta((B, next_n, Hi, INDEXER_DIM), torch.uint8), icache,
+                                 _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
+                                 _meta((B, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols, variant=variant)
 
 
 def prefill_logits(shapes: ModelShapes, M: int, N: int, cols: int, variant: str) -> None:
@@ -471,4 +478,7 @@ def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
         kw["block_size"] = int(cache.block_size)
     if getattr(cache, "num_gpu_blocks", None):
         kw["num_blocks"] = int(cache.num_gpu_blocks)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "num_speculative_tokens", None):
+        kw["next_n"] = (1, 1 + int(spec.num_speculative_tokens))
     return ModelShapes(**kw)
