@@ -134,7 +134,8 @@ def _py_specialize(value, specialize: bool, align: bool) -> Tuple[str, Any]:
 def _specialize(value, param) -> Tuple[str, Any]:
     """(type, attribute) of one runtime argument, by Triton's own rule (its
     ``native_specialize_impl``, what the JIT binder calls, where this triton has it)."""
-    specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+    specialize = not getattr(param, "do_not_specialize", False)
+    align = not getattr(param, "do_not_specialize_on_alignment", False)
     try:
         from triton._C.libtriton import native_specialize_impl
     except ImportError:

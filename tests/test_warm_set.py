@@ -49,8 +49,25 @@ def test_every_dispatched_specialization_is_warm(model, tp):
         seen = ws.trace(ws.serve_calls(shapes, counts, "portable", sms, "auto"), sms)
         missing = sorted(k.label() for k in seen - warm.keys)
         assert not missing, f"{shapes.name} TP={tp} sms={sms}: {len(missing)} dispatched, not warm: {missing[:5]}"
-        # and nothing in the warm set is unreachable by the same calls at its own batch classes
-        assert warm.keys == ws.trace(ws.serve_calls(shapes, warm.classes, "portable", sms, "auto"), sms)
+
+
+@pytest.mark.parametrize("mode", ["tiles", "heads", "fused", "invariant"])
+def test_every_decode_mode_is_warm(mode, monkeypatch):
+    """The set follows DSV4_AMPERE_DECODE_KERNEL and DSV4_AMPERE_BATCH_INVARIANT (read when
+    it is built, as the launchers read them at each call)."""
+    if mode == "invariant":
+        monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
+    else:
+        monkeypatch.setenv(decode_plan.ENV_VAR, mode)
+    shapes = ws.v41_flash(tp=4)
+    warm = ws.build(shapes, 2048, sms=108)
+    counts = _sweep_token_counts(shapes, 108, seed=7)
+    seen = ws.trace(ws.serve_calls(shapes, [t for t in counts if t <= 2048], "portable", 108), 108)
+    assert seen <= warm.keys, sorted(k.label() for k in seen - warm.keys)[:3]
+    kernels = {k.kernel.rsplit(":", 1)[-1] for k in warm.keys}
+    assert ("_dsv4_decode_fused_kernel" in kernels) == (mode == "fused")
+    if mode == "invariant":  # one heads plan for every T: no tiles split kernel on the decode path
+        assert "_sparse_mla_split_kernel" not in kernels
 
 
 def test_speculative_decode_rows_are_warm():

@@ -455,8 +455,9 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
 
 def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
     """ModelShapes of the model vLLM serves, or None when it is not DeepSeek-V4 / V4.1.
-    Reads the HF config (heads, indexer heads and top-k, window, compress rates, Engram),
-    TP, max_model_len and the cache config (block size, blocks)."""
+    Reads the HF config (heads, indexer heads and top-k, window, compress rates, image
+    tokens), TP, max_model_len, the cache config (block size, blocks) and the speculative
+    config (query rows a request)."""
     model_config = getattr(vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_config", None)
     archs = " ".join(getattr(hf, "architectures", None) or ())
@@ -472,6 +473,8 @@ def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
               index_heads=int(getattr(hf, "index_n_heads", 64 if not v41 else 32)),
               index_topk=int(getattr(hf, "index_topk", 512)),
               window=int(getattr(hf, "sliding_window", None) or getattr(hf, "window_size", None) or 128))
+    if getattr(hf, "vision_n_layers", 0):  # vLLM: image spans widen the prefill window rows
+        kw["max_image_tokens"] = int(getattr(hf, "vision_max_n_token", 0) or 0)
     if not v41:
         kw["c128a"] = any(int(r) == 128 for r in (rates.values() if isinstance(rates, dict) else rates))
     if getattr(cache, "block_size", None):
