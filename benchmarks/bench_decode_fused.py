@@ -10,6 +10,9 @@ Writes decode_fused.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H i
   auto_us        dsv4_decode_attention under DSV4_AMPERE_DECODE_KERNEL=auto (this commit's)
   fused_us       dsv4_decode_fused_out with decode_plan.fused_plan's split count
   best_fused_us  the fastest of a few balanced split counts (best_splits)
+  hoist_us       H <= 16: the HOIST form (csrc_triton.sparse_mla_paged.FUSED_HOIST_CONFIG, every
+                 load of a key block issued before its first dot; not dispatched yet) at its
+                 plan's split count (hoist_splits)
   floor_us       max(unique record bytes T*K*584 + q + out at the same run's copy rate,
                  in-graph launches: 1 (one split) or 2 x ~0.9 us)
   max_diff       max |fused - step| of the bf16 outputs (both are checked against the
@@ -32,6 +35,7 @@ from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results 
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import attention, decode_plan, dsv4_decode  # noqa: E402
+from dsv4_ops.csrc_triton import sparse_mla_paged as _pk  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 
 D = 512
@@ -97,6 +101,20 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
                 if s != plan.splits and s <= nb:
                     best = min(best, (time_graph_us(fused(s), max(10, replays // 2)), s))
         row["best_fused_us"], row["best_splits"] = best
+        if H <= 16:
+            default = _pk.FUSED_CONFIG[16]
+            _pk.FUSED_CONFIG[16] = _pk.FUSED_HOIST_CONFIG[16]
+            decode_plan.fused_plan.cache_clear()
+            try:
+                hp = decode_plan.fused_plan(T, H, K, sms)
+                h_out = fused(hp.splits)()[0]
+                row["hoist_diff"] = (h_out.float() - ref_out.float()).abs().max().item()
+                row["hoist_splits"] = hp.splits
+                row["hoist_us"] = time_graph_us(fused(hp.splits), replays)
+                row["step/hoist"] = row["step_us"] / row["hoist_us"]
+            finally:
+                _pk.FUSED_CONFIG[16] = default
+                decode_plan.fused_plan.cache_clear()
         row["step/fused"] = row["step_us"] / row["fused_us"]
         row["step/best"] = row["step_us"] / row["best_fused_us"]
         row["step/auto"] = row["step_us"] / row["auto_us"]
@@ -121,7 +139,8 @@ def main():
     cc, cw = make_cache(1), make_cache(2)
     rows = []
     cols = ["T", "H", "K", "step_us", "auto_us", "plan_splits", "fused_us", "best_fused_us", "best_splits",
-            "step/fused", "step/best", "step/auto", "floor_us", "max_diff", "error"]
+            "step/fused", "step/best", "step/auto", "hoist_splits", "hoist_us", "step/hoist", "floor_us", "max_diff",
+            "hoist_diff", "error"]
     shapes = [(T, H, 512) for T in TS for H in HS] + [(T, H, 128) for T, H in DRAFT]
     for T, H, K1 in shapes:
         rows.append(measure(cc, cw, T, H, K1, gbs, replays, not args.quick, sms))

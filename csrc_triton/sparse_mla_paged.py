@@ -43,13 +43,35 @@ assert _L.ROPE_DIM == _L.QUANT_GROUP  # the RoPE dims fill exactly the 8th 64-di
 
 
 @triton.jit
-def _nope_chunk(p_cache, o_data, o_scale, m_n, C: tl.constexpr, NATIVE: tl.constexpr, DTYPE: tl.constexpr):
-    """NoPE dims [64*C, 64*C + 64) of BLOCK_N records: E4M3 bytes times their UE8M0 scale,
-    [BLOCK_N, 64] in DTYPE (exact: a power-of-two times an E4M3 value). Invalid rows: 0."""
+def _load_chunk(p_cache, o_data, o_scale, m_n, C: tl.constexpr):
+    """The raw bytes of NoPE chunk C of BLOCK_N records: (codes uint8 [BLOCK_N, 64], UE8M0
+    bytes uint8 [BLOCK_N]); invalid rows load nothing (0)."""
     o_e = tl.arange(0, _QUANT_GROUP)  # [64]
     b_codes = tl.load(p_cache + (o_data + C * _QUANT_GROUP)[:, None] + o_e[None, :], mask=m_n[:, None], other=0)
     b_sbyte = tl.load(p_cache + o_scale + C, mask=m_n, other=0)  # [BLOCK_N]
+    return b_codes, b_sbyte
+
+
+@triton.jit
+def _decode_chunk(b_codes, b_sbyte, NATIVE: tl.constexpr, DTYPE: tl.constexpr):
+    """E4M3 codes [BLOCK_N, 64] times their UE8M0 scales [BLOCK_N], in DTYPE (exact: a
+    power of two times an E4M3 value)."""
     return (e4m3_to_f32(b_codes, NATIVE) * ue8m0_to_f32(b_sbyte)[:, None]).to(DTYPE)
+
+
+@triton.jit
+def _nope_chunk(p_cache, o_data, o_scale, m_n, C: tl.constexpr, NATIVE: tl.constexpr, DTYPE: tl.constexpr):
+    """NoPE dims [64*C, 64*C + 64) of BLOCK_N records, decoded: [BLOCK_N, 64] in DTYPE."""
+    b_codes, b_sbyte = _load_chunk(p_cache, o_data, o_scale, m_n, C)
+    return _decode_chunk(b_codes, b_sbyte, NATIVE, DTYPE)
+
+
+@triton.jit
+def _rope_bits(p_cache, o_data, m_n):
+    """The RoPE dims [448, 512) of BLOCK_N records as bf16 bit patterns, uint16 [BLOCK_N, 64]."""
+    o_e = tl.arange(0, _QUANT_GROUP)  # [64]
+    p_rope = (p_cache + o_data + _NOPE_DIM).to(tl.pointer_type(tl.uint16), bitcast=True)
+    return tl.load(p_rope[:, None] + o_e[None, :], mask=m_n[:, None], other=0)
 
 
 @triton.jit
@@ -92,6 +114,7 @@ def _dsv4_decode_fused_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
+    HOIST: tl.constexpr = False,
 ):
     """Grid (T * S * G,): program pid runs head group g = pid % G of token t = pid // (S*G)
     over the key blocks of split s = (pid // G) % S, decoding every key once for the group.
@@ -100,7 +123,11 @@ def _dsv4_decode_fused_kernel(
 
     The 512 dims go as 8 chunks of 64 (the UE8M0 groups; chunk 7 = the RoPE dims): per key
     block 8 [BLOCK_N, 64] tiles are decoded (a few registers each), the scores are the sum
-    of 8 dots [BLOCK_H, 64] x [64, BLOCK_N], and 8 accumulators [BLOCK_H, 64] take p @ tile."""
+    of 8 dots [BLOCK_H, 64] x [64, BLOCK_N], and 8 accumulators [BLOCK_H, 64] take p @ tile.
+    HOIST: every load of a key block (8 code chunks, 7 scale vectors, the RoPE words) is
+    issued before its first decode and dot, so their latencies overlap (one round trip a
+    block after the slot load); without it each chunk's load sits between layout-conversion
+    barriers (the measured form, see benchmarks/NOTES.md)."""
     pid = tl.program_id(0)
     pid_g = pid % G
     pid_s = (pid // G) % S
@@ -160,22 +187,48 @@ def _dsv4_decode_fused_kernel(
         o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64
         o_scale = b_pg * page + bs * _DATA_BYTES + b_pos * _SCALE_BYTES
 
-        b_k0 = _nope_chunk(p_cache, o_data, o_scale, m_n, 0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
-        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
-        b_k1 = _nope_chunk(p_cache, o_data, o_scale, m_n, 1, NATIVE, DTYPE)
-        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
-        b_k2 = _nope_chunk(p_cache, o_data, o_scale, m_n, 2, NATIVE, DTYPE)
-        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-        b_k3 = _nope_chunk(p_cache, o_data, o_scale, m_n, 3, NATIVE, DTYPE)
-        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
-        b_k4 = _nope_chunk(p_cache, o_data, o_scale, m_n, 4, NATIVE, DTYPE)
-        b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
-        b_k5 = _nope_chunk(p_cache, o_data, o_scale, m_n, 5, NATIVE, DTYPE)
-        b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
-        b_k6 = _nope_chunk(p_cache, o_data, o_scale, m_n, 6, NATIVE, DTYPE)
-        b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
-        b_k7 = _rope_chunk(p_cache, o_data, m_n, DTYPE)
-        b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
+        if HOIST:
+            b_c0, b_e0 = _load_chunk(p_cache, o_data, o_scale, m_n, 0)  # all loads of the block first
+            b_c1, b_e1 = _load_chunk(p_cache, o_data, o_scale, m_n, 1)
+            b_c2, b_e2 = _load_chunk(p_cache, o_data, o_scale, m_n, 2)
+            b_c3, b_e3 = _load_chunk(p_cache, o_data, o_scale, m_n, 3)
+            b_c4, b_e4 = _load_chunk(p_cache, o_data, o_scale, m_n, 4)
+            b_c5, b_e5 = _load_chunk(p_cache, o_data, o_scale, m_n, 5)
+            b_c6, b_e6 = _load_chunk(p_cache, o_data, o_scale, m_n, 6)
+            b_r = _rope_bits(p_cache, o_data, m_n)
+            b_k0 = _decode_chunk(b_c0, b_e0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
+            b_k1 = _decode_chunk(b_c1, b_e1, NATIVE, DTYPE)
+            b_k2 = _decode_chunk(b_c2, b_e2, NATIVE, DTYPE)
+            b_k3 = _decode_chunk(b_c3, b_e3, NATIVE, DTYPE)
+            b_k4 = _decode_chunk(b_c4, b_e4, NATIVE, DTYPE)
+            b_k5 = _decode_chunk(b_c5, b_e5, NATIVE, DTYPE)
+            b_k6 = _decode_chunk(b_c6, b_e6, NATIVE, DTYPE)
+            b_k7 = b_r.to(tl.bfloat16, bitcast=True).to(DTYPE)
+            b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+            b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+            b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+            b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
+            b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
+            b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
+            b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
+        else:
+            b_k0 = _nope_chunk(p_cache, o_data, o_scale, m_n, 0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
+            b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+            b_k1 = _nope_chunk(p_cache, o_data, o_scale, m_n, 1, NATIVE, DTYPE)
+            b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+            b_k2 = _nope_chunk(p_cache, o_data, o_scale, m_n, 2, NATIVE, DTYPE)
+            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+            b_k3 = _nope_chunk(p_cache, o_data, o_scale, m_n, 3, NATIVE, DTYPE)
+            b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+            b_k4 = _nope_chunk(p_cache, o_data, o_scale, m_n, 4, NATIVE, DTYPE)
+            b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
+            b_k5 = _nope_chunk(p_cache, o_data, o_scale, m_n, 5, NATIVE, DTYPE)
+            b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
+            b_k6 = _nope_chunk(p_cache, o_data, o_scale, m_n, 6, NATIVE, DTYPE)
+            b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
+            b_k7 = _rope_chunk(p_cache, o_data, m_n, DTYPE)
+            b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
 
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
@@ -234,8 +287,17 @@ MAX_BLOCK_H = 32
 # 4 warps spills 1280 B (16 keys: 56 B); 32 heads x 32 keys at 8 warps spills 64 B; 16 warps
 # cap the registers at 128 and spill > 1 KB; 64-head groups spill > 10 KB. Spill-free:
 FUSED_CONFIG = {
-    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "HOIST": False},
+    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": False},
+}
+
+
+# The HOIST form (every load of a key block issued before its first dot), not dispatched
+# until measured: 16 heads x 16 keys x 8 warps is spill-free on sm_80/86 (triton 3.8);
+# 16 x 32 spills 150-300 B, 32 heads x 16 keys 16-84 B. benchmarks/bench_decode_fused.py
+# times it beside FUSED_CONFIG (column hoist_us).
+FUSED_HOIST_CONFIG = {
+    16: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": True},
 }
 
 

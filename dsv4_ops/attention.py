@@ -634,7 +634,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
                  H, K1, K2, 1, plan.groups, float(sm_scale),
                  q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
                  *scalars),
-                consts_head + (sink is not None, True), cfg["num_warps"], cfg["num_stages"])
+                consts_head + (sink is not None, True, cfg["HOIST"]), cfg["num_warps"], cfg["num_stages"])
         return out, lse
     S = plan.splits
     o_part, lse_part = split_outputs_like(q, S)
@@ -644,16 +644,19 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
             (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
              H, K1, K2, S, plan.groups, float(sm_scale),
              q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
-            consts_head + (False, False), cfg["num_warps"], cfg["num_stages"])
+            consts_head + (False, False, cfg["HOIST"]), cfg["num_warps"], cfg["num_stages"])
     return _launch_merge(o_part, lse_part, sink, out, variant)
 
 
 def _fused_specs(variant, KernelSpec, optional_pointer):
     """Specializations of the fused paged kernel dsv4_decode_fused can pick: every head-group
     config x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials |
-    direct with sink | direct)."""
+    direct with sink | direct); plus the HOIST configs (``fused-hoist[...]``, not dispatched
+    yet: benchmarked beside the default, kept compiling and spill-free)."""
     specs = []
-    for bh, cfg in sorted(_pk.FUSED_CONFIG.items()):
+    configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
+    configs += [("fused-hoist", bh, cfg) for bh, cfg in sorted(_pk.FUSED_HOIST_CONFIG.items())]
+    for name, bh, cfg in configs:
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
                 for direct, has_sink in ((False, False), (True, True), (True, False)):
@@ -667,16 +670,17 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr"}
+                           "DIRECT": "constexpr", "HOIST": "constexpr"}
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
-                              "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
+                              "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct,
+                              "HOIST": cfg["HOIST"]}
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
                     epi = "direct,sink" if has_sink else ("direct" if direct else "part")
                     lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
                     specs.append(KernelSpec(
-                        "dsv4_decode_fused_out", f"fused[{variant},bh{bh},{slot_ty},{lens},{epi}]",
+                        "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
                         _pk._dsv4_decode_fused_kernel, sig, consts, variant,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return specs
