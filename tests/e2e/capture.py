@@ -22,6 +22,9 @@ class LayerRecord:
     swa_slot_mapping: torch.Tensor = None
     comp_block_table: torch.Tensor = None
     comp_block_size: int = 0
+    index_block_table: torch.Tensor = None
+    index_q: torch.Tensor = None      # [T, Hi, 128] uint8 E4M3, the indexer's quantized q
+    index_w: torch.Tensor = None      # [T, Hi] fp32 weights with the q scale folded in
     ffn_x: torch.Tensor = None
     ffn_out: torch.Tensor = None
     experts: torch.Tensor = None      # [T, topk] the experts vLLM's router chose
@@ -56,6 +59,9 @@ class Recorder:
         attn = layer.attn
 
         def attn_pre(mod, args, kwargs):
+            import counters
+
+            counters.LAST.pop("indexer_q_quant", None)
             positions, x = args[0], args[1]
             r = self._rec(i)
             r.positions, r.x = positions.detach().clone(), x.detach().clone()
@@ -83,6 +89,12 @@ class Recorder:
                 r.comp_block_table = cm.block_table.detach().clone()
                 r.comp_block_size = int(cm.block_size) // attn.compress_ratio
                 r.topk = attn.topk_indices_buffer[:T].detach().clone()
+            import counters
+
+            if "indexer_q_quant" in counters.LAST:
+                r.index_q, r.index_w = (t.detach().clone() for t in counters.LAST["indexer_q_quant"])
+            if attn.indexer is not None:
+                r.index_block_table = md[attn.indexer.k_cache.prefix].block_table.detach().clone()
             return orig_mqa(q, kv, positions, out, *a, **k)
 
         attn.forward_mqa = forward_mqa

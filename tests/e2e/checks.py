@@ -34,6 +34,17 @@ def decode_record(cache: torch.Tensor, slot: int, block_size: int) -> torch.Tens
     return torch.cat([(nope * scale[:, None]).reshape(-1), rope])
 
 
+def decode_index_k(cache: torch.Tensor, slot: int) -> torch.Tensor:
+    """One indexer K entry -> float64 [128]. ``cache`` [nb, bs, 132]: per page bs rows of 128
+    E4M3 bytes, then bs fp32 scales."""
+    nb, bs = cache.shape[0], cache.shape[1]
+    page = cache.reshape(nb, -1) if cache.is_contiguous() else cache.flatten(1)
+    b, p = divmod(int(slot), bs)
+    k = page[b, p * 128:(p + 1) * 128].clone().view(torch.float8_e4m3fn).to(F64)
+    scale = page[b, bs * 128 + 4 * p: bs * 128 + 4 * p + 4].clone().view(torch.float32).to(F64)
+    return k * scale
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return float((a @ b) / (a.norm() * b.norm() + 1e-30))
@@ -127,6 +138,66 @@ class Checker:
         res = dict(step=step.name, layer=rec.layer, kind=f"attn(ratio={ratio})", tokens=T,
                    cos=cosine(got, out), max_abs=float((got - out).abs().max()),
                    ref_max=float(out.abs().max()), writer_err=werr, topk_out_of_range=topk_bad)
+        self.results.append(res)
+        return res
+
+    # -------------------------------------------------------------- indexer choice
+    def check_indexer(self, step, rec) -> Dict[str, float]:
+        """The compressed entries vLLM's indexer chose (top-k of its logits) are the oracle's top-k
+        of sum_h w[t,h] relu(q[t,h] . k[w]) over the visible entries, wherever the oracle's gap
+        between the k-th and (k+1)-th score is clear of the fp8 rounding of q and k."""
+        attn = self.m.model.layers[rec.layer].attn
+        ix = attn.indexer
+        if ix is None or rec.topk is None:
+            return {}
+        ratio, topk = attn.compress_ratio, ix.topk_tokens
+        x = rec.x.cpu().to(F64)
+        w = attn.fused_wqa_wkv.weight.to(F64)
+        qr = O.rms_norm(x @ w[: attn.q_lora_rank].T, attn.q_norm.weight, attn.eps)
+        q = (qr @ ix.wq_b.weight.to(F64).T).view(x.shape[0], ix.n_head, ix.head_dim)
+        cs = attn.indexer_rotary_emb.cos_sin_cache[rec.positions.cpu()].to(F64)
+        q = O.rope_interleaved(q, cs[:, : cs.shape[1] // 2], cs[:, cs.shape[1] // 2:])
+        weights = (x @ ix.weights_proj.weight.to(F64).T) * ix.softmax_scale * ix.n_head ** -0.5
+        kcache = ix.k_cache.kv_cache
+        req = _req_of(step.batch)
+        q_err, q_scale_pow2, qf = 0.0, True, None
+        if rec.index_q is not None:
+            qf = rec.index_q.cpu().view(torch.float8_e4m3fn).to(F64)
+            # the Q quant: vLLM's codes times the implied per-(token, head) scale are the oracle's q
+            ok = weights.abs() > 1e-3 * weights.abs().max()
+            implied = torch.where(ok, rec.index_w.cpu().to(F64) / torch.where(ok, weights, 1.0), 0.0)
+            bound = (q.abs() / 16 * 1.02 + implied[..., None].abs() * 2 ** -9
+                     + 2 ** -6 * (q.abs() + q.pow(2).mean(-1, keepdim=True).sqrt()))
+            q_err = float(((qf * implied[..., None] - q).abs() / bound)[ok].max())
+            log2 = torch.log2(implied.abs()[ok])
+            # the folded scale is a power of two up to the bf16 rounding of the weights
+            q_scale_pow2 = bool(((log2 - log2.round()).abs() < 2e-2).all())
+        pos = rec.positions.cpu().tolist()
+        checked = mismatched = long_rows = 0
+        for t in range(x.shape[0]):
+            n = (pos[t] + 1) // ratio
+            chosen = sorted(v for v in rec.topk[t].tolist() if v >= 0)
+            if n <= topk:
+                checked += 1
+                mismatched += chosen != list(range(n))
+                continue
+            if qf is None:
+                raise AssertionError(f"layer {rec.layer}: the indexer's long path ran without indexer_q_quant")
+            ks = torch.stack([decode_index_k(kcache, _slot(rec.index_block_table, req[t], e, kcache.shape[1]))
+                              for e in range(n)])
+            # teacher-forced on the fp8 rounding of q (checked against the float64 q below):
+            # scores from vLLM's E4M3 q codes with the scale folded into the weights
+            score = O.indexer_scores(qf[t:t + 1], rec.index_w[t:t + 1].cpu(), ks, 1.0, 1.0)[0]
+            srt = score.sort(descending=True)
+            gap = float(srt.values[topk - 1] - srt.values[topk])
+            if gap <= 1e-5 * float(srt.values.abs().max()) + 1e-9:   # fp32 accumulation order
+                continue
+            checked += 1
+            long_rows += 1
+            mismatched += chosen != sorted(srt.indices[:topk].tolist())
+
+        res = dict(step=step.name, layer=rec.layer, kind="indexer", tokens=x.shape[0], checked=checked,
+                   mismatched=mismatched, long_rows=long_rows, q_err=q_err, q_scale_pow2=q_scale_pow2)
         self.results.append(res)
         return res
 

@@ -14,6 +14,7 @@ import tripwire
 ROWS: "collections.Counter[str]" = collections.Counter()
 OPS: "collections.Counter[str]" = collections.Counter()
 UNCOUNTED: list = []
+LAST: dict = {}    # op name -> its latest output (the oracle teacher-forces the indexer's fp8 q on it)
 
 
 def _counting(fn, key):
@@ -69,7 +70,9 @@ def install_ops() -> None:
 
             def __call__(self, *a, **k):
                 OPS[self._n] += 1
-                return self._p(*a, **k)
+                out = self._p(*a, **k)
+                LAST[self._n] = out
+                return out
 
             def __getattr__(self, item):
                 return getattr(self._p, item)

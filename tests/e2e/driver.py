@@ -82,6 +82,7 @@ def run_model(model_name: str, device: str) -> dict:
         assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
         for i, lr in sorted(step.layers.items()):
             chk.check_attention(step, lr)
+            chk.check_indexer(step, lr)
             chk.check_moe(step, lr)
         chk.check_logits(step, hidden, logits)
         print(f"step {name} {time.time() - t:.1f}s", flush=True)

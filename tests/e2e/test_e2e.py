@@ -16,7 +16,9 @@ prefills 24 tokens), two decode steps with both requests.
 The oracle (``oracle.py``, float64, written from DeepSeek's published math and checked against
 transformers' ``deepseek_v4`` in ``test_oracle.py``; ``checks.py`` applies it): q and the KV row
 from the layer's input (projections, RMSNorms, GPT-J RoPE); the SWA writer checked by decoding
-the bytes vLLM's run wrote with an independent decoder; sparse attention with the sink over the
+the bytes vLLM's run wrote with an independent decoder; the indexer's choice (its top-k over the
+visible compressed entries) against the oracle's scores from the K bytes in the indexer cache and
+vLLM's E4M3 q (itself checked against the float64 q); sparse attention with the sink over the
 request's window and the compressed entries the indexer chose (read from the bytes in the
 caches); inverse RoPE + grouped wo_a + wo_b; MoE teacher-forced on vLLM's experts, whose choice
 must equal the oracle's wherever the router margin is clear; the LM head.
@@ -103,6 +105,17 @@ def test_every_attention_layer_matches_the_oracle(v41_report):
         assert c["topk_out_of_range"] == 0, c
         assert c["writer_err"] <= 1.0, c
         assert c["cos"] >= ATTN_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
+
+
+def test_indexer_choice_is_the_oracles(v41_report):
+    """Every row's chosen compressed entries are the oracle's top-k (teacher-forced on vLLM's E4M3
+    q, whose codes are checked against the float64 q), on the long path of every step."""
+    rows = [c for c in v41_report["checks"] if c["kind"] == "indexer"]
+    assert {(c["step"], c["layer"]) for c in rows} == {(s, l) for s in ("prefill", "mixed", "decode1", "decode2")
+                                                      for l in (1, 2, 3)}
+    for c in rows:
+        assert c["mismatched"] == 0 and c["long_rows"] > 0, c
+        assert c["q_err"] <= 1.0 and c["q_scale_pow2"], c
 
 
 def test_every_moe_matches_the_oracle(v41_report):
