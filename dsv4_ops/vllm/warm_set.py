@@ -485,3 +485,31 @@ def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
     if getattr(spec, "num_speculative_tokens", None):
         kw["next_n"] = (1, 1 + int(spec.num_speculative_tokens))
     return ModelShapes(**kw)
+
+
+def main(argv=None) -> int:
+    """``python -m dsv4_ops.vllm.warm_set --model v4|v41 --tp N --max-tokens M [--sms S]``:
+    the warm set's keys per kernel (and with --list, every key)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="the dsv4_ops warm set of one model / TP (no GPU needed)")
+    p.add_argument("--model", choices=("v4", "v41"), default="v41")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--sms", type=int, default=108)
+    p.add_argument("--list", action="store_true")
+    args = p.parse_args(argv)
+    shapes = (v41_flash if args.model == "v41" else v4_flash)(tp=args.tp)
+    warm = build(shapes, args.max_tokens, sms=args.sms)
+    print(f"{shapes.name} TP={args.tp}, <= {args.max_tokens} tokens, {args.sms} SMs: {len(warm)} keys, "
+          f"{len(warm.classes)} batch classes")
+    for name, keys in warm_keys.by_kernel(warm.keys).items():
+        print(f"  {name}: {len(keys)}")
+        if args.list:
+            for k in keys:
+                print(f"    {k.label()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
