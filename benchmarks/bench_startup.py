@@ -113,8 +113,10 @@ def invariant_rows(quick: bool):
             for label, flag in (("default_us", "0"), ("invariant_us", "1")):
                 os.environ[decode_plan.BATCH_INVARIANT_ENV] = flag
                 row[label] = time_graph_us(step)
-                row[label.replace("_us", "_plan")] = decode_plan.plan(T, H, 640, decode_plan.num_sms(0),
-                                                                      decode_plan.mode()).kernel
+                mode = decode_plan.mode()
+                fused = mode == "auto" and decode_plan.auto_is_fused(T, H, 640)
+                p = decode_plan.plan(T, H, 640, decode_plan.num_sms(0), mode)
+                row[label.replace("_us", "_plan")] = "fused" if fused else f"{p.kernel} S={p.splits}"
             os.environ.pop(decode_plan.BATCH_INVARIANT_ENV, None)
             row["ratio"] = row["invariant_us"] / row["default_us"]
             rows.append(row)
