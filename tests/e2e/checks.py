@@ -19,6 +19,11 @@ F64 = torch.float64
 MARGIN = 2e-2   # router-key gap above which vLLM's bf16 choice must equal the oracle's
 
 
+def _w(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or captured tensor as a float64 CPU tensor (the oracle runs on the CPU)."""
+    return t.detach().cpu().to(F64)
+
+
 def decode_record(cache: torch.Tensor, slot: int, block_size: int) -> torch.Tensor:
     """One fp8_ds_mla record -> float64 [512]. ``cache`` [nb, bs, 584] view or its pages: per page
     all 576-byte data rows (448 E4M3 NoPE bytes, 64 bf16 RoPE dims), then all 8-byte scale rows
@@ -31,7 +36,7 @@ def decode_record(cache: torch.Tensor, slot: int, block_size: int) -> torch.Tens
     nope = rec[:448].clone().view(torch.float8_e4m3fn).to(F64).view(7, 64)
     scale = torch.exp2(sc.to(F64) - 127.0)
     rope = rec[448:576].clone().view(torch.bfloat16).to(F64)
-    return torch.cat([(nope * scale[:, None]).reshape(-1), rope])
+    return torch.cat([(nope * scale[:, None]).reshape(-1), rope]).cpu()
 
 
 def decode_index_k(cache: torch.Tensor, slot: int) -> torch.Tensor:
@@ -42,7 +47,7 @@ def decode_index_k(cache: torch.Tensor, slot: int) -> torch.Tensor:
     b, p = divmod(int(slot), bs)
     k = page[b, p * 128:(p + 1) * 128].clone().view(torch.float8_e4m3fn).to(F64)
     scale = page[b, bs * 128 + 4 * p: bs * 128 + 4 * p + 4].clone().view(torch.float32).to(F64)
-    return k * scale
+    return (k * scale).cpu()
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,11 +78,11 @@ class Checker:
     # -------------------------------------------------------------- attention
     def q_kv(self, attn, x, positions):
         """Oracle q [T, H, 512] and kv [T, 512] (RoPE applied), float64."""
-        w = attn.fused_wqa_wkv.weight.to(F64)
-        qr = O.rms_norm(x.to(F64) @ w[: attn.q_lora_rank].T, attn.q_norm.weight, attn.eps)
-        kv = O.rms_norm(x.to(F64) @ w[attn.q_lora_rank:].T, attn.kv_norm.weight, attn.eps)
-        q = (qr @ attn.wq_b.weight.to(F64).T).view(-1, attn.n_local_heads, attn.head_dim)
-        cs = attn.rotary_emb.cos_sin_cache[positions.cpu()].to(F64)
+        w = _w(attn.fused_wqa_wkv.weight)
+        qr = O.rms_norm(x.to(F64) @ w[: attn.q_lora_rank].T, _w(attn.q_norm.weight), attn.eps)
+        kv = O.rms_norm(x.to(F64) @ w[attn.q_lora_rank:].T, _w(attn.kv_norm.weight), attn.eps)
+        q = (qr @ _w(attn.wq_b.weight).T).view(-1, attn.n_local_heads, attn.head_dim)
+        cs = _w(attn.rotary_emb.cos_sin_cache)[positions.cpu()]
         cos, sin = cs[:, : cs.shape[1] // 2], cs[:, cs.shape[1] // 2:]
         return O.rope_interleaved(q, cos, sin), O.rope_interleaved(kv, cos, sin), (cos, sin)
 
@@ -130,10 +135,10 @@ class Checker:
         for t, k in enumerate(keys):
             keyt[t, : k.shape[0]] = k
             valid[t, : k.shape[0]] = True
-        sink = attn.attn_sink[: attn.n_local_heads]
+        sink = _w(attn.attn_sink[: attn.n_local_heads])
         o, _ = O.sparse_attention(q, keyt, valid, sink, attn.scale)
         out = O.o_proj(o, cos, sin, attn.rotary_emb.rotary_dim if hasattr(attn.rotary_emb, "rotary_dim") else 64,
-                       attn.wo_a.weight, attn.wo_b.weight, attn.n_local_groups)
+                       _w(attn.wo_a.weight), _w(attn.wo_b.weight), attn.n_local_groups)
         got = rec.out.cpu().to(F64)
         res = dict(step=step.name, layer=rec.layer, kind=f"attn(ratio={ratio})", tokens=T,
                    cos=cosine(got, out), max_abs=float((got - out).abs().max()),
@@ -152,12 +157,12 @@ class Checker:
             return {}
         ratio, topk = attn.compress_ratio, ix.topk_tokens
         x = rec.x.cpu().to(F64)
-        w = attn.fused_wqa_wkv.weight.to(F64)
-        qr = O.rms_norm(x @ w[: attn.q_lora_rank].T, attn.q_norm.weight, attn.eps)
-        q = (qr @ ix.wq_b.weight.to(F64).T).view(x.shape[0], ix.n_head, ix.head_dim)
-        cs = attn.indexer_rotary_emb.cos_sin_cache[rec.positions.cpu()].to(F64)
+        w = _w(attn.fused_wqa_wkv.weight)
+        qr = O.rms_norm(x @ w[: attn.q_lora_rank].T, _w(attn.q_norm.weight), attn.eps)
+        q = (qr @ _w(ix.wq_b.weight).T).view(x.shape[0], ix.n_head, ix.head_dim)
+        cs = _w(attn.indexer_rotary_emb.cos_sin_cache)[rec.positions.cpu()]
         q = O.rope_interleaved(q, cs[:, : cs.shape[1] // 2], cs[:, cs.shape[1] // 2:])
-        weights = (x @ ix.weights_proj.weight.to(F64).T) * ix.softmax_scale * ix.n_head ** -0.5
+        weights = (x @ _w(ix.weights_proj.weight).T) * ix.softmax_scale * ix.n_head ** -0.5
         kcache = ix.k_cache.kv_cache
         req = _req_of(step.batch)
         q_err, q_scale_pow2, qf = 0.0, True, None
@@ -208,12 +213,12 @@ class Checker:
         x = rec.ffn_x.cpu()
         ex = ffn.experts.routed_experts
         I = ex.w2_weight.shape[-1]
-        w13 = ex.w13_weight.to(F64)
+        w13 = _w(ex.w13_weight)
         sh = ffn.shared_experts
-        su = sh.gate_up_proj.weight.to(F64)
-        shared = (su[:I * cfg["n_shared_experts"]], su[I * cfg["n_shared_experts"]:], sh.down_proj.weight.to(F64))
-        experts = (w13[:, :I], w13[:, I:], ex.w2_weight.to(F64))
-        _, chosen, margin = O.moe(x, ffn.gate.weight, ffn.gate.e_score_correction_bias, experts, shared,
+        su = _w(sh.gate_up_proj.weight)
+        shared = (su[:I * cfg["n_shared_experts"]], su[I * cfg["n_shared_experts"]:], _w(sh.down_proj.weight))
+        experts = (w13[:, :I], w13[:, I:], _w(ex.w2_weight))
+        _, chosen, margin = O.moe(x, _w(ffn.gate.weight), _w(ffn.gate.e_score_correction_bias), experts, shared,
                                   cfg["num_experts_per_tok"], cfg["routed_scaling_factor"],
                                   scoring=cfg["scoring_func"], norm_topk_prob=cfg["norm_topk_prob"],
                                   swiglu_limit=cfg["swiglu_limit"])
@@ -222,7 +227,7 @@ class Checker:
         used = rec.experts.long()
         clear = margin > MARGIN
         mismatch = int((used.sort(1).values != chosen.sort(1).values).any(1)[clear].sum())
-        scores = O.router_scores(x.to(F64) @ ffn.gate.weight.to(F64).T, cfg["scoring_func"])
+        scores = O.router_scores(x.to(F64) @ _w(ffn.gate.weight).T, cfg["scoring_func"])
         out, _ = O._moe_combine(x.to(F64), scores, used, experts, shared, cfg["routed_scaling_factor"],
                                 cfg["norm_topk_prob"], cfg["swiglu_limit"], cfg["swiglu_limit"])
         got = rec.ffn_out.cpu().to(F64)
@@ -234,7 +239,7 @@ class Checker:
 
     # -------------------------------------------------------------- logits
     def check_logits(self, step, hidden, logits):
-        lm = self.m.lm_head.weight.to(F64)
+        lm = _w(self.m.lm_head.weight)
         ref = hidden.cpu().to(F64) @ lm.T
         got = logits.cpu().to(F64)[:, : lm.shape[0]]
         res = dict(step=step.name, layer=-1, kind="logits", tokens=got.shape[0], cos=cosine(got, ref),

@@ -22,7 +22,12 @@ def setup(device: str):
     import torch  # noqa: F401
     import standins
     standins.install(cpu=cpu)
+    if not cpu:
+        platform_spoof.gpu_import_standins()
     import vllm  # noqa: F401
+    if not cpu:
+        import vllm.platforms  # noqa: F401
+        platform_spoof.gpu_after_import()
     platform_spoof.spoof_platform(cpu)
     if cpu:
         platform_spoof.cpu_streams()

@@ -106,3 +106,93 @@ def cpu_vllm_streams() -> None:
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("vllm.") and getattr(mod, "current_stream", None) is orig:
             mod.current_stream = lambda: _NoStream()
+
+
+# ------------------------------------------------------------------ the H200 run (no vLLM wheel)
+
+class _StubMeta(type):
+    """Import stand-in for CuTeDSL's ``cutlass`` / ``quack``, which the V4 CuTeDSL compressor
+    module (dead on sm_80, replaced by the plugin) imports at module level: attributes are more
+    stubs, a stub applied to one function or class returns it (decorators pass through), any
+    other call returns a stub (module-level constants). Nothing on the sm_80 path calls them:
+    the tripwire raises on every replaced original."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubMeta(name, (), {})
+
+    def __call__(cls, *a, **k):
+        if len(a) == 1 and not k and (callable(a[0]) or isinstance(a[0], type)):
+            return a[0]
+        return _StubMeta("stub", (), {})
+
+    def __getitem__(cls, item):
+        return _StubMeta("stub", (), {})
+
+
+def _stub_attr(attr):
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _StubMeta(attr, (), {})
+
+
+def gpu_import_standins() -> None:
+    """What the H200 image lacks, before vLLM is imported (E2E_GPU_NOTES.md 3.3)."""
+    import importlib.util
+    import sys
+    import types
+
+    import importlib.abc
+    import importlib.machinery
+
+    roots = tuple(n for n in ("cutlass", "quack") if importlib.util.find_spec(n) is None)
+
+    class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.split(".")[0] in roots:
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            mod = types.ModuleType(spec.name)
+            mod.__path__ = []
+            mod.__getattr__ = _stub_attr
+            return mod
+
+        def exec_module(self, module):
+            pass
+
+    if roots:
+        sys.meta_path.insert(0, StubFinder())
+    # platforms/cuda.py imports the 92 MB C++ extension unconditionally; the torch.library
+    # stand-ins provide the ops the path calls, any other _C op raises AttributeError
+    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    spec = importlib.util.find_spec("vllm")
+    fa_dir = os.path.join(os.path.dirname(spec.origin), "vllm_flash_attn")
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.__path__ = [fa_dir]   # the package without its __init__ (which needs the FA .so files)
+
+    def fa_attr(attr):       # its names come from the real flash_attn_interface (FA2/FA3 absent)
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface"), attr)
+
+    fa.__getattr__ = fa_attr
+    sys.modules["vllm.vllm_flash_attn"] = fa
+
+
+def gpu_after_import() -> None:
+    """After vLLM is imported: DeepGEMM 'present' as on an A100 install (every wrapper still
+    raises: the tripwire), the architecture inspection in-process (a fresh subprocess would lack
+    the stand-ins)."""
+    import sys
+
+    from vllm.model_executor.models import registry
+    from vllm.utils import import_utils
+
+    registry._run_in_subprocess = lambda fn: fn()
+    orig = import_utils.has_deep_gemm
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "has_deep_gemm", None) is orig:
+            mod.has_deep_gemm = lambda: True

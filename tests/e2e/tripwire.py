@@ -135,9 +135,14 @@ def install_libraries(dead_rows) -> List[str]:
 
 def install(model: str, originals: Dict) -> dict:
     """Install every wire; returns what was wired (for the report)."""
+    import os
+
     from dsv4_ops.vllm import audit
 
-    res = audit.run(models=(model,))
+    # the H200 has no vLLM install for the audit's own subprocess: it reads the CPU machine's
+    # audit JSON (`dsv4-ops audit-vllm --model both --json`), the same evidence
+    path = os.environ.get("DSV4_E2E_AUDIT_JSON")
+    res = audit.run(models=(model,), cache=path) if path else audit.run(models=(model,))
     dead = [r for r in res.rows if r.status == "dead" and r.model == model]
     dead_triton = {r.kernel for r in dead if r.tech == "Triton"}
     install_triton(dead_triton)
