@@ -99,6 +99,31 @@ def _store_chunk(p_o, b_acc, b_scale, m_h, C: tl.constexpr):
 
 
 @triton.jit
+def _block_slots(blk, live, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+                 BLOCK_N: tl.constexpr):
+    """Key block blk of a token (top-k blocks first, then window blocks; nothing when not
+    live): (valid [BLOCK_N], the block's cache, data-row and scale-row byte offsets [BLOCK_N]
+    int64). A slot outside [0, capacity) of its cache is invalid and clamped into range."""
+    is_c = blk < nb1  # scalar: a top-k block (else a window block)
+    o_j = tl.where(is_c, blk, blk - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    b_sc = tl.load(p_tk + o_j, mask=is_c & (o_j < k1) & live, other=-1).to(tl.int64)
+    b_sw = tl.load(p_sw + o_j, mask=(blk >= nb1) & (o_j < k2) & live, other=-1).to(tl.int64)
+    b_slot = tl.where(is_c, b_sc, b_sw)  # [BLOCK_N]
+    p_cache = tl.where(is_c, cc_ptr, cw_ptr)
+    page = tl.where(is_c, page_c, page_w).to(tl.int64)
+    bs = tl.where(is_c, bs_c, bs_w).to(tl.int64)
+    cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
+    m_n = (b_slot >= 0) & (b_slot < cap)  # [BLOCK_N]
+    # a clamp, not a select: triton 3.6 crashed on the select with int64 slots at 16 heads
+    b_slot = tl.minimum(tl.maximum(b_slot, 0), cap - 1)  # rows with m_n false load nothing
+    b_pg = b_slot // bs
+    b_pos = b_slot - b_pg * bs
+    o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64
+    o_scale = b_pg * page + bs * _DATA_BYTES + b_pos * _SCALE_BYTES
+    return m_n, p_cache, o_data, o_scale
+
+
+@triton.jit
 def _dsv4_decode_fused_kernel(
     q_ptr,  # bf16 [T, H, 512], dims contiguous
     cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
@@ -114,7 +139,7 @@ def _dsv4_decode_fused_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    HOIST: tl.constexpr = False,
+    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Grid (T * S * G,): program pid runs head group g = pid % G of token t = pid // (S*G)
     over the key blocks of split s = (pid // G) % S, decoding every key once for the group.
@@ -127,7 +152,8 @@ def _dsv4_decode_fused_kernel(
     HOIST: every load of a key block (8 code chunks, 7 scale vectors, the RoPE words) is
     issued before its first decode and dot, so their latencies overlap (one round trip a
     block after the slot load); without it each chunk's load sits between layout-conversion
-    barriers (the measured form, see benchmarks/NOTES.md)."""
+    barriers (the measured form, see benchmarks/NOTES.md). PREFETCH: the next block's slots
+    are loaded while this block's records are (one dependent round trip a block)."""
     pid = tl.program_id(0)
     pid_g = pid % G
     pid_s = (pid // G) % S
@@ -170,22 +196,20 @@ def _dsv4_decode_fused_kernel(
     b_a5 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_a6 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_a7 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    if PREFETCH:  # the first block's slots; each iteration then fetches the next block's
+        n_m, n_cache, n_data, n_scale = _block_slots(
+            blk_lo, blk_lo < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w,
+            cap_w, BLOCK_N)
     for blk in range(blk_lo, blk_hi):
-        is_c = blk < nb1  # scalar: a top-k block (else a window block)
-        o_j = tl.where(is_c, blk, blk - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        b_sc = tl.load(p_tk + o_j, mask=is_c & (o_j < k1), other=-1).to(tl.int64)
-        b_sw = tl.load(p_sw + o_j, mask=(blk >= nb1) & (o_j < k2), other=-1).to(tl.int64)
-        b_slot = tl.where(is_c, b_sc, b_sw)  # [BLOCK_N]
-        p_cache = tl.where(is_c, cc_ptr, cw_ptr)
-        page = tl.where(is_c, page_c, page_w).to(tl.int64)
-        bs = tl.where(is_c, bs_c, bs_w).to(tl.int64)
-        cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
-        m_n = (b_slot >= 0) & (b_slot < cap)  # [BLOCK_N]
-        b_slot = tl.minimum(tl.maximum(b_slot, 0), cap - 1)  # in range; rows with m_n false load nothing
-        b_pg = b_slot // bs
-        b_pos = b_slot - b_pg * bs
-        o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64
-        o_scale = b_pg * page + bs * _DATA_BYTES + b_pos * _SCALE_BYTES
+        if PREFETCH:
+            m_n, p_cache, o_data, o_scale = n_m, n_cache, n_data, n_scale  # fetched last iteration
+            n_m, n_cache, n_data, n_scale = _block_slots(
+                blk + 1, blk + 1 < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr,
+                page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+        else:
+            m_n, p_cache, o_data, o_scale = _block_slots(
+                blk, True, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+                BLOCK_N)
 
         if HOIST:
             b_c0, b_e0 = _load_chunk(p_cache, o_data, o_scale, m_n, 0)  # all loads of the block first
@@ -287,8 +311,8 @@ MAX_BLOCK_H = 32
 # 4 warps spills 1280 B (16 keys: 56 B); 32 heads x 32 keys at 8 warps spills 64 B; 16 warps
 # cap the registers at 128 and spill > 1 KB; 64-head groups spill > 10 KB. Spill-free:
 FUSED_CONFIG = {
-    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "HOIST": False},
-    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": False},
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "HOIST": False, "PREFETCH": False},
+    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": False, "PREFETCH": False},
 }
 
 
@@ -297,7 +321,7 @@ FUSED_CONFIG = {
 # 16 x 32 spills 150-300 B, 32 heads x 16 keys 16-84 B. benchmarks/bench_decode_fused.py
 # times it beside FUSED_CONFIG (column hoist_us).
 FUSED_HOIST_CONFIG = {
-    16: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": True},
+    16: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": True, "PREFETCH": True},
 }
 
 

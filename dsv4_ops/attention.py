@@ -634,7 +634,8 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
                  H, K1, K2, 1, plan.groups, float(sm_scale),
                  q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
                  *scalars),
-                consts_head + (sink is not None, True, cfg["HOIST"]), cfg["num_warps"], cfg["num_stages"])
+                consts_head + (sink is not None, True, cfg["HOIST"], cfg["PREFETCH"]), cfg["num_warps"],
+                cfg["num_stages"])
         return out, lse
     S = plan.splits
     o_part, lse_part = split_outputs_like(q, S)
@@ -644,7 +645,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
             (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
              H, K1, K2, S, plan.groups, float(sm_scale),
              q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
-            consts_head + (False, False, cfg["HOIST"]), cfg["num_warps"], cfg["num_stages"])
+            consts_head + (False, False, cfg["HOIST"], cfg["PREFETCH"]), cfg["num_warps"], cfg["num_stages"])
     return _launch_merge(o_part, lse_part, sink, out, variant)
 
 
@@ -670,10 +671,10 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr", "HOIST": "constexpr"}
+                           "DIRECT": "constexpr", "HOIST": "constexpr", "PREFETCH": "constexpr"}
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
                               "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct,
-                              "HOIST": cfg["HOIST"]}
+                              "HOIST": cfg["HOIST"], "PREFETCH": cfg["PREFETCH"]}
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
