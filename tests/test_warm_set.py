@@ -70,6 +70,20 @@ def test_every_decode_mode_is_warm(mode, monkeypatch):
         assert "_sparse_mla_split_kernel" not in kernels
 
 
+def test_c128a_layers_decode_with_their_own_block_size():
+    """V4's C128A compressed cache holds block_size // 128 = 2 tokens a block: its decode
+    launches (every top-k width, 512 included) carry that block size, the C4A ones 64."""
+    shapes = ws.v4_flash(tp=8)
+    warm = ws.build(shapes, 64, sms=108, mode="auto")
+    gathers = [dict((a[0], a[1:]) for a in k.args) for k in warm.keys if "decode_gather" in k.kernel]
+    assert {g["bs_c"] for g in gathers} == {("i32", ""), ("i32", "D")}
+    for K1 in (128, 256, 512):
+        seen = ws.trace([lambda: ws.decode_step(shapes, 1, K1, "portable", True, "auto", ratio=128)], 108)
+        assert seen <= warm.keys
+        (key,) = [k for k in seen if "decode_gather" in k.kernel]
+        assert dict((a[0], a[1:]) for a in key.args)["bs_c"] == ("i32", "")
+
+
 def test_speculative_decode_rows_are_warm():
     """With MTP (2 query rows a request) the decode indexer logits of next_n = 2 are warm too."""
     shapes = ws.v4_flash(tp=8, next_n=(1, 2))

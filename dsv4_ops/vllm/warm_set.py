@@ -11,11 +11,12 @@ dispatch rule in a launcher shows up here without a hand list. What the calls lo
 0.33.0's DSv4 forward, cited per call below).
 
 Batch classes. A launch key depends on the token count T only through (a) the decode plan
-(``decode_plan.plan``: kernel and split count), (b) the fused-gather branch of
-``dsv4_decode.dsv4_decode_attention`` and (c) Triton's specialization of ints derived from
-T (equal to 1, multiple of 16; every such int here is T times a constant), so the keys of
-all T in [1, max_tokens] are those of one representative per class (T == 1, T mod 16,
-plan for every K, branch), ``batch_classes``. Sizes that depend on request contents, not on
+(``decode_plan.plan``: kernel and split count; ``fused_plan`` where the composite takes the
+fused paged kernel), (b) the gather branch of ``dsv4_decode.dsv4_decode_attention``, (c)
+Triton's specialization of ints derived from T (equal to 1, multiple of 16; T times a
+constant), and (d) a few grids computed from T (the decode indexer's tiles a program, the
+Engram grid), so the keys of all T in [1, max_tokens] are those of one representative per
+class (T == 1, T mod 16, the plans at every K, the branch, (d)), ``batch_classes``. Sizes that depend on request contents, not on
 T (a prefill workspace's rows, the tokens a compressor writes, indexer key counts), take
 each specialization class: ``DATA_SIZES`` (1, a multiple of 16, neither).
 The plan also depends on the SM count (108 on an A100): ``sms``.
@@ -43,13 +44,6 @@ ENGRAM_ROWS, ENGRAM_COLS = 1 << 20, 16
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +82,22 @@ class ModelShapes:
             raise ValueError(f"{self.name}: {self.heads} heads do not split over TP = {self.tp}")
         return self.heads // self.tp
 
-    def decode_topk_widths(self) -> Tuple[int, ...]:
-        """K1 of every decode layer kind: 0 (SWA-only), the C4A top-k, V4's C128A widths."""
-        widths = {0, self.index_topk}
+    def decode_layer_kinds(self) -> Tuple[Tuple[int, int], ...]:
+        """(K1, compress ratio) of every decode layer kind: (0, 1) SWA-only, (top-k, 4) C4A,
+        and V4's C128A widths (powers of two from 128, up to the aligned max_model_len / 128)."""
+        kinds = {(0, 1), (self.index_topk, 4)}
         if self.c128a:
             top = _cdiv(_cdiv(self.max_model_len, 128), C128A_TOPK_ALIGNMENT) * C128A_TOPK_ALIGNMENT
             w = C128A_TOPK_ALIGNMENT
             while w < top:
-                widths.add(w)
+                kinds.add((w, 128))
                 w *= 2
-            widths.add(top)
-        return tuple(sorted(widths))
+            kinds.add((top, 128))
+        return tuple(sorted(kinds))
+
+    def decode_topk_widths(self) -> Tuple[int, ...]:
+        """K1 of every decode layer kind."""
+        return tuple(sorted({k1 for k1, _ in self.decode_layer_kinds()}))
 
     def prefill_index_widths(self) -> Tuple[int, ...]:
         """Width of vLLM's combined prefill indices: round_up(top_k + window + image tokens, 128)."""
@@ -216,11 +215,13 @@ def _fused(mode: str, T: int, H: int, K: int) -> bool:
     return mode == "fused" or (mode == "auto" and decode_plan.auto_is_fused(T, H, K))
 
 
-def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool, mode: str) -> None:
+def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool, mode: str,
+                ratio: int = 4) -> None:
     """One decode layer (``vllm.attention.ampere_decode`` -> ``dsv4_decode_attention``):
     int32 top-k slots [T, K1] with int32 lengths (SWA-only layers: K1 = 0, no lengths),
     int32 window slots [T, window] with or without lengths, then sparse attention with the
-    sink into vLLM's output buffer. The branches (fused paged kernel; one-launch gather or
+    sink into vLLM's output buffer; the compressed cache holds block_size // ratio tokens a
+    block (``_forward_decode``). The branches (fused paged kernel; one-launch gather or
     two gathers) are the composite's own tests and threshold."""
     import torch
 
@@ -228,7 +229,7 @@ def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len
     from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
 
     H, K2 = shapes.heads_per_rank, shapes.window
-    comp_bs = max(1, shapes.block_size // (4 if K1 == shapes.index_topk else 128)) if K1 else shapes.swa_block_size
+    comp_bs = max(1, shapes.block_size // ratio) if K1 else shapes.swa_block_size
     comp = _cache(shapes, comp_bs) if K1 else _cache(shapes, shapes.swa_block_size)
     swa = _cache(shapes, shapes.swa_block_size)
     topk = _meta((T, K1), torch.int32)
@@ -418,9 +419,9 @@ def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, 
     mode = decode_plan.mode() if mode is None else mode
     calls = []
     for T in token_counts:
-        for K1 in shapes.decode_topk_widths():
+        for K1, ratio in shapes.decode_layer_kinds():
             for with_swa_len in (False, True):
-                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len, mode))
+                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len, mode, ratio))
         for width in shapes.prefill_index_widths():
             for n_kv in DATA_SIZES[1:]:  # a chunk's workspace holds >= window rows
                 calls.append(functools.partial(prefill_attention, shapes, T, width, n_kv, variant, mode))
