@@ -99,6 +99,56 @@ def test_v32_indexer_q_kernel_is_not_attributed_to_a_dsv4_patch(result):
         assert rows and all(r.status == "off" and not r.patch and "not reached" in r.evidence for r in rows), rows
 
 
+# Every module of the serve path outside the model packages has rows, each decided by one of the
+# evidence kinds of audit/_modules.py (selection code run as sm_80, cubins, traced launch + AOT).
+SERVE_PATH_MODULES = ("linear:", "moe experts:", "router:", "gate:", "norm:", "activation:", "embedding:",
+                      "lm head:", "sampler:", "all-reduce", "repack:")
+EVIDENCE_KINDS = ("selection", "cubin", "traced launch, AOT sm_80", "source guards", "torch 2.")
+
+
+@pytest.mark.parametrize("model", audit.MODELS)
+def test_every_serve_path_module_has_rows_from_evidence(result, model):
+    rows = [r for r in result.rows if r.model == model and r.path == "default"]
+    wanted = SERVE_PATH_MODULES + (("vit attention:", "vit:") if model == "v41" else ())
+    for prefix in wanted:
+        got = [r for r in rows if r.kernel.startswith(prefix)]
+        assert got, f"{model}: no audit row for {prefix!r}"
+        for r in got:
+            assert any(k in r.evidence for k in EVIDENCE_KINDS), r
+            assert r.status in ("runs", "dead", "unknown", "off"), r
+    assert [r for r in rows if r.phase == "weight-load"], "no weight-loading rows"
+
+
+def test_serve_path_selections_resolve_to_sm80_kernels(result):
+    """What vLLM's own selection code picks with the platform answering as sm_80."""
+    by = {(r.model, r.kernel.split(" -> ")[0]): r for r in result.rows if r.path == "default"}
+    v4 = [r for (m, k), r in by.items() if m == "v4" and k.startswith("linear:fp8 block")]
+    assert v4 and "MarlinFP8ScaledMMLinearKernel" in v4[0].kernel and v4[0].status == "runs", v4
+    assert "CutlassFp8BlockScaledMMKernel" in v4[0].evidence  # rejected, with its reason
+    v41 = [r for (m, k), r in by.items() if m == "v41" and k.startswith("linear:MXFP8 [32,32]")]
+    assert v41 and "MarlinMxfp8LinearKernel" in v41[0].kernel and "float8_e8m0fnu" in v41[0].evidence
+    for model in audit.MODELS:
+        moe = [r for (m, k), r in by.items() if m == model and k.startswith("moe experts:")]
+        assert moe and "MarlinExperts" in moe[0].kernel and "float4_e2m1f" in moe[0].evidence, moe
+
+
+def test_a_selection_without_an_sm80_candidate_is_dead():
+    from dsv4_ops.vllm.audit import _modules
+
+    class A:
+        pass
+
+    class B:
+        pass
+
+    name, notes = _modules.first_supported([A, B], lambda k: (False, f"{k.__name__} needs sm_90"), 80)
+    assert name == "" and notes == ["A: A needs sm_90", "B: B needs sm_90"]
+    row = _modules._row("v4", "forward", "linear:x", "selection", "here", (False, "; ".join(notes)))
+    assert row["status"] == "dead" and not row["patch"]
+    row = audit.Row(**row)
+    assert row.open  # a dead, unreplaced default-path row fails the gate
+
+
 def test_summary_and_table_render(result):
     line = audit.summary_line(result)
     assert line.startswith("audit-vllm sm_80") and "v4:" in line and "v41:" in line

@@ -599,6 +599,13 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
             base = {(r["kernel"], r["phase"], r["location"]) for r in rows if r["model"] == m and r["path"] == "default"}
             got = [r for r in got if (r["kernel"], r["phase"], r["location"]) not in base]
         rows.extend(got)
+    if not modules:  # linears, MoE, router/gate, norms, embedding/LM head, sampler, all-reduce, ViT, loading
+        from . import _modules
+
+        for m in models:
+            rows.extend(_modules.rows(m, arch))
+    t3 = time.time()
+    audit.notes.append(f"timing: serve-path modules {t3 - t2:.0f} s")
     audit.notes.append(f"timing: import+discovery {t1 - t0:.0f} s, Triton AOT {t2 - t1:.0f} s")
     return {"vllm": getattr(vllm, "__version__", "unknown"), "arch": arch, "rows": rows, "notes": audit.notes}
 
