@@ -52,6 +52,11 @@ class Recorder:
         self.current = StepRecord(name, batch)
         self.steps.append(self.current)
 
+    @staticmethod
+    def capturing() -> bool:
+        """No recording inside a CUDA-graph capture (the hooks copy to the host)."""
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
     def _rec(self, i) -> LayerRecord:
         return self.current.layers.setdefault(i, LayerRecord(i))
 
@@ -59,6 +64,8 @@ class Recorder:
         attn = layer.attn
 
         def attn_pre(mod, args, kwargs):
+            if self.capturing():
+                return
             import counters
 
             counters.LAST.pop("indexer_q_quant", None)
@@ -67,6 +74,8 @@ class Recorder:
             r.positions, r.x = positions.detach().clone(), x.detach().clone()
 
         def attn_post(mod, args, kwargs, out):
+            if self.capturing():
+                return
             self._rec(i).out = out.detach().clone()
 
         self._handles.append(attn.register_forward_pre_hook(attn_pre, with_kwargs=True))
@@ -77,6 +86,8 @@ class Recorder:
         def forward_mqa(q, kv, positions, out, *a, **k):
             from vllm.forward_context import get_forward_context
 
+            if self.capturing():
+                return orig_mqa(q, kv, positions, out, *a, **k)
             md = get_forward_context().attn_metadata
             r = self._rec(i)
             T = positions.shape[0]
@@ -100,12 +111,16 @@ class Recorder:
         attn.forward_mqa = forward_mqa
 
         def ffn_pre(mod, args, kwargs):
+            if self.capturing():
+                return
             import standins
 
             standins.LAST_ROUTING.clear()
             self._rec(i).ffn_x = args[0].detach().clone()
 
         def ffn_post(mod, args, kwargs, out):
+            if self.capturing():
+                return
             o = out[0] if isinstance(out, tuple) else out
             self._rec(i).ffn_out = o.detach().clone() if isinstance(o, torch.Tensor) else None
             import standins

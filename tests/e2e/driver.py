@@ -73,8 +73,8 @@ def run_model(model_name: str, device: str) -> dict:
     sch = steps.Scheduler(b)
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     P0, P1 = 40, 24
-    sch.add(0, torch.randint(2, cfg["vocab_size"], (P0 + 4,), generator=g).tolist())
-    sch.add(1, torch.randint(2, cfg["vocab_size"], (P1 + 4,), generator=g).tolist())
+    sch.add(0, torch.randint(2, cfg["vocab_size"], (P0 + 12,), generator=g).tolist())
+    sch.add(1, torch.randint(2, cfg["vocab_size"], (P1 + 12,), generator=g).tolist())
     plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
             ("decode2", [(0, 1), (1, 1)])]
     only = os.environ.get("DSV4_E2E_STEPS")
@@ -92,6 +92,12 @@ def run_model(model_name: str, device: str) -> dict:
         chk.check_logits(step, hidden, logits)
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
     report["checks"] = chk.results
+    report["graph"] = []
+    if device != "cpu" and not only:
+        import graph_check
+        gd = graph_check.GraphDecode(sch, rec)
+        for i in range(4):
+            report["graph"].append(gd.step([(0, 1), (1, 1)], f"graph{i}"))
     report["standin_calls"] = dict(standins.CALLS)
     report["triton_launches"] = dict(tripwire.LAUNCHES)
     report["tripped"] = list(tripwire.TRIPPED)

@@ -87,24 +87,28 @@ def rope_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Ten
 
 def write_fp8_ds_mla(rows: torch.Tensor, cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int) -> None:
     """Write bf16 ``rows [N, 512]`` as fp8_ds_mla records into ``cache_2d`` (uint8
-    ``[num_blocks, page_bytes]``) at ``slots`` (negative: skipped)."""
+    ``[num_blocks, page_bytes]``, stride(1) = 1) at ``slots`` (negative: skipped). No host sync
+    (it is captured in the decode graph): skipped rows rewrite the null block's own bytes."""
     assert cache_2d.stride(1) == 1 and cache_2d.shape[1] >= block_size * (DATA_BYTES + SCALE_BYTES)
-    for i in range(rows.shape[0]):
-        s = int(slots[i])
-        if s < 0:
-            continue
-        b, p = divmod(s, block_size)
-        nope = rows[i, :NOPE].float().view(NOPE // QUANT_BLOCK, QUANT_BLOCK)
-        amax = nope.abs().amax(dim=1).clamp(min=1e-4)
-        e = torch.ceil(torch.log2(amax / 448.0))
-        codes = (nope / torch.exp2(e)[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        page = cache_2d[b]
-        base = p * DATA_BYTES
-        page[base:base + NOPE] = codes.reshape(-1)
-        page[base + NOPE:base + DATA_BYTES] = rows[i, NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-        sbase = block_size * DATA_BYTES + p * SCALE_BYTES
-        page[sbase:sbase + 7] = (e + 127).to(torch.uint8)
-        page[sbase + 7] = 0
+    n = rows.shape[0]
+    if n == 0:
+        return
+    s = slots[:n].long()
+    valid = s >= 0
+    b = torch.where(valid, torch.div(s, block_size, rounding_mode="floor"), torch.zeros_like(s))
+    p = torch.where(valid, torch.remainder(s, block_size), torch.zeros_like(s))
+    nope = rows[:, :NOPE].float().view(n, NOPE // QUANT_BLOCK, QUANT_BLOCK)
+    amax = nope.abs().amax(dim=2).clamp(min=1e-4)
+    e = torch.ceil(torch.log2(amax / 448.0))
+    codes = (nope / torch.exp2(e)[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.cat([codes.reshape(n, NOPE), rows[:, NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)], 1)
+    scale = torch.cat([(e + 127).to(torch.uint8), torch.zeros(n, 1, dtype=torch.uint8, device=rows.device)], 1)
+    dcol = p[:, None] * DATA_BYTES + torch.arange(DATA_BYTES, device=rows.device)[None, :]
+    scol = block_size * DATA_BYTES + p[:, None] * SCALE_BYTES + torch.arange(SCALE_BYTES, device=rows.device)[None, :]
+    bb = b[:, None]
+    old_d, old_s = cache_2d[bb, dcol], cache_2d[bb, scol]
+    cache_2d[bb, dcol] = torch.where(valid[:, None], data, old_d)
+    cache_2d[bb, scol] = torch.where(valid[:, None], scale, old_s)
 
 
 def _qnorm_rope_kv_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, pad_to, eps, block_size,
@@ -206,23 +210,32 @@ def _topk_softplus_sqrt(topk_weights, topk_indices, token_expert_indices, gating
 
 def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_post_pad,
                           expert_map=None, scatter_idx=None):
+    """Rows grouped by expert (stable), each group padded to a multiple of ``block_size`` with
+    the sentinel ``numel``; ``expert_ids[j]`` = the expert of block j. No host sync."""
     flat = topk_ids.reshape(-1).long()
     total = flat.numel()
+    dev = flat.device
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))     # bincount would sync the host
+    padded = torch.div(counts + block_size - 1, block_size, rounding_mode="floor") * block_size
+    starts_sorted = torch.cumsum(counts, 0) - counts
+    starts_padded = torch.cumsum(padded, 0) - padded
+    e_sorted = flat[order]
+    rank = torch.arange(total, device=dev) - starts_sorted[e_sorted]
     sorted_ids.fill_(total)
-    expert_ids.fill_(-1 if expert_map is not None else 0)
-    pos = 0
-    for e in range(num_experts):
-        rows = (flat == e).nonzero().reshape(-1)
-        n = rows.numel()
-        padded = (n + block_size - 1) // block_size * block_size
-        sorted_ids[pos:pos + n] = rows.to(sorted_ids.dtype)
-        if padded:
-            ee = e if expert_map is None else int(expert_map[e])
-            expert_ids[pos // block_size:(pos + padded) // block_size] = ee
-        pos += padded
-    num_post_pad.fill_(pos)
+    sorted_ids.scatter_(0, (starts_padded[e_sorted] + rank).to(torch.int64), order.to(sorted_ids.dtype))
+    blocks = torch.arange(expert_ids.numel(), device=dev) * block_size
+    ends = torch.cumsum(padded, 0)
+    e_of_block = torch.searchsorted(ends, blocks, right=True).clamp(max=num_experts - 1)
+    if expert_map is not None:
+        e_of_block = expert_map.long()[e_of_block]
+    in_range = blocks < ends[-1]
+    expert_ids.copy_(torch.where(in_range, e_of_block, torch.full_like(e_of_block, -1 if expert_map is not None else 0))
+                     .to(expert_ids.dtype))
+    num_post_pad.copy_(ends[-1].reshape(num_post_pad.shape).to(num_post_pad.dtype))
     if scatter_idx is not None:
-        scatter_idx.copy_(torch.arange(total, device=flat.device).view_as(scatter_idx).to(scatter_idx.dtype))
+        scatter_idx.copy_(torch.arange(total, device=dev).view_as(scatter_idx).to(scatter_idx.dtype))
 
 
 def _moe_sum(inp, out, topk_ids=None, expert_map=None):

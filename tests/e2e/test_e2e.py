@@ -74,6 +74,10 @@ REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activation
 
 def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
     out = tmp_path / f"e2e_{model}_{device}.json"
+    if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
+        import pathlib
+
+        out = pathlib.Path(os.environ["DSV4_E2E_REPORT_DIR"]) / out.name
     full_env = dict(os.environ, **env)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "driver.py"), "--model", model, "--device", device,
                            "--out", str(out)], env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -168,3 +172,27 @@ def test_an_unpatched_by_name_import_fails(tmp_path):
     proc, report = run_driver(tmp_path, DSV4_E2E_MUTATE="unpatched_import", DSV4_E2E_STEPS="prefill")
     assert proc.returncode != 0
     assert "DeadOnSm80" in proc.stderr and "indexer_k_norm_rope_store" in proc.stderr, proc.stderr[-3000:]
+
+
+REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_matches_the_oracle,
+                 test_indexer_choice_is_the_oracles, test_every_moe_matches_the_oracle, test_logits_match_the_oracle,
+                 test_every_plugin_row_on_the_path_ran, test_no_dead_kernel_ran_and_the_tripwire_fires)
+
+
+@pytest.mark.gpu
+def test_h200_real_kernels_and_decode_graph(tmp_path):
+    """The same model, steps, oracle, counters and tripwire with every tensor on CUDA and the
+    plugin's portable Triton kernels (DSV4_AMPERE_IMPL=portable); then the uniform decode step
+    captured as one FULL CUDA graph and replayed on new inputs: bit-identical to eager.
+    Needs vLLM's sources on PYTHONPATH (tests/e2e/gpu_run.sh)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    proc, report = run_driver(tmp_path, device="cuda")
+    assert proc.returncode == 0 and report is not None, proc.stderr[-6000:]
+    for check in REPORT_CHECKS:
+        check(report)
+    assert len(report["graph"]) == 4 and report["graph"][0].get("captured"), report["graph"]
+    for g in report["graph"]:
+        assert g["bit_identical"], g
