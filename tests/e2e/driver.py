@@ -71,7 +71,10 @@ def run_model(model_name: str, device: str) -> dict:
     rec = capture.Recorder(b.model)
     chk = checks.Checker(b.model, cfg)
     sch = steps.Scheduler(b)
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
+    report["seed"] = seed
+    g = torch.Generator().manual_seed(seed)
+    report["trace"] = []   # per step: logits and every discrete choice (CPU-vs-GPU comparisons)
     P0, P1 = 40, 24
     sch.add(0, torch.randint(2, cfg["vocab_size"], (P0 + 12,), generator=g).tolist())
     sch.add(1, torch.randint(2, cfg["vocab_size"], (P1 + 12,), generator=g).tolist())
@@ -90,6 +93,11 @@ def run_model(model_name: str, device: str) -> dict:
             chk.check_indexer(step, lr)
             chk.check_moe(step, lr)
         chk.check_logits(step, hidden, logits)
+        if os.environ.get("DSV4_E2E_TRACE"):
+            report["trace"].append(dict(
+                step=name, logits=logits.float().cpu().tolist(),
+                experts={i: lr.experts.tolist() for i, lr in step.layers.items()},
+                topk={i: lr.topk.tolist() for i, lr in step.layers.items() if lr.topk is not None}))
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
     report["checks"] = chk.results
     report["graph"] = []
