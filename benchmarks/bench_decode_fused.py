@@ -10,9 +10,9 @@ Writes decode_fused.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H i
   auto_us        dsv4_decode_attention under DSV4_AMPERE_DECODE_KERNEL=auto (this commit's)
   fused_us       dsv4_decode_fused_out with decode_plan.fused_plan's split count
   best_fused_us  the fastest of a few balanced split counts (best_splits)
-  hoist_us       H <= 16: the HOIST form (csrc_triton.sparse_mla_paged.FUSED_HOIST_CONFIG, every
+  pipe_us       H <= 16: the PIPELINE form (csrc_triton.sparse_mla_paged.FUSED_PIPELINE_CONFIG, every
                  load of a key block issued before its first dot; not dispatched yet) at its
-                 plan's split count (hoist_splits)
+                 plan's split count (pipe_splits)
   floor_us       max(unique record bytes T*K*584 + q + out at the same run's copy rate,
                  in-graph launches: 1 (one split) or 2 x ~0.9 us)
   max_diff       max |fused - step| of the bf16 outputs (both are checked against the
@@ -103,15 +103,15 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
         row["best_fused_us"], row["best_splits"] = best
         if H <= 16:
             default = _pk.FUSED_CONFIG[16]
-            _pk.FUSED_CONFIG[16] = _pk.FUSED_HOIST_CONFIG[16]
+            _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
             decode_plan.fused_plan.cache_clear()
             try:
                 hp = decode_plan.fused_plan(T, H, K, sms)
                 h_out = fused(hp.splits)()[0]
-                row["hoist_diff"] = (h_out.float() - ref_out.float()).abs().max().item()
-                row["hoist_splits"] = hp.splits
-                row["hoist_us"] = time_graph_us(fused(hp.splits), replays)
-                row["step/hoist"] = row["step_us"] / row["hoist_us"]
+                row["pipe_diff"] = (h_out.float() - ref_out.float()).abs().max().item()
+                row["pipe_splits"] = hp.splits
+                row["pipe_us"] = time_graph_us(fused(hp.splits), replays)
+                row["step/pipe"] = row["step_us"] / row["pipe_us"]
             finally:
                 _pk.FUSED_CONFIG[16] = default
                 decode_plan.fused_plan.cache_clear()
@@ -139,8 +139,8 @@ def main():
     cc, cw = make_cache(1), make_cache(2)
     rows = []
     cols = ["T", "H", "K", "step_us", "auto_us", "plan_splits", "fused_us", "best_fused_us", "best_splits",
-            "step/fused", "step/best", "step/auto", "hoist_splits", "hoist_us", "step/hoist", "floor_us", "max_diff",
-            "hoist_diff", "error"]
+            "step/fused", "step/best", "step/auto", "pipe_splits", "pipe_us", "step/pipe", "floor_us", "max_diff",
+            "pipe_diff", "error"]
     shapes = [(T, H, 512) for T in TS for H in HS] + [(T, H, 128) for T, H in DRAFT]
     for T, H, K1 in shapes:
         rows.append(measure(cc, cw, T, H, K1, gbs, replays, not args.quick, sms))

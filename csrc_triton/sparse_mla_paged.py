@@ -124,6 +124,83 @@ def _block_slots(blk, live, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_
 
 
 @triton.jit
+def _load_block(m_n, p_cache, o_data, o_scale):
+    """Every raw byte of a key block: 7 (codes [BLOCK_N, 64], scale bytes [BLOCK_N]) and the
+    RoPE bits [BLOCK_N, 64]; rows with m_n false load nothing."""
+    b_c0, b_e0 = _load_chunk(p_cache, o_data, o_scale, m_n, 0)
+    b_c1, b_e1 = _load_chunk(p_cache, o_data, o_scale, m_n, 1)
+    b_c2, b_e2 = _load_chunk(p_cache, o_data, o_scale, m_n, 2)
+    b_c3, b_e3 = _load_chunk(p_cache, o_data, o_scale, m_n, 3)
+    b_c4, b_e4 = _load_chunk(p_cache, o_data, o_scale, m_n, 4)
+    b_c5, b_e5 = _load_chunk(p_cache, o_data, o_scale, m_n, 5)
+    b_c6, b_e6 = _load_chunk(p_cache, o_data, o_scale, m_n, 6)
+    b_r = _rope_bits(p_cache, o_data, m_n)
+    return b_c0, b_e0, b_c1, b_e1, b_c2, b_e2, b_c3, b_e3, b_c4, b_e4, b_c5, b_e5, b_c6, b_e6, b_r
+
+
+@triton.jit
+def _pipelined_loop(b_q0, b_q1, b_q2, b_q3, b_q4, b_q5, b_q6, b_q7, b_m, b_l,
+                    b_a0, b_a1, b_a2, b_a3, b_a4, b_a5, b_a6, b_a7,
+                    blk_lo, blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+                    qk_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+                    DTYPE: tl.constexpr):
+    """The key-block loop software-pipelined by hand: iteration blk computes block blk from
+    raw bytes loaded by the previous iteration, after issuing the loads of block blk + 1's
+    records (its slots came one iteration earlier) and of block blk + 2's slots. Loads
+    consumed only in the next iteration cannot be sunk next to their uses, so their latency
+    overlaps a block of decode and MMA. Same arithmetic as the plain loop."""
+    s_m, s_cache, s_data, s_scale = _block_slots(blk_lo, blk_lo < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr,
+                                                 page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+    b_c0, b_e0, b_c1, b_e1, b_c2, b_e2, b_c3, b_e3, b_c4, b_e4, b_c5, b_e5, b_c6, b_e6, b_r = _load_block(
+        s_m, s_cache, s_data, s_scale)
+    m_n = s_m
+    s_m, s_cache, s_data, s_scale = _block_slots(blk_lo + 1, blk_lo + 1 < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr,
+                                                 cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        # next block's records (slots known), the block after's slots: consumed next iteration
+        n_c0, n_e0, n_c1, n_e1, n_c2, n_e2, n_c3, n_e3, n_c4, n_e4, n_c5, n_e5, n_c6, n_e6, n_r = _load_block(
+            s_m, s_cache, s_data, s_scale)
+        n_m = s_m
+        s_m, s_cache, s_data, s_scale = _block_slots(blk + 2, blk + 2 < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr,
+                                                     cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+        b_k0 = _decode_chunk(b_c0, b_e0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
+        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+        b_k1 = _decode_chunk(b_c1, b_e1, NATIVE, DTYPE)
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_k2 = _decode_chunk(b_c2, b_e2, NATIVE, DTYPE)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_k3 = _decode_chunk(b_c3, b_e3, NATIVE, DTYPE)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_k4 = _decode_chunk(b_c4, b_e4, NATIVE, DTYPE)
+        b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
+        b_k5 = _decode_chunk(b_c5, b_e5, NATIVE, DTYPE)
+        b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
+        b_k6 = _decode_chunk(b_c6, b_e6, NATIVE, DTYPE)
+        b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
+        b_k7 = b_r.to(tl.bfloat16, bitcast=True).to(DTYPE)
+        b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
+        b_p = b_p.to(DTYPE)
+        b_a0 = tl.dot(b_p, b_k0, b_a0 * b_alpha)
+        b_a1 = tl.dot(b_p, b_k1, b_a1 * b_alpha)
+        b_a2 = tl.dot(b_p, b_k2, b_a2 * b_alpha)
+        b_a3 = tl.dot(b_p, b_k3, b_a3 * b_alpha)
+        b_a4 = tl.dot(b_p, b_k4, b_a4 * b_alpha)
+        b_a5 = tl.dot(b_p, b_k5, b_a5 * b_alpha)
+        b_a6 = tl.dot(b_p, b_k6, b_a6 * b_alpha)
+        b_a7 = tl.dot(b_p, b_k7, b_a7 * b_alpha)
+        b_m = b_m_new
+        b_c0, b_e0, b_c1, b_e1, b_c2, b_e2, b_c3, b_e3 = n_c0, n_e0, n_c1, n_e1, n_c2, n_e2, n_c3, n_e3
+        b_c4, b_e4, b_c5, b_e5, b_c6, b_e6, b_r, m_n = n_c4, n_e4, n_c5, n_e5, n_c6, n_e6, n_r, n_m
+    return b_m, b_l, b_a0, b_a1, b_a2, b_a3, b_a4, b_a5, b_a6, b_a7
+
+
+@triton.jit
 def _dsv4_decode_fused_kernel(
     q_ptr,  # bf16 [T, H, 512], dims contiguous
     cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
@@ -139,7 +216,7 @@ def _dsv4_decode_fused_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    HOIST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False,
 ):
     """Grid (T * S * G,): program pid runs head group g = pid % G of token t = pid // (S*G)
     over the key blocks of split s = (pid // G) % S, decoding every key once for the group.
@@ -149,11 +226,9 @@ def _dsv4_decode_fused_kernel(
     The 512 dims go as 8 chunks of 64 (the UE8M0 groups; chunk 7 = the RoPE dims): per key
     block 8 [BLOCK_N, 64] tiles are decoded (a few registers each), the scores are the sum
     of 8 dots [BLOCK_H, 64] x [64, BLOCK_N], and 8 accumulators [BLOCK_H, 64] take p @ tile.
-    HOIST: every load of a key block (8 code chunks, 7 scale vectors, the RoPE words) is
-    issued before its first decode and dot, so their latencies overlap (one round trip a
-    block after the slot load); without it each chunk's load sits between layout-conversion
-    barriers (the measured form, see benchmarks/NOTES.md). PREFETCH: the next block's slots
-    are loaded while this block's records are (one dependent round trip a block)."""
+    Without PIPELINE (the measured form) each chunk's load sits between the layout-conversion
+    barriers of the dots (PTX: loads, bar.sync, ..., per chunk), so a block pays ~9 dependent
+    global round trips. PIPELINE: ``_pipelined_loop`` (not dispatched until measured)."""
     pid = tl.program_id(0)
     pid_g = pid % G
     pid_s = (pid // G) % S
@@ -196,47 +271,17 @@ def _dsv4_decode_fused_kernel(
     b_a5 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_a6 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_a7 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
-    if PREFETCH:  # the first block's slots; each iteration then fetches the next block's
-        n_m, n_cache, n_data, n_scale = _block_slots(
-            blk_lo, blk_lo < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w,
-            cap_w, BLOCK_N)
-    for blk in range(blk_lo, blk_hi):
-        if PREFETCH:
-            m_n, p_cache, o_data, o_scale = n_m, n_cache, n_data, n_scale  # fetched last iteration
-            n_m, n_cache, n_data, n_scale = _block_slots(
-                blk + 1, blk + 1 < blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr,
-                page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
-        else:
+    if PIPELINE:
+        b_m, b_l, b_a0, b_a1, b_a2, b_a3, b_a4, b_a5, b_a6, b_a7 = _pipelined_loop(
+            b_q0, b_q1, b_q2, b_q3, b_q4, b_q5, b_q6, b_q7, b_m, b_l, b_a0, b_a1, b_a2, b_a3, b_a4, b_a5, b_a6, b_a7,
+            blk_lo, blk_hi, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+            qk_scale, BLOCK_H, BLOCK_N, NATIVE, DTYPE)
+    else:
+        for blk in range(blk_lo, blk_hi):
             m_n, p_cache, o_data, o_scale = _block_slots(
                 blk, True, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
                 BLOCK_N)
 
-        if HOIST:
-            b_c0, b_e0 = _load_chunk(p_cache, o_data, o_scale, m_n, 0)  # all loads of the block first
-            b_c1, b_e1 = _load_chunk(p_cache, o_data, o_scale, m_n, 1)
-            b_c2, b_e2 = _load_chunk(p_cache, o_data, o_scale, m_n, 2)
-            b_c3, b_e3 = _load_chunk(p_cache, o_data, o_scale, m_n, 3)
-            b_c4, b_e4 = _load_chunk(p_cache, o_data, o_scale, m_n, 4)
-            b_c5, b_e5 = _load_chunk(p_cache, o_data, o_scale, m_n, 5)
-            b_c6, b_e6 = _load_chunk(p_cache, o_data, o_scale, m_n, 6)
-            b_r = _rope_bits(p_cache, o_data, m_n)
-            b_k0 = _decode_chunk(b_c0, b_e0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
-            b_k1 = _decode_chunk(b_c1, b_e1, NATIVE, DTYPE)
-            b_k2 = _decode_chunk(b_c2, b_e2, NATIVE, DTYPE)
-            b_k3 = _decode_chunk(b_c3, b_e3, NATIVE, DTYPE)
-            b_k4 = _decode_chunk(b_c4, b_e4, NATIVE, DTYPE)
-            b_k5 = _decode_chunk(b_c5, b_e5, NATIVE, DTYPE)
-            b_k6 = _decode_chunk(b_c6, b_e6, NATIVE, DTYPE)
-            b_k7 = b_r.to(tl.bfloat16, bitcast=True).to(DTYPE)
-            b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
-            b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
-            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-            b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
-            b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
-            b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
-            b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
-            b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
-        else:
             b_k0 = _nope_chunk(p_cache, o_data, o_scale, m_n, 0, NATIVE, DTYPE)  # [BLOCK_N, 64] each
             b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
             b_k1 = _nope_chunk(p_cache, o_data, o_scale, m_n, 1, NATIVE, DTYPE)
@@ -254,22 +299,22 @@ def _dsv4_decode_fused_kernel(
             b_k7 = _rope_chunk(p_cache, o_data, m_n, DTYPE)
             b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
 
-        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
-        b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
-        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
-        b_p = b_p.to(DTYPE)
-        b_a0 = tl.dot(b_p, b_k0, b_a0 * b_alpha)
-        b_a1 = tl.dot(b_p, b_k1, b_a1 * b_alpha)
-        b_a2 = tl.dot(b_p, b_k2, b_a2 * b_alpha)
-        b_a3 = tl.dot(b_p, b_k3, b_a3 * b_alpha)
-        b_a4 = tl.dot(b_p, b_k4, b_a4 * b_alpha)
-        b_a5 = tl.dot(b_p, b_k5, b_a5 * b_alpha)
-        b_a6 = tl.dot(b_p, b_k6, b_a6 * b_alpha)
-        b_a7 = tl.dot(b_p, b_k7, b_a7 * b_alpha)
-        b_m = b_m_new
+            b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+            b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+            b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
+            b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+            b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
+            b_p = b_p.to(DTYPE)
+            b_a0 = tl.dot(b_p, b_k0, b_a0 * b_alpha)
+            b_a1 = tl.dot(b_p, b_k1, b_a1 * b_alpha)
+            b_a2 = tl.dot(b_p, b_k2, b_a2 * b_alpha)
+            b_a3 = tl.dot(b_p, b_k3, b_a3 * b_alpha)
+            b_a4 = tl.dot(b_p, b_k4, b_a4 * b_alpha)
+            b_a5 = tl.dot(b_p, b_k5, b_a5 * b_alpha)
+            b_a6 = tl.dot(b_p, b_k6, b_a6 * b_alpha)
+            b_a7 = tl.dot(b_p, b_k7, b_a7 * b_alpha)
+            b_m = b_m_new
 
     has_key = b_l > 0.0
     b_l_safe = tl.where(has_key, b_l, 1.0)
@@ -311,17 +356,16 @@ MAX_BLOCK_H = 32
 # 4 warps spills 1280 B (16 keys: 56 B); 32 heads x 32 keys at 8 warps spills 64 B; 16 warps
 # cap the registers at 128 and spill > 1 KB; 64-head groups spill > 10 KB. Spill-free:
 FUSED_CONFIG = {
-    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "HOIST": False, "PREFETCH": False},
-    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": False, "PREFETCH": False},
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PIPELINE": False},
+    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PIPELINE": False},
 }
 
 
-# The HOIST form (every load of a key block issued before its first dot), not dispatched
-# until measured: 16 heads x 16 keys x 8 warps is spill-free on sm_80/86 (triton 3.8);
-# 16 x 32 spills 150-300 B, 32 heads x 16 keys 16-84 B. benchmarks/bench_decode_fused.py
-# times it beside FUSED_CONFIG (column hoist_us).
-FUSED_HOIST_CONFIG = {
-    16: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "HOIST": True, "PREFETCH": True},
+# The PIPELINE form (_pipelined_loop: the next block's records loaded during this block's
+# MMAs), not dispatched until measured; benchmarks/bench_decode_fused.py times it beside
+# FUSED_CONFIG (column pipe_us).
+FUSED_PIPELINE_CONFIG = {
+    16: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PIPELINE": True},
 }
 
 

@@ -634,7 +634,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
                  H, K1, K2, 1, plan.groups, float(sm_scale),
                  q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
                  *scalars),
-                consts_head + (sink is not None, True, cfg["HOIST"], cfg["PREFETCH"]), cfg["num_warps"],
+                consts_head + (sink is not None, True, cfg["PIPELINE"]), cfg["num_warps"],
                 cfg["num_stages"])
         return out, lse
     S = plan.splits
@@ -645,18 +645,18 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
             (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
              H, K1, K2, S, plan.groups, float(sm_scale),
              q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
-            consts_head + (False, False, cfg["HOIST"], cfg["PREFETCH"]), cfg["num_warps"], cfg["num_stages"])
+            consts_head + (False, False, cfg["PIPELINE"]), cfg["num_warps"], cfg["num_stages"])
     return _launch_merge(o_part, lse_part, sink, out, variant)
 
 
 def _fused_specs(variant, KernelSpec, optional_pointer):
     """Specializations of the fused paged kernel dsv4_decode_fused can pick: every head-group
     config x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials |
-    direct with sink | direct); plus the HOIST configs (``fused-hoist[...]``, not dispatched
+    direct with sink | direct); plus the PIPELINE configs (``fused-pipe[...]``, not dispatched
     yet: benchmarked beside the default, kept compiling and spill-free)."""
     specs = []
     configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
-    configs += [("fused-hoist", bh, cfg) for bh, cfg in sorted(_pk.FUSED_HOIST_CONFIG.items())]
+    configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
     for name, bh, cfg in configs:
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
@@ -671,10 +671,10 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr", "HOIST": "constexpr", "PREFETCH": "constexpr"}
+                           "DIRECT": "constexpr", "PIPELINE": "constexpr"}
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
                               "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct,
-                              "HOIST": cfg["HOIST"], "PREFETCH": cfg["PREFETCH"]}
+                              "PIPELINE": cfg["PIPELINE"]}
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)

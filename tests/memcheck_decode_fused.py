@@ -6,7 +6,7 @@ Each tensor gets its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and pages
 exactly (no slack after the last record), so a read past a cache is an error the sanitizer
 reports. Slots: out of range, negative, int32 / int64 extremes, repeated; lengths negative
 and past K; an empty window cache. Both variants (native on sm_89+), both forms (default and
-HOIST), direct and split; exits non-zero when a result differs from the float64 reference.
+PIPELINE), direct and split; exits non-zero when a result differs from the float64 reference.
 """
 
 import os
@@ -49,10 +49,10 @@ def main() -> int:
         q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).cuda()
         sink = torch.randn(H, generator=g).cuda()
         for variant in variants:
-            for form in ("default", "hoist"):
+            for form in ("default", "pipe"):
                 saved = _pk.FUSED_CONFIG[16]
-                if form == "hoist":
-                    _pk.FUSED_CONFIG[16] = _pk.FUSED_HOIST_CONFIG[16]
+                if form == "pipe":
+                    _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
                 decode_plan.fused_plan.cache_clear()
                 try:
                     for window, lens in ((cw, (tl, sl)), (cw_empty, (None, None))):

@@ -74,9 +74,9 @@ def test_fused_kernel_matches_float64_reference(interpret, T, H, K1, K2, slot_dt
 
 
 @pytest.fixture
-def hoisted(monkeypatch):
-    """The HOIST form of the 16-head config (not dispatched yet) in place of the default."""
-    monkeypatch.setitem(_pk.FUSED_CONFIG, 16, _pk.FUSED_HOIST_CONFIG[16])
+def pipelined(monkeypatch):
+    """The PIPELINE form of the 16-head config (not dispatched yet) in place of the default."""
+    monkeypatch.setitem(_pk.FUSED_CONFIG, 16, _pk.FUSED_PIPELINE_CONFIG[16])
     decode_plan.fused_plan.cache_clear()
     yield
     decode_plan.fused_plan.cache_clear()
@@ -84,8 +84,8 @@ def hoisted(monkeypatch):
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["direct", "S4"])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
-def test_fused_hoist_form_matches_float64_reference(interpret, hoisted, slot_dtype, splits):
-    assert decode_plan.fused_plan(3, 8, 49, 108).block_n == _pk.FUSED_HOIST_CONFIG[16]["BLOCK_N"]
+def test_fused_pipe_form_matches_float64_reference(interpret, pipelined, slot_dtype, splits):
+    assert decode_plan.fused_plan(3, 8, 49, 108).block_n == _pk.FUSED_PIPELINE_CONFIG[16]["BLOCK_N"]
     args = case(3, 8, 40, 9, slot_dtype, seed=31, device=interpret)
     args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(slot_dtype).to(interpret)
     run_and_check(args, splits, interpret)
@@ -251,7 +251,7 @@ def test_gpu_fused_matches_reference(variant, T, H, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,splits", [(1, 8, 0), (4, 16, 0), (70, 8, 1), (5, 8, 3)])
-def test_gpu_fused_hoist_form_matches_reference(variant, hoisted, T, H, splits):
+def test_gpu_fused_pipe_form_matches_reference(variant, pipelined, T, H, splits):
     run_and_check(gpu_case(T, H, seed=T + 3 * H), splits, "cuda")
 
 
