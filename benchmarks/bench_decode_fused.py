@@ -10,9 +10,9 @@ Writes decode_fused.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H i
   auto_us        dsv4_decode_attention under DSV4_AMPERE_DECODE_KERNEL=auto (this commit's)
   fused_us       dsv4_decode_fused_out with decode_plan.fused_plan's split count
   best_fused_us  the fastest of a few balanced split counts (best_splits)
-  pipe_us       H <= 16: the PIPELINE form (csrc_triton.sparse_mla_paged.FUSED_PIPELINE_CONFIG, every
-                 load of a key block issued before its first dot; not dispatched yet) at its
-                 plan's split count (pipe_splits)
+  pipe_us        H <= 16: the PIPELINE form (csrc_triton.sparse_mla_paged.FUSED_PIPELINE_CONFIG:
+                 the next block's records loaded during this block's MMAs; not dispatched
+                 yet) at its plan's split count (pipe_splits)
   floor_us       max(unique record bytes T*K*584 + q + out at the same run's copy rate,
                  in-graph launches: 1 (one split) or 2 x ~0.9 us)
   max_diff       max |fused - step| of the bf16 outputs (both are checked against the
