@@ -213,3 +213,14 @@ def test_doctor_command_runs_here_with_a_model_dir(tmp_path, capsys):
     assert {"driver", "vllm", "plugin", "pp partition", "kv block size"} <= names, out
     assert rc == (1 if "[FAIL]" in out else 0)
     assert out.strip().splitlines()[-1].startswith("doctor: ")
+
+
+def test_audit_stand_in_config_uses_the_block_size_vllm_resolves():
+    """The audit's warmup keys are expanded with the KV block size vLLM picks on sm_80."""
+    pytest.importorskip("vllm")
+    from dsv4_ops.vllm.audit import _config, _paths
+
+    for variant in ("v4", "v41"):
+        size, _ = doctor.resolved_block_size(variant, 80)
+        assert _config.BLOCK_SIZE[variant] == size
+        assert _paths.LAYER_VALUES[variant]["block_size"] == (size,)

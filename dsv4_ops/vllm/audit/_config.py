@@ -2,7 +2,7 @@
 and the target platform those expansions see.
 
 Plain attributes for the serve command of the audited path (TP=8, PP=1, no speculative
-decoding, fp8_ds_mla cache, block 256, bf16) and the model geometry of the public configs
+decoding, fp8_ds_mla cache, block 256 for V4 and 128 for V4.1, as vLLM resolves them on sm_8x, bf16) and the model geometry of the public configs
 (DSV4_FACTS.md); ``attention_config`` is vLLM's own ``AttentionConfig()`` (the defaults of a
 plain ``vllm serve``: indexer K cache "auto" = fp8). ``compress_ratios`` is a per-layer list
 (MTP included) with the ratios each model's layers take (V4: 0/4/128; V4.1: 0/1/2); warmup
@@ -33,6 +33,9 @@ _HF = {
 }
 
 
+BLOCK_SIZE = {"v4": 256, "v41": 128}
+
+
 def _attention_config():
     try:
         from vllm.config.attention import AttentionConfig
@@ -51,7 +54,9 @@ def vllm_config(model: str):
     return NS(
         model_config=NS(hf_config=hf, hf_text_config=hf, max_model_len=65536, dtype=torch.bfloat16),
         scheduler_config=NS(max_num_batched_tokens=8192, max_num_seqs=256),
-        cache_config=NS(block_size=256, cache_dtype="fp8_ds_mla"),
+        # the KV block size vLLM resolves for the model's backends on sm_8x (doctor.resolved_block_size:
+        # V4 256; V4.1 128, its sparse-MLA and indexer backends take 64 on sm_90 and 128 elsewhere)
+        cache_config=NS(block_size=BLOCK_SIZE[model], cache_dtype="fp8_ds_mla"),
         parallel_config=NS(tensor_parallel_size=8, pipeline_parallel_size=1, decode_context_parallel_size=1,
                            prefill_context_parallel_size=1,
                            cp_kv_cache_interleave_size=1, pcp_shard_decode_requests=False),

@@ -36,7 +36,7 @@ def _cuda_include() -> Optional[str]:
     return None
 
 
-def sampling_module(arch: int, timeout: float = 1500) -> Tuple[Optional[bool], str]:
+def sampling_module(arch: int, timeout: float = 600) -> Tuple[Optional[bool], str]:
     """(True, evidence) when FlashInfer's sampling library built for sm_<arch> holds sm_<arch>
     cubins; (None, why) when it could not be built here."""
     from . import _native

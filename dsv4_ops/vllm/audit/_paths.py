@@ -97,7 +97,7 @@ def off_path(name: str) -> Optional[str]:
 
 # Values a layer passes to ``register_warmup`` from its own attributes (``head_dim=self.head_dim``),
 # per model: every value the default serve path's layers take (main compressor head 512, V4
-# indexer compressor head 128; V4 ratios 4/128, V4.1 ratios 1/2; SWA window 128, block 256).
+# indexer compressor head 128; V4 ratios 4/128, V4.1 ratios 1/2; SWA window 128, block 256 (V4) / 128 (V4.1 on sm_8x)).
 # mHC (TileLang) registrations read the decoder layer: hidden size, hc_mult 4, eps values of the
 # public configs (rms 1e-6, hc_eps 1e-6, 20 Sinkhorn iterations, hc_post_alpha 2.0 hard-coded in
 # vLLM); include_pre_gemm_splits = is_deep_gemm_supported() (False on sm_8x); the broadcast
@@ -109,7 +109,7 @@ _MHC = {"hc_mult": (4,), "rms_eps": (1e-6,), "hc_eps": (1e-6,), "hc_pre_eps": (1
 LAYER_VALUES = {
     "v4": dict(_MHC, head_dim=(512, 128), compress_ratio=(4, 128), window_size=(128,), block_size=(256,),
                hidden_size=(4096,)),
-    "v41": dict(_MHC, head_dim=(512,), compress_ratio=(1, 2), window_size=(128,), block_size=(256,),
+    "v41": dict(_MHC, head_dim=(512,), compress_ratio=(1, 2), window_size=(128,), block_size=(128,),
                 hidden_size=(5120,)),
 }
 
