@@ -26,6 +26,7 @@ Exit status: 1 when a check fails, else 0 (warnings do not fail).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -277,9 +278,23 @@ def check_driver(h: HostFacts) -> Check:
                  f"torch {h.torch_version})")
 
 
-def check_vllm(h: HostFacts) -> List[Check]:
-    from .vllm.audit import VLLM_VERSION_TESTED
+def plugin_vllm_pin() -> Optional[str]:
+    """The vLLM version this installed dsv4-ops pins (its ``vllm==X`` requirement), or None."""
+    from importlib import metadata
 
+    try:
+        reqs = metadata.requires("dsv4-ops") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for r in reqs:
+        m = re.match(r"vllm\s*==\s*([\w.]+)", r)
+        if m:
+            return m.group(1)
+    return None
+
+
+def check_vllm(h: HostFacts) -> List[Check]:
+    VLLM_VERSION_TESTED = plugin_vllm_pin() or "?"
     if h.vllm_version is None:
         return [Check("vllm", "fail", f"vLLM is not installed: pip install 'dsv4-ops[vllm]' (vllm=={VLLM_VERSION_TESTED})")]
     out = [Check("vllm", "ok", f"vLLM {h.vllm_version}, the version the plugin was written for")
@@ -474,17 +489,39 @@ _BACKENDS = {
 }
 
 
+@contextlib.contextmanager
+def platform_as(arch: int):
+    """vLLM's ``current_platform`` answers capability questions as an sm_<arch> GPU (the
+    instance methods the backends call), restored afterwards."""
+    from vllm.platforms import current_platform as cp
+    from vllm.platforms.interface import DeviceCapability
+
+    cap = DeviceCapability(major=arch // 10, minor=arch % 10)
+    names = ("get_device_capability", "has_device_capability", "is_device_capability_family")
+    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
+    cp.get_device_capability = lambda device_id=0: cap
+    cp.has_device_capability = lambda c, device_id=0: cap >= c if isinstance(c, tuple) else cap.to_int() >= c
+    cp.is_device_capability_family = lambda c, device_id=0: cap.to_int() // 10 == c // 10
+    try:
+        yield cp
+    finally:
+        for k in names:
+            if k in saved:
+                setattr(cp, k, saved[k])
+            else:
+                cp.__dict__.pop(k, None)
+
+
 def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
     """(block size, backends) vLLM picks without --block-size for the model's backends on
     sm_<arch>: its own Platform._preferred_block_size_for_backends with the platform answering
     as that GPU. Raises ValueError when the backends share no size (vLLM's message)."""
     import importlib
+    from types import SimpleNamespace
 
     from vllm.config.cache import CacheConfig
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
-
-    from .vllm.audit import _config
 
     def get(s):
         mod, name = s.split(":")
@@ -493,9 +530,9 @@ def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
     attn, indexer, compressor = (get(s) for s in _BACKENDS[variant])
     classes = [attn.backend_cls, getattr(attn, "swa_backend_cls", None) or DeepseekSparseSWABackend,
                get(_BACKENDS[variant][1]), compressor]
-    with _config.target_platform(arch):
+    with platform_as(arch):  # a stand-in config: these backends read only the platform
         size = type(current_platform)._preferred_block_size_for_backends(
-            classes, CacheConfig.DEFAULT_BLOCK_SIZE, _config.vllm_config(variant))
+            classes, CacheConfig.DEFAULT_BLOCK_SIZE, SimpleNamespace(compilation_config=None))
         names = "; ".join(f"{b.get_name()} {b.get_supported_kernel_block_sizes()}" for b in classes)
     return size, names
 
