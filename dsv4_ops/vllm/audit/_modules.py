@@ -510,11 +510,15 @@ def allreduce_rows(model: str, arch: int) -> List[dict]:
 
         cap = f"{arch // 10}.{arch % 10}"
         sym = cap in SYMM_MEM_ALL_REDUCE_MAX_SIZES
-        out.append(_row(model, "forward", "all-reduce: torch symm-mem", "torch symm-mem",
-                        "distributed.device_communicators.symm_mem:SymmMemCommunicator",
-                        (True, f"selection: SYMM_MEM_ALL_REDUCE_MAX_SIZES has {sorted(SYMM_MEM_ALL_REDUCE_MAX_SIZES)}; "
-                               f"sm_{arch} {'listed' if sym else 'not listed: the communicator disables itself, '}"
-                               f"{'' if sym else 'custom all-reduce / NCCL carry the reduction'}")))
+        row = _row(model, "forward", "all-reduce: torch symm-mem", "torch symm-mem",
+                   "distributed.device_communicators.symm_mem:SymmMemCommunicator",
+                   (True, f"selection: SYMM_MEM_ALL_REDUCE_MAX_SIZES has {sorted(SYMM_MEM_ALL_REDUCE_MAX_SIZES)}; "
+                          f"sm_{arch} {'listed' if sym else 'not listed: the communicator disables itself, '}"
+                          f"{'' if sym else 'custom all-reduce / NCCL carry the reduction'}"))
+        if not sym:  # not selected on this arch: a capability table read from vLLM, like a guard
+            row["status"] = "off"
+            row["evidence"] = "not reached on sm_8x: " + row["evidence"]
+        out.append(row)
     except Exception as exc:  # noqa: BLE001
         out.append(_row(model, "forward", "all-reduce: torch symm-mem", "torch symm-mem",
                         "distributed.device_communicators.symm_mem", (None, f"table not read: {exc}")))
