@@ -174,8 +174,13 @@ def fake_vllm_config(arch="DeepseekV4ForCausalLM", tp=8, max_tokens=256):
 def test_shapes_from_vllm_config():
     s = ws.shapes_from_vllm_config(fake_vllm_config(tp=4))
     assert (s.heads_per_rank, s.index_heads, s.c128a, s.engram) == (16, 64, True, None)
-    s41 = ws.shapes_from_vllm_config(fake_vllm_config("DeepseekV41ForCausalLM", tp=8))
-    assert (s41.heads_per_rank, s41.index_heads, s41.engram) == (8, 32, (256, 32))
+    cfg41 = fake_vllm_config("DeepseekV41ForCausalLM", tp=8)
+    cfg41.model_config.hf_config.compress_ratios = [0, 0, 2, 1, 0, 2]
+    cfg41.cache_config.block_size = 128
+    s41 = ws.shapes_from_vllm_config(cfg41)
+    assert (s41.heads_per_rank, s41.index_heads, s41.engram, s41.ratios) == (8, 32, (256, 32), (1, 2))
+    assert s41.decode_layer_kinds() == ((0, 1), (512, 1), (512, 2)) and s41.block_size == 128
+    assert s.ratios == (4, 128) and s.decode_layer_kinds()[:2] == ((0, 1), (128, 128))
     other = fake_vllm_config("LlamaForCausalLM")
     assert ws.shapes_from_vllm_config(other) is None
     mtp = fake_vllm_config(tp=8)
@@ -241,7 +246,8 @@ def sweep_calls(shapes, sms: int, dev: str) -> None:
 
     H, bs = shapes.heads_per_rank, shapes.swa_block_size
     g = torch.Generator().manual_seed(0)
-    comp_bs = shapes.block_size // 4
+    ratio = shapes.ratios[-1]
+    comp_bs = shapes.block_size // ratio
     with ws.on_device(dev):
         comp, swa = ws._cache(shapes, comp_bs), ws._cache(shapes, bs)
         for T in SWEEP_TOKENS:
@@ -254,7 +260,7 @@ def sweep_calls(shapes, sms: int, dev: str) -> None:
                 tlen = torch.full((T,), K1, dtype=torch.int32, device=dev) if K1 else None
                 for wlen in (None, torch.full((T,), 100, dtype=torch.int32, device=dev)):
                     if dev == "meta":  # torch.ops on meta runs the fakes: mirror the composite
-                        ws.decode_step(shapes, T, K1, "portable", wlen is not None, decode_plan.mode())
+                        ws.decode_step(shapes, T, K1, "portable", wlen is not None, decode_plan.mode(), ratio)
                         continue
                     dsv4_decode_attention(q, comp if K1 else swa, topk, swa, win, sink, 512 ** -0.5,
                                           comp_bs if K1 else bs, bs, topk_length=tlen, swa_length=wlen, out=out)

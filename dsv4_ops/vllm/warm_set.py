@@ -52,7 +52,9 @@ class ModelShapes:
 
     heads: query heads of the model (heads per rank = heads // tp); index_heads: indexer
     heads (replicated over TP in vLLM 0.33.0: ``self.n_head = config.index_n_heads``);
-    index_topk: top-k of the C4A layers; window: sliding-window keys; c128a: V4's C128A
+    index_topk: top-k of the indexed layers; window: sliding-window keys; ratios: compress
+    ratios of the compressed layers (V4: 4 = C4A, indexed, and 128 = C128A; V4.1: 1 and 2,
+    both indexed); index_ratios: those whose indexer writes an indexer cache; c128a: V4's C128A
     layers exist (their top-k width is a power of two >= 128 up to max_model_len / 128,
     vLLM sparse_mla.py); engram: (DIM, QUANT_BLOCK) of V4.1's Engram rows or None;
     block_size: KV-cache block size (tokens; compressed caches hold block_size // ratio);
@@ -67,6 +69,8 @@ class ModelShapes:
     index_topk: int = 512
     window: int = 128
     c128a: bool = False
+    ratios: Tuple[int, ...] = (4,)
+    index_ratios: Tuple[int, ...] = (4,)
     engram: Optional[Tuple[int, int]] = None
     tp: int = 1
     max_model_len: int = 65536
@@ -85,7 +89,7 @@ class ModelShapes:
     def decode_layer_kinds(self) -> Tuple[Tuple[int, int], ...]:
         """(K1, compress ratio) of every decode layer kind: (0, 1) SWA-only, (top-k, 4) C4A,
         and V4's C128A widths (powers of two from 128, up to the aligned max_model_len / 128)."""
-        kinds = {(0, 1), (self.index_topk, 4)}
+        kinds = {(0, 1)} | {(self.index_topk, r) for r in self.ratios if r != 128}
         if self.c128a:
             top = _cdiv(_cdiv(self.max_model_len, 128), C128A_TOPK_ALIGNMENT) * C128A_TOPK_ALIGNMENT
             w = C128A_TOPK_ALIGNMENT
@@ -107,13 +111,15 @@ class ModelShapes:
 
 def v4_flash(tp: int = 1, **kw) -> ModelShapes:
     """DeepSeek-V4-Flash: 64 query heads, indexer 64 x 128, C4A and C128A layers, no Engram."""
-    return ModelShapes("DeepSeek-V4-Flash", heads=64, index_heads=64, c128a=True, tp=tp, **kw)
+    return ModelShapes("DeepSeek-V4-Flash", heads=64, index_heads=64, c128a=True, ratios=(4, 128), tp=tp, **kw)
 
 
 def v41_flash(tp: int = 1, **kw) -> ModelShapes:
     """DeepSeek-V4.1-Flash: 64 query heads, indexer 32 x 128, Engram rows of 256 E4M3 bytes
     with one UE8M0 byte per 32."""
-    return ModelShapes("DeepSeek-V4.1-Flash", heads=64, index_heads=32, engram=(256, 32), tp=tp, **kw)
+    kw.setdefault("block_size", 128)
+    return ModelShapes("DeepSeek-V4.1-Flash", heads=64, index_heads=32, engram=(256, 32), ratios=(1, 2),
+                       index_ratios=(1, 2), tp=tp, **kw)
 
 
 # ----------------------------------------------------------------------------- batch classes
@@ -159,13 +165,13 @@ def _other_t_ints(shapes: ModelShapes, sms: int) -> Callable[[int], tuple]:
     from .. import indexer
     from ..csrc_triton import engram as engram_kernels
 
-    ctx_cols = _cdiv(shapes.max_model_len, 4)
+    ctx_cols = [_cdiv(shapes.max_model_len, r) for r in shapes.index_ratios]
     cfg = engram_kernels.LOOKUP_CONFIG
     local = _cdiv(ENGRAM_COLS, shapes.tp)
 
     def ints(T: int) -> tuple:
         out = [T % n == 0 for n in shapes.next_n]
-        out.append(int_class(indexer.paged_tiles_per_program(T, ctx_cols)))
+        out.extend(int_class(indexer.paged_tiles_per_program(T, c)) for c in ctx_cols)
         if shapes.engram is not None:
             for programs in (sms * cfg["PROGRAMS_PER_SM"], max(1, sms // 2)):
                 out.append(int_class(min(_cdiv(T * local, cfg["BLOCK_R"]), programs)))
@@ -294,19 +300,20 @@ def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
     from .. import indexer, kv_cache
 
     rows = _meta((n, HEAD_DIM), torch.bfloat16)
-    for ratio in (4, 128) if shapes.c128a else (4,):
+    for ratio in shapes.ratios:
         bs = max(1, shapes.block_size // ratio)
         kv_cache.kv_cache_insert(rows, _cache(shapes, bs), _meta((n,), torch.int64), bs, variant=variant)
-    bs = max(1, shapes.block_size // 4)
-    icache = _meta((shapes.num_blocks, bs, INDEXER_DIM + 4), torch.uint8)
-    indexer.indexer_k_insert(_meta((n, INDEXER_DIM), torch.bfloat16), icache, _meta((n,), torch.int64), bs,
-                             variant=variant)
+    for ratio in shapes.index_ratios:
+        bs = max(1, shapes.block_size // ratio)
+        icache = _meta((shapes.num_blocks, bs, INDEXER_DIM + 4), torch.uint8)
+        indexer.indexer_k_insert(_meta((n, INDEXER_DIM), torch.bfloat16), icache, _meta((n,), torch.int64), bs,
+                                 variant=variant)
 
 
 def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
     """Indexer Q quant for T tokens (bf16 or fp32 weights, fp32 cos/sin cache) and the decode
-    logits (T = B * next_n rows for every next_n, 1-D context lengths, max_model_len / 4
-    columns)."""
+    logits per indexed ratio (T = B * next_n rows for every next_n, 1-D context lengths,
+    max_model_len / ratio columns, the indexer cache of block_size // ratio tokens a block)."""
     import torch
 
     from .. import indexer
@@ -316,16 +323,17 @@ def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
         indexer.indexer_q_quant(_meta((T,), torch.int64), _meta((T, Hi, INDEXER_DIM), torch.bfloat16),
                                 _meta((shapes.max_model_len, 64), torch.float32), _meta((T, Hi), w_dtype),
                                 1.0, 1.0, variant=variant)
-    bs = max(1, shapes.block_size // 4)
-    icache = _meta((shapes.num_blocks, bs, 1, INDEXER_DIM + 4), torch.uint8)
-    ctx_cols = _cdiv(shapes.max_model_len, 4)
-    for next_n in shapes.next_n:
-        if T % next_n:
-            continue
-        B = T // next_n
-        indexer.paged_mqa_logits(_meta((B, next_n, Hi, INDEXER_DIM), torch.uint8), icache,
-                                 _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
-                                 _meta((B, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols, variant=variant)
+    for ratio in shapes.index_ratios:
+        bs = max(1, shapes.block_size // ratio)
+        icache = _meta((shapes.num_blocks, bs, 1, INDEXER_DIM + 4), torch.uint8)
+        ctx_cols = _cdiv(shapes.max_model_len, ratio)
+        for next_n in shapes.next_n:
+            if T % next_n:
+                continue
+            B = T // next_n
+            indexer.paged_mqa_logits(_meta((B, next_n, Hi, INDEXER_DIM), torch.uint8), icache,
+                                     _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
+                                     _meta((B, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols, variant=variant)
 
 
 def prefill_logits(shapes: ModelShapes, M: int, N: int, cols: int, variant: str) -> None:
@@ -429,7 +437,7 @@ def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, 
         if shapes.engram is not None:
             calls.append(functools.partial(engram_calls, shapes, T, sms, variant))
     for n in DATA_SIZES:
-        for bs in {shapes.swa_block_size, max(1, shapes.block_size // 4), max(1, shapes.block_size // 128)}:
+        for bs in {shapes.swa_block_size} | {max(1, shapes.block_size // r) for r in shapes.ratios}:
             calls.append(functools.partial(prefill_gather, shapes, n, bs, variant))
         calls.append(functools.partial(cache_inserts, shapes, n, variant))
         for N in DATA_SIZES:
@@ -476,8 +484,12 @@ def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
               window=int(getattr(hf, "sliding_window", None) or getattr(hf, "window_size", None) or 128))
     if getattr(hf, "vision_n_layers", 0):  # vLLM: image spans widen the prefill window rows
         kw["max_image_tokens"] = int(getattr(hf, "vision_max_n_token", 0) or 0)
-    if not v41:
-        kw["c128a"] = any(int(r) == 128 for r in (rates.values() if isinstance(rates, dict) else rates))
+    if v41:  # per-layer list: 0 sliding window, 1 full-length compressed, 2 ratio-2
+        found = tuple(sorted({int(r) for r in (getattr(hf, "compress_ratios", None) or (1, 2)) if int(r) > 0}))
+        kw.update(ratios=found, index_ratios=found, block_size=128)
+    else:
+        found = tuple(sorted({int(r) for r in (rates.values() if isinstance(rates, dict) else rates) if int(r) > 0}))
+        kw.update(ratios=found or (4,), index_ratios=(4,), c128a=128 in found)
     if getattr(cache, "block_size", None):
         kw["block_size"] = int(cache.block_size)
     if getattr(cache, "num_gpu_blocks", None):
