@@ -32,6 +32,26 @@ V41_CONFIG = dict(
 )
 
 
+# V4: layer 0 SWA only with hash MoE routing and the first-layer mHC (the DeepGEMM prenorm GEMM
+# the plugin replaces), C4A (ratio 4, indexer + compressor) and C128A (ratio 128).
+V4_CONFIG = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+    vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=128, o_lora_rank=64, o_groups=2, num_key_value_heads=1,
+    index_n_heads=4, index_head_dim=128, index_topk=8, sliding_window=16,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], num_hash_layers=1,
+    hc_mult=4, hc_sinkhorn_iters=4, hc_eps=1e-6, rms_norm_eps=1e-6,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
+    routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", norm_topk_prob=True, swiglu_limit=10.0,
+    topk_method="noaux_tc", n_group=1, topk_group=1,
+    hidden_act="silu", max_position_embeddings=4096, rope_theta=10000.0, compress_rope_theta=40000.0,
+    num_nextn_predict_layers=0, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1,
+)
+CONFIGS = {"v41": V41_CONFIG, "v4": V4_CONFIG}
+
 TEXT_MODELS = {"DeepseekV41LLMForCausalLM": "vllm.models.deepseek_v41.nvidia.model:DeepseekV41LLMForCausalLM"}
 
 
@@ -71,7 +91,7 @@ def make_vllm_config(model_dir: str, device: str, block_size=None, cache_dtype=N
     return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig(device))
 
 
-def build(cfg: dict, device: str, num_blocks: int = 64) -> Built:
+def build(cfg: dict, device: str, num_blocks: int = 128) -> Built:
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.platforms.interface import Platform
@@ -129,7 +149,17 @@ def build(cfg: dict, device: str, num_blocks: int = 64) -> Built:
 def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights at scales that keep activations O(1) through a few layers."""
     g = torch.Generator().manual_seed(seed)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):   # hash routing table: distinct experts per token id
+            E = int(b.max().item()) + 1 if b.numel() and b.max() > 0 else None
+            n_exp = E or 8
+            rows = torch.stack([torch.randperm(n_exp, generator=g)[: b.shape[1]] for _ in range(b.shape[0])])
+            b.copy_(rows.to(b.dtype))
     for name, p in model.named_parameters():
+        if name.endswith("tid2eid"):
+            rows = torch.stack([torch.randperm(8, generator=g)[: p.shape[1]] for _ in range(p.shape[0])])
+            p.data.copy_(rows.to(p.dtype))
+            continue
         if p.dtype in (torch.bfloat16, torch.float16, torch.float32):
             if p.dim() >= 2:
                 std = p.shape[-1] ** -0.5

@@ -28,6 +28,7 @@ class LayerRecord:
     ffn_x: torch.Tensor = None
     ffn_out: torch.Tensor = None
     experts: torch.Tensor = None      # [T, topk] the experts vLLM's router chose
+    ffn_ids: torch.Tensor = None      # token ids the MoE saw (hash routing)
 
 
 @dataclass
@@ -95,11 +96,12 @@ class Recorder:
             r.swa_block_table = swa.block_table.detach().clone()
             r.swa_block_size = int(swa.block_size)
             r.swa_slot_mapping = swa.slot_mapping[:T].detach().clone()
-            if attn.compress_ratio > 0:
-                cm = md[attn.compressed_cache_prefix]
+            if attn.compress_ratio > 1 or (attn.compress_ratio > 0 and hasattr(attn, "compressed_cache_prefix")):
+                cm = md[getattr(attn, "compressed_cache_prefix", attn.prefix)]
                 r.comp_block_table = cm.block_table.detach().clone()
                 r.comp_block_size = int(cm.block_size) // attn.compress_ratio
-                r.topk = attn.topk_indices_buffer[:T].detach().clone()
+                if attn.indexer is not None or hasattr(attn, "compressed_cache_prefix"):
+                    r.topk = attn.topk_indices_buffer[:T].detach().clone()
             import counters
 
             if "indexer_q_quant" in counters.LAST:
@@ -117,6 +119,8 @@ class Recorder:
 
             standins.LAST_ROUTING.clear()
             self._rec(i).ffn_x = args[0].detach().clone()
+            ids = args[1] if len(args) > 1 else kwargs.get("input_ids")
+            self._rec(i).ffn_ids = None if ids is None else ids.detach().clone()
 
         def ffn_post(mod, args, kwargs, out):
             if self.capturing():

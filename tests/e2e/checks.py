@@ -72,7 +72,8 @@ class Checker:
 
     def __init__(self, model, cfg: dict):
         self.m, self.cfg = model, cfg
-        self.fwd_ctx = model.model.layers[0].attn._static_forward_context
+        self.v4 = cfg["model_type"] == "deepseek_v4"
+        self.fwd_ctx = None   # set by the driver: vllm_config.compilation_config.static_forward_context
         self.results: List[dict] = []
 
     # -------------------------------------------------------------- attention
@@ -82,6 +83,8 @@ class Checker:
         qr = O.rms_norm(x.to(F64) @ w[: attn.q_lora_rank].T, _w(attn.q_norm.weight), attn.eps)
         kv = O.rms_norm(x.to(F64) @ w[attn.q_lora_rank:].T, _w(attn.kv_norm.weight), attn.eps)
         q = (qr @ _w(attn.wq_b.weight).T).view(-1, attn.n_local_heads, attn.head_dim)
+        if self.v4:   # V4: per-head RMSNorm without weight (V4.1 norms qr before wq_b only)
+            q = O.rms_norm(q, None, attn.eps)
         cs = _w(attn.rotary_emb.cos_sin_cache)[positions.cpu()]
         cos, sin = cs[:, : cs.shape[1] // 2], cs[:, cs.shape[1] // 2:]
         return O.rope_interleaved(q, cos, sin), O.rope_interleaved(kv, cos, sin), (cos, sin)
@@ -112,15 +115,18 @@ class Checker:
         # 2. keys: the request's window from the SWA cache, the chosen compressed entries
         W = attn.window_size
         keys, valid = [], []
-        ratio = attn.compress_ratio
-        comp_cache = self.fwd_ctx[attn.compressed_cache_prefix].kv_cache if ratio > 0 else None
+        ratio = attn.compress_ratio if rec.comp_block_table is not None else 0
+        comp_prefix = getattr(attn, "compressed_cache_prefix", None) or attn.prefix
+        comp_cache = self.fwd_ctx[comp_prefix].kv_cache if ratio > 0 else None
         topk_bad = 0
         for t in range(T):
             r, p = req[t], pos[t]
             ks = [decode_record(swa_cache, _slot(rec.swa_block_table, r, j, bs), bs) for j in range(max(0, p - W + 1), p + 1)]
             if ratio > 0:
                 n_entries = (p + 1) // ratio
-                for w in rec.topk[t].tolist():
+                # the indexer's choice, or (V4 C128A, no indexer) every visible entry
+                chosen_w = rec.topk[t].tolist() if rec.topk is not None else list(range(n_entries))
+                for w in chosen_w:
                     if w < 0:
                         continue
                     if w >= n_entries:
@@ -218,13 +224,18 @@ class Checker:
         su = _w(sh.gate_up_proj.weight)
         shared = (su[:I * cfg["n_shared_experts"]], su[I * cfg["n_shared_experts"]:], _w(sh.down_proj.weight))
         experts = (w13[:, :I], w13[:, I:], _w(ex.w2_weight))
-        _, chosen, margin = O.moe(x, _w(ffn.gate.weight), _w(ffn.gate.e_score_correction_bias), experts, shared,
+        _, chosen, margin = O.moe(x, _w(ffn.gate.weight), (None if getattr(ffn.gate, "e_score_correction_bias", None) is None
+                                   else _w(ffn.gate.e_score_correction_bias)), experts, shared,
                                   cfg["num_experts_per_tok"], cfg["routed_scaling_factor"],
                                   scoring=cfg["scoring_func"], norm_topk_prob=cfg["norm_topk_prob"],
                                   swiglu_limit=cfg["swiglu_limit"])
         # teacher-forced on vLLM's choice; the choice itself must be the oracle's where the
         # margin is clear of bf16 router noise
         used = rec.experts.long()
+        tid2eid = getattr(ffn.gate, "tid2eid", None)
+        if tid2eid is not None and rec.ffn_ids is not None:   # hash routing: the table decides
+            chosen = tid2eid.detach().cpu().long()[rec.ffn_ids.cpu().long()][:, : used.shape[1]]
+            margin = torch.full((x.shape[0],), float("inf"), dtype=F64)
         clear = margin > MARGIN
         mismatch = int((used.sort(1).values != chosen.sort(1).values).any(1)[clear].sum())
         scores = O.router_scores(x.to(F64) @ _w(ffn.gate.weight).T, cfg["scoring_func"])
@@ -234,6 +245,30 @@ class Checker:
         res = dict(step=step.name, layer=rec.layer, kind="moe", tokens=x.shape[0], cos=cosine(got, out),
                    max_abs=float((got - out).abs().max()), ref_max=float(out.abs().max()),
                    choice_mismatch=mismatch, clear_rows=int(clear.sum()))
+        self.results.append(res)
+        return res
+
+    # -------------------------------------------------------------- first-layer mHC
+    def check_first_mhc(self, step, rec) -> Dict[str, float]:
+        """Layer 0's attention input from the embedding: the hc streams are copies of the token's
+        embedding, collapsed with the mHC pre coefficients (V4; V4.1's first layer selects copy 0),
+        then RMS-normed with attn_norm. On V4 this runs through the plugin's prenorm-GEMM row."""
+        layer = self.m.model.layers[0]
+        ids = step.batch["input_ids"].cpu()
+        x = _w(self.m.model.embed_tokens.weight)[ids]
+        T, D = x.shape
+        hc = self.cfg["hc_mult"]
+        streams = x[:, None, :].expand(T, hc, D)
+        if self.v4:
+            pre, _, _ = O.mhc_coeffs(streams, _w(layer.hc_attn_fn), _w(layer.hc_attn_base), _w(layer.hc_attn_scale),
+                                     self.cfg["hc_eps"], self.cfg["rms_norm_eps"], self.cfg["hc_sinkhorn_iters"])
+            collapsed = O.mhc_collapse(streams, pre)
+        else:
+            collapsed = x
+        ref = O.rms_norm(collapsed, _w(layer.attn_norm.weight), self.cfg["rms_norm_eps"])
+        got = rec.x.cpu().to(F64)
+        res = dict(step=step.name, layer=0, kind="mhc_first", tokens=T, cos=cosine(got, ref),
+                   max_abs=float((got - ref).abs().max()), ref_max=float(ref.abs().max()))
         self.results.append(res)
         return res
 

@@ -59,10 +59,12 @@ def run_model(model_name: str, device: str) -> dict:
     report["mutation"] = mutate(os.environ.get("DSV4_E2E_MUTATE", ""))
     import counters
     from dsv4_ops.vllm import attention as ampere_attention
+    import vllm.models.deepseek_v4.nvidia.model  # noqa: F401
+    flashmla = {"v41": "vllm.models.deepseek_v41.nvidia.flashmla", "v4": "vllm.models.deepseek_v4.nvidia.flashmla"}
     counters.install(model_name, [ampere_attention.make_ampere_attention_cls(
-        sys.modules["vllm.models.deepseek_v41.nvidia.flashmla"].DeepseekV4FlashMLAAttention)])
+        sys.modules[flashmla[model_name]].DeepseekV4FlashMLAAttention)])
     counters.install_ops()
-    cfg = build.V41_CONFIG
+    cfg = build.CONFIGS[model_name]
     b = build.build(cfg, device)
     cc = b.vllm_config.cache_config
     report["resolved"] = dict(block_size=cc.block_size, cache_dtype=str(cc.cache_dtype),
@@ -70,12 +72,15 @@ def run_model(model_name: str, device: str) -> dict:
                               groups=[type(g.kv_cache_spec).__name__ for g in b.kv_cache_config.kv_cache_groups])
     rec = capture.Recorder(b.model)
     chk = checks.Checker(b.model, cfg)
+    chk.fwd_ctx = b.vllm_config.compilation_config.static_forward_context
     sch = steps.Scheduler(b)
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
     g = torch.Generator().manual_seed(seed)
     report["trace"] = []   # per step: logits and every discrete choice (CPU-vs-GPU comparisons)
-    P0, P1 = 40, 24
+    # prefill longer than top-k x ratio (8 x 2 for V4.1, 8 x 4 for V4) so the long indexer path
+    # runs; V4's is longer than 128 so its C128A layer has a compressed entry
+    P0, P1 = (40, 24) if model_name == "v41" else (136, 24)
     sch.add(0, torch.randint(2, cfg["vocab_size"], (P0 + 12,), generator=g).tolist())
     sch.add(1, torch.randint(2, cfg["vocab_size"], (P1 + 12,), generator=g).tolist())
     plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
@@ -93,6 +98,7 @@ def run_model(model_name: str, device: str) -> dict:
             chk.check_indexer(step, lr)
             chk.check_moe(step, lr)
         chk.check_logits(step, hidden, logits)
+        chk.check_first_mhc(step, step.layers[0])
         if os.environ.get("DSV4_E2E_TRACE"):
             report["trace"].append(dict(
                 step=name, logits=logits.float().cpu().tolist(),

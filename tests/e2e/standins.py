@@ -112,7 +112,7 @@ def write_fp8_ds_mla(rows: torch.Tensor, cache_2d: torch.Tensor, slots: torch.Te
 
 
 def _qnorm_rope_kv_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, pad_to, eps, block_size,
-                          apply_q_norm, kv_mxfp8, apply_q_rope=True, is_q_interleaved=False):
+                          apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False):
     assert not kv_mxfp8 and not is_q_interleaved, "only the fp8_ds_mla record is stood in for"
     T = positions.shape[0]
     qf = q[:T].float()
@@ -265,7 +265,7 @@ def install(cpu: bool = True) -> None:
     c, cc, moe = _lib("_C"), _lib("_C_cache_ops"), _lib("_moe_C")
     _define(c, "_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q, Tensor kv, Tensor(a!) cache, "
             "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, int pad_to, float eps, int block_size, "
-            "bool apply_q_norm, bool kv_mxfp8, bool apply_q_rope=True, bool is_q_interleaved=False) -> Tensor",
+            "bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, bool is_q_interleaved=False) -> Tensor",
             _qnorm_rope_kv_insert)
     _define(c, "_C", "top_k_per_row_prefill(Tensor logits, Tensor ks, Tensor ke, Tensor(a!) out, int num_rows, "
             "int s0, int s1, int topk) -> ()", _top_k_per_row_prefill)
@@ -344,14 +344,82 @@ def _mhc_fused_post_pre_delayed(x, residual, post_layer_mix, comb_res_mix, fn, h
     return new_res, post, comb, layer_input, pre, aux
 
 
-MHC_STANDINS = {"mhc_pre_delayed_tilelang": _mhc_pre_delayed, "mhc_post_tilelang": _mhc_post,
+def _mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+             sinkhorn_repeat, n_splits=1, norm_weight=None, norm_eps=1e-6):
+    from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
+
+    CALLS["mhc.pre"] += 1
+    post, comb, layer_input = mhc_pre_torch(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+                                            hc_post_mult_value, sinkhorn_repeat)
+    return post, comb, _rms(layer_input, norm_weight, norm_eps) if norm_weight is not None else layer_input
+
+
+def _mhc_fused_post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
+                        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1,
+                        norm_weight=None, norm_eps=1e-6):
+    new_res = _mhc_post(x, residual, post_layer_mix, comb_res_mix)
+    post, comb, layer_input = _mhc_pre(new_res, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+                                       hc_post_mult_value, sinkhorn_repeat, norm_weight=norm_weight, norm_eps=norm_eps)
+    return new_res, post, comb, layer_input
+
+
+def _hc_head(hs_flat, fn, hc_scale, hc_base, rms_eps, hc_eps):
+    """Final stream collapse: pre = sigmoid(rmsnorm-scaled (x fn^T) * scale + base) + eps."""
+    CALLS["mhc.hc_head"] += 1
+    x = hs_flat.flatten(1).float()
+    mixes = (x @ fn.float().t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + rms_eps)
+    pre = torch.sigmoid(mixes * hc_scale.float()[0] + hc_base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * hs_flat.float()).sum(1).to(torch.bfloat16)
+
+
+class _PreBigFuse:
+    """Stand-in for the TileLang ``_MHC_PRE_BIG_FUSE_TILELANG_KERNEL`` behind V4's first-layer
+    ``mhc_pre_broadcast_tilelang`` (kept: vLLM's wrapper and the plugin's prenorm-GEMM row run
+    unchanged before it). From the split-K GEMM partials ``mul [S, T, M]`` / ``sqrsum [S, T]``
+    of the broadcast embedding ``residual [T, D]``: mixes = sum_s mul * rsqrt(sum_s sqrsum / D +
+    eps); coefficients as ``mhc_pre_torch``; the streams are hc copies of the embedding, so the
+    collapsed input is (sum_j pre_j) * x, RMS-normed with ``norm_weight``."""
+
+    def __call__(self, mul, sqrsum, hc_scale, hc_base, residual, post_mix, comb_mix, layer_input, rms_eps,
+                 hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, residual_out=None,
+                 norm_weight=None, norm_eps=1e-6):
+        CALLS["mhc.pre_big_fuse"] += 1
+        hc = post_mix.shape[1]
+        D = residual.shape[-1]
+        mixes = mul.sum(0) * torch.rsqrt(sqrsum.sum(0) / D + rms_eps)[:, None]
+        pre = torch.sigmoid(mixes[:, :hc] * hc_scale[0] + hc_base[:hc]) + hc_pre_eps
+        post = torch.sigmoid(mixes[:, hc:2 * hc] * hc_scale[1] + hc_base[hc:2 * hc]) * hc_post_mult_value
+        comb = mixes[:, 2 * hc:].view(-1, hc, hc) * hc_scale[2] + hc_base[2 * hc:].view(1, hc, hc)
+        comb = torch.softmax(comb, dim=-1) + hc_sinkhorn_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_sinkhorn_eps)
+        for _ in range(sinkhorn_repeat - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_sinkhorn_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_sinkhorn_eps)
+        post_mix.copy_(post)
+        comb_mix.copy_(comb.reshape(comb_mix.shape))
+        collapsed = (pre.sum(1, keepdim=True) * residual.float()).to(torch.bfloat16)
+        layer_input.copy_(_rms(collapsed, norm_weight, norm_eps) if norm_weight is not None else collapsed)
+        if residual_out is not None:
+            residual_out.copy_(residual.unsqueeze(1).expand_as(residual_out))
+
+
+MHC_STANDINS = {"mhc_pre_tilelang": _mhc_pre, "mhc_fused_post_pre_tilelang": _mhc_fused_post_pre,
+                "hc_head_fused_kernel_tilelang": _hc_head, "_MHC_PRE_BIG_FUSE_TILELANG_KERNEL": _PreBigFuse(),
+                "mhc_pre_delayed_tilelang": _mhc_pre_delayed, "mhc_post_tilelang": _mhc_post,
                 "mhc_fused_post_pre_delayed_tilelang": _mhc_fused_post_pre_delayed}
 
 
 def install_mhc() -> list:
-    """Rebind V4.1's TileLang mHC wrappers (kept on sm_80; TileLang needs a GPU) to vLLM's torch
-    references in every module that holds them by name. Returns the modules rebound."""
+    """Rebind the TileLang mHC wrappers (kept on sm_80; TileLang needs a GPU) to vLLM's torch
+    references in every module that holds them by name; V4's first-layer broadcast wrapper is kept
+    (it calls the plugin's prenorm-GEMM row) and only its TileLang epilogue kernel is stood in
+    for. Returns the modules rebound."""
     import sys
+
+    try:
+        import vllm.model_executor.kernels.mhc.tilelang_kernels  # noqa: F401 (holds the kernel objects)
+    except ImportError:   # no tilelang (the H200 image): V4's broadcast path is not run there
+        pass
 
     rebound = []
     for mod in list(sys.modules.values()):

@@ -25,7 +25,7 @@ class Request:
 class Scheduler:
     """Block pool + per-request block tables; ``step()`` runs one forward on a batch."""
 
-    def __init__(self, built, max_blocks_per_req: int = 32):
+    def __init__(self, built, max_blocks_per_req: int = 64):
         self.b = built
         groups = built.kv_cache_config.kv_cache_groups
         self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
