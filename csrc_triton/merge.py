@@ -33,6 +33,7 @@ def _merge_splits_kernel(
     b_max = tl.max(b_lse, 0)
     if HAS_SINK:
         b_sink = tl.load(sink_ptr + pid_th % H).to(tl.float32)
+        b_sink = tl.where(b_sink == b_sink, b_sink, float("-inf"))  # a NaN sink is no sink
         b_max = tl.maximum(b_max, b_sink)
     b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_w = tl.exp(b_lse - b_max_safe)  # [BLOCK_S]; 0 for empty splits and padding

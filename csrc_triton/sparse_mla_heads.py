@@ -90,6 +90,7 @@ def _sparse_mla_heads_kernel(
         b_scale = 1.0 / b_l_safe  # [BLOCK_H]
         if HAS_SINK:
             b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=float("-inf")).to(tl.float32)
+            b_sink = tl.where(b_sink == b_sink, b_sink, float("-inf"))  # a NaN sink is no sink
             b_max = tl.maximum(b_lse, b_sink)
             b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
             b_den = tl.exp(b_lse - b_max_safe) + tl.exp(b_sink - b_max_safe)

@@ -274,9 +274,6 @@ def test_reference_nan_sink_is_no_sink():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="kernels load the sink unsanitised: merge.py, sparse_mla_heads.py (DIRECT) "
-                   "and sparse_mla_paged.py need `b_sink = tl.where(b_sink == b_sink, b_sink, -inf)` after the load "
-                   "(issue 19 report); remove this marker with that fix")
 def test_gpu_nan_sink_matches_the_reference(monkeypatch):
     """Every attention path (tiles + merge, heads + merge, heads direct) with a NaN sink
     logit equals the reference's no-sink result for that head."""
