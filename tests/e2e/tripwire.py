@@ -142,7 +142,8 @@ def install(model: str, originals: Dict) -> dict:
     # the H200 has no vLLM install for the audit's own subprocess: it reads the CPU machine's
     # audit JSON (`dsv4-ops audit-vllm --model both --json`), the same evidence
     path = os.environ.get("DSV4_E2E_AUDIT_JSON")
-    res = audit.run(models=(model,), cache=path) if path else audit.run(models=(model,))
+    # both models: the same cache entry as `dsv4-ops audit-vllm --model both` and its CI test
+    res = audit.run(models=audit.MODELS, cache=path) if path else audit.run(models=audit.MODELS)
     dead = [r for r in res.rows if r.status == "dead" and r.model == model]
     dead_triton = {r.kernel for r in dead if r.tech == "Triton"}
     install_triton(dead_triton)
