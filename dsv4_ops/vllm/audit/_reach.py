@@ -23,6 +23,8 @@ import ast
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
+from ._source import _resolve_relative as _relative
+
 Node = Tuple[str, str]  # (module, top-level name)
 
 
@@ -35,15 +37,6 @@ class _Mod:
     refs: Dict[str, List[List[str]]] = field(default_factory=dict)     # top-level name -> dotted chains
     fn_refs: Dict[str, List[List[str]]] = field(default_factory=dict)  # function / Cls.method -> chains
     custom_ops: Dict[str, str] = field(default_factory=dict)           # torch.ops.vllm.<op> -> function
-
-
-def _relative(module: str, is_pkg: bool, level: int, target: Optional[str]) -> str:
-    base = module.split(".")
-    if not is_pkg:
-        base = base[:-1]
-    if level > 1:
-        base = base[: len(base) - (level - 1)]
-    return ".".join(base + ([target] if target else []))
 
 
 def _chain(node: ast.AST) -> Optional[List[str]]:
