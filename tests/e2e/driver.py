@@ -112,6 +112,7 @@ def run_model(model_name: str, device: str) -> dict:
         gd = graph_check.GraphDecode(sch, rec)
         for i in range(4):
             report["graph"].append(gd.step([(0, 1), (1, 1)], f"graph{i}"))
+    report["private_graphs"] = private_graph_stats(b.model)
     report["standin_calls"] = dict(standins.CALLS)
     report["triton_launches"] = dict(tripwire.LAUNCHES)
     report["tripped"] = list(tripwire.TRIPPED)
@@ -120,6 +121,18 @@ def run_model(model_name: str, device: str) -> dict:
     report["ops_called"] = dict(counters.OPS)
     report["positive_control"] = positive_control(plugin)
     return report
+
+
+def private_graph_stats(model) -> dict:
+    """The DSV4_AMPERE_DECODE_GRAPHS caches' counters summed over the model's layers."""
+    from dsv4_ops.vllm import decode_graph
+
+    total: dict = {}
+    for m in model.modules():
+        cache = m.__dict__.get(decode_graph._CACHE_ATTR)
+        for k, v in (cache.stats.items() if cache is not None else ()):
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def mutate(kind: str) -> str:

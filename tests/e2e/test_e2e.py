@@ -93,7 +93,8 @@ REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activation
 
 
 def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
-    out = tmp_path / f"e2e_{model}_{device}.json"
+    tag = "_private_graphs" if env.get("DSV4_AMPERE_DECODE_GRAPHS") == "1" else ""
+    out = tmp_path / f"e2e_{model}_{device}{tag}.json"
     if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
         import pathlib
 
@@ -215,19 +216,30 @@ REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_ma
 
 
 @pytest.mark.gpu
-def test_h200_real_kernels_and_decode_graph(tmp_path):
+@pytest.mark.parametrize("model,private_graphs", [("v41", "0"), ("v41", "1"), ("v4", "0")])
+def test_h200_real_kernels_and_decode_graph(tmp_path, model, private_graphs):
     """The same model, steps, oracle, counters and tripwire with every tensor on CUDA and the
     plugin's portable Triton kernels (DSV4_AMPERE_IMPL=portable); then the uniform decode step
     captured as one FULL CUDA graph and replayed on new inputs: bit-identical to eager.
-    Needs vLLM's sources on PYTHONPATH (tests/e2e/gpu_run.sh)."""
+    private_graphs=1 turns on DSV4_AMPERE_DECODE_GRAPHS: the eager decode steps then run through
+    the private per-layer graphs (captured at first sight of a key, replayed when the graph
+    phase's persistent buffers repeat it), and must pass the same oracle checks and match the
+    FULL-graph replay bit for bit. Needs vLLM's sources on PYTHONPATH (tests/e2e/gpu_run.sh)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    proc, report = run_driver(tmp_path, device="cuda")
+    proc, report = run_driver(tmp_path, model=model, device="cuda", DSV4_AMPERE_DECODE_GRAPHS=private_graphs)
     assert proc.returncode == 0 and report is not None, proc.stderr[-6000:]
     for check in REPORT_CHECKS:
         check(report)
     assert len(report["graph"]) == 4 and report["graph"][0].get("captured"), report["graph"]
     for g in report["graph"]:
         assert g["bit_identical"], g
+    pg = report["private_graphs"]
+    if private_graphs == "1":
+        # captured at first sight of each layer's key; the graph phase's persistent buffers repeat
+        # the keys, so its later eager steps replay them (and still match the FULL graph above)
+        assert pg.get("captures", 0) > 0 and pg.get("hits", 0) > 0, pg
+    else:
+        assert not pg.get("captures") and not pg.get("hits"), pg
