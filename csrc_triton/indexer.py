@@ -42,7 +42,7 @@ def _round_bf16(b_x):
     return b_bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization (issue 19)
 def _indexer_k_insert_kernel(
     k_ptr,  # bf16 [N, 128], row stride stride_k_0, dims contiguous
     cache_ptr,  # uint8 [num_blocks, page_bytes]
@@ -367,7 +367,7 @@ def _mqa_store_row(p_row, b_l, o_n, m_n, b_ks, b_ke, n0, out_cols, COMPRESSED: t
         tl.store(p_row + o_n, b_l, mask=m_n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization (issue 19)
 def _mqa_logits_v2_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, out_ptr,
     M, N, n_heads, out_cols,
@@ -432,7 +432,7 @@ def _mqa_logits_v2_kernel(
                            r_ks, r_ke, n0, out_cols, COMPRESSED, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization (issue 19)
 def _paged_mqa_logits_v2_kernel(
     q_ptr, w_ptr, cache_ptr, ctx_ptr, bt_ptr, out_ptr,
     next_n, n_heads, max_ctx, num_blocks, bt_cols, block_size, page_bytes,

@@ -73,7 +73,7 @@ def split_online_softmax(q_ptr, kv_ptr, indices_ptr, topk_length_ptr, pid_t, pid
     return b_m, b_l, b_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # data-dependent count: one specialization (issue 19)
 def _sparse_mla_split_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, o_part_ptr, lse_part_ptr,
     H, K, N, S, sm_scale,
@@ -111,7 +111,7 @@ SPLIT_CONFIG = {
 }
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # data-dependent count: one specialization (issue 19)
 def _dsv4_decode_indices_kernel(
     topk_slots_ptr, topk_length_ptr, swa_slots_ptr, indices_ptr,
     T, K1, K2, cap_c, cap_w, stride_topk_t, stride_swa_t,

@@ -29,7 +29,7 @@ import triton.language as tl
 HEAD_DIM = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # data-dependent count: one specialization (issue 19)
 def _sparse_mla_heads_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, sink_ptr, o_ptr, lse_ptr,
     H, K, N, S, G, sm_scale,
