@@ -35,6 +35,7 @@ from .csrc_triton import merge as _mk
 from .csrc_triton import sparse_mla as _sk
 from .csrc_triton import sparse_mla_heads as _hk
 from .csrc_triton import sparse_mla_paged as _pk
+from .csrc_triton import sparse_mla_v3 as _vk
 from . import decode_plan as _dp
 from .split_heuristic import num_splits as _heuristic_splits
 from .dispatch import variant_for
@@ -54,6 +55,7 @@ _merge_kernel = fast(_mk._merge_splits_kernel)
 _indices_kernel = fast(_sk._dsv4_decode_indices_kernel)
 _decode_gather_kernel = fast(_kk._dsv4_decode_gather_kernel)
 _fused_kernel = fast(_pk._dsv4_decode_fused_kernel)
+_v3_kernel = fast(_vk._dsv4_decode_v3_kernel)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,7 +236,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         kernel_mode = kernel
     else:
         raise ValueError(f"kernel: expected one of {', '.join(_dp.MODES)} or None, got {kernel!r}")
-    if kernel_mode == "fused":  # the paged kernel needs the caches: over a workspace, auto's choice
+    if kernel_mode in ("fused", "v3"):  # the paged kernels need the caches: over a workspace, auto's choice
         kernel_mode = "auto"
     if num_splits:
         check_splits(num_splits)
@@ -568,8 +570,8 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
                       topk_length: Optional[torch.Tensor], compressed_block_size: int, swa_cache: torch.Tensor,
                       swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
                       sink: Optional[torch.Tensor], sm_scale: float, num_splits: int = 0,
-                      out: Optional[torch.Tensor] = None, variant: Optional[str] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+                      out: Optional[torch.Tensor] = None, variant: Optional[str] = None,
+                      form: Optional[str] = None, config: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
     """One DSv4 decode attention step read straight from the paged caches (op
     ``dsv4_decode_fused_out``): no workspace, one kernel (+ the merge when it splits).
 
@@ -581,6 +583,9 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     out bf16 [T, H, 512] (dims unit-stride) or None (allocated).
     Semantics: dsv4_decode_gather's valid entries (slot in [0, capacity) of its cache and
     within the token's length), attended as sparse_mla_decode does with the sink.
+    form: 'v1' (csrc_triton.sparse_mla_paged) | 'v3' (csrc_triton.sparse_mla_v3, 16-byte
+    aligned caches only; else v1) | None (decode_plan.fused_form); config: a
+    sparse_mla_v3.V3_CANDIDATES name to force (benchmarks), '' = V3_CONFIG.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
     """
     ok = (isinstance(q, torch.Tensor) and isinstance(topk_slots, torch.Tensor) and isinstance(swa_slots, torch.Tensor)
@@ -618,9 +623,15 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     if swa_length is not None and swa_length.stride(0) != 1:
         swa_length = swa_length.contiguous()
     variant = variant or variant_for(q)
-    plan = _fused_plan(T, H, K1 + K2, q, num_splits)
     if out is None:
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    if form is None:
+        form = _dp.fused_form(T, H, K1 + K2)
+    if form == "v3" and not (compressed_cache.data_ptr() % 16 or swa_cache.data_ptr() % 16
+                             or compressed_cache.stride(0) % 16 or swa_cache.stride(0) % 16):
+        return _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
+                          swa_length, swa_block_size, sink, sm_scale, num_splits, out, variant, config)
+    plan = _fused_plan(T, H, K1 + K2, q, num_splits)
     cfg = _pk.FUSED_CONFIG[plan.block_h]
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
@@ -649,6 +660,41 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     return _launch_merge(o_part, lse_part, sink, out, variant)
 
 
+def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots, swa_length,
+               swa_block_size, sink, sm_scale, num_splits, out, variant, config):
+    """The v3 kernel (csrc_triton.sparse_mla_v3) over 16-byte aligned caches; inputs checked."""
+    T, H = q.shape[0], q.shape[1]
+    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
+    dev = q.get_device()
+    plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, config)
+    cfg = _vk.V3_CANDIDATES[config] if config else _vk.V3_CONFIG[plan.block_h]
+    consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
+    consts_tail = (cfg["PIPE"], True)
+    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
+               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
+    if plan.direct:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T and H:
+            _v3_kernel(
+                (T * plan.groups,),
+                (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
+                 H, K1, K2, 1, plan.groups, float(sm_scale),
+                 q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
+                 *scalars),
+                consts_head + (sink is not None, True) + consts_tail, cfg["num_warps"], cfg["num_stages"])
+        return out, lse
+    S = plan.splits
+    o_part, lse_part = split_outputs_like(q, S)
+    if T and H:
+        _v3_kernel(
+            (T * S * plan.groups,),
+            (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
+             H, K1, K2, S, plan.groups, float(sm_scale),
+             q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
+            consts_head + (False, False) + consts_tail, cfg["num_warps"], cfg["num_stages"])
+    return _launch_merge(o_part, lse_part, sink, out, variant)
+
+
 def _fused_specs(variant, KernelSpec, optional_pointer):
     """Specializations of the fused paged kernel dsv4_decode_fused can pick: every head-group
     config x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials |
@@ -657,7 +703,9 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
     specs = []
     configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
     configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
+    configs += [("v3", bh, cfg) for bh, cfg in sorted(_vk.V3_CONFIG.items())]
     for name, bh, cfg in configs:
+        v3 = name == "v3"
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
                 for direct, has_sink in ((False, False), (True, True), (True, False)):
@@ -671,10 +719,16 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr", "PIPELINE": "constexpr"}
+                           "DIRECT": "constexpr", ("PIPE" if v3 else "PIPELINE"): "constexpr"}
+                    if v3:
+                        sig["ALIGN"] = "constexpr"
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
-                              "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct,
-                              "PIPELINE": cfg["PIPELINE"]}
+                              "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
+                    if v3:
+                        consts["PIPE"] = cfg["PIPE"]
+                        consts["ALIGN"] = True
+                    else:
+                        consts["PIPELINE"] = cfg["PIPELINE"]
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
@@ -682,6 +736,6 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                     lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
                     specs.append(KernelSpec(
                         "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
-                        _pk._dsv4_decode_fused_kernel, sig, consts, variant,
+                        _vk._dsv4_decode_v3_kernel if v3 else _pk._dsv4_decode_fused_kernel, sig, consts, variant,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return specs

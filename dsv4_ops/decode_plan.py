@@ -7,6 +7,8 @@
       heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
              BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
              the final out + lse in its epilogue (no merge launch)
+      v3     (the composite only) the fused op with csrc_triton.sparse_mla_v3 (4 x 128-dim
+             chunks, records prefetched a block ahead; ``v3_plan``)
       fused  (the composite dsv4_decode_attention only) csrc_triton.sparse_mla_paged: the
              heads structure reading the paged fp8 records by slot, no workspace and no
              gather launch (op dsv4_decode_fused_out; ``fused_plan``); a direct
@@ -40,7 +42,7 @@ from .csrc_triton.sparse_mla import MAX_SPLITS, PARTITION_N
 from .split_heuristic import num_splits as _tile_splits
 
 ENV_VAR = "DSV4_AMPERE_DECODE_KERNEL"
-MODES = ("auto", "tiles", "heads", "fused")
+MODES = ("auto", "tiles", "heads", "fused", "v3")
 HEAD_DIM = 512
 
 # Cost-model constants (H200 guesses; refit from bench_decode_kernels.py).
@@ -205,6 +207,31 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
     return DecodePlan("fused", s, bh, _pk.FUSED_CONFIG[bh]["BLOCK_N"], _cdiv(H, bh), s == 1)
 
 
+# ---- decode v3 (csrc_triton.sparse_mla_v3, issue 17): the fused read, 4 x 128-dim chunks ----
+V3_PROGRAMS_PER_SM = 2  # programs aimed at per SM when T * groups alone does not fill the SMs
+
+
+def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> int:
+    """Split count of the v3 kernel: enough programs for V3_PROGRAMS_PER_SM a SM (one split
+    once T * groups fill them), at most one key block a split, snapped up to a balanced count."""
+    nb = _cdiv(max(K, 1), block_n)
+    want = min(nb, MAX_SPLITS, max(1, _cdiv(V3_PROGRAMS_PER_SM * sms, max(T, 1) * _cdiv(H, block_h))))
+    if want >= nb:
+        return min(nb, MAX_SPLITS)
+    return min(s for s in balanced_splits(nb) + [nb] if s >= want)
+
+
+def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
+    """The plan of the v3 kernel (kernel 'v3'); config: a V3_CANDIDATES name to force one
+    (benchmarks), else V3_CONFIG of the head-group size; splits 0 = v3_splits."""
+    from .csrc_triton import sparse_mla_v3 as _vk
+
+    cfg = _vk.V3_CANDIDATES[config] if config else _vk.V3_CONFIG[_vk.block_h_for(H)]
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    s = splits or v3_splits(T, H, K, sms, bh, bn)
+    return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1)
+
+
 # Where auto runs the fused kernel in the composite: measured windows (T_lo, T_hi, H_max, K),
 # benchmarks/results/decode_fused.md (H200, portable, in-graph, same-run ratio against the
 # workspace step): T = 4, H = 8 / 16, K = 640: 10.2 / 10.6 us against 12.1 / 12.5 (1.18x /
@@ -217,6 +244,22 @@ AUTO_FUSED_WINDOWS = ((4, 4, 16, 640),)
 def auto_is_fused(T: int, H: int, K: int) -> bool:
     """Whether auto runs the fused kernel in the composite (a measured window holds T, H, K)."""
     return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_FUSED_WINDOWS)
+
+
+# Where auto runs the v3 kernel (the fused op's other form): none until measured.
+AUTO_V3_WINDOWS = ()
+
+
+def auto_is_v3(T: int, H: int, K: int) -> bool:
+    """Whether auto runs the v3 kernel in the composite (a measured window holds T, H, K)."""
+    return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_V3_WINDOWS)
+
+
+def fused_form(T: int, H: int, K: int) -> str:
+    """Which kernel op dsv4_decode_fused_out runs: 'v3' under DSV4_AMPERE_DECODE_KERNEL=v3 or
+    where auto_is_v3, else 'v1' (csrc_triton.sparse_mla_paged)."""
+    m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    return "v3" if m == "v3" or (m == "auto" and auto_is_v3(T, H, K)) else "v1"
 
 
 # ---- batch invariance (issue 19): DSV4_AMPERE_BATCH_INVARIANT=1 ----

@@ -84,8 +84,9 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                          f"{tuple(topk_slots.shape) if isinstance(topk_slots, torch.Tensor) else type(topk_slots)}")
     rows = T * (topk_slots.shape[1] + swa_slots.shape[1])
     kernel_mode = _dp.mode()
-    if kernel_mode == "fused" or (kernel_mode == "auto"
-                                  and _dp.auto_is_fused(T, q.shape[1], topk_slots.shape[1] + swa_slots.shape[1])):
+    K = topk_slots.shape[1] + swa_slots.shape[1]
+    if kernel_mode in ("fused", "v3") or (kernel_mode == "auto" and (_dp.auto_is_fused(T, q.shape[1], K)
+                                                                   or _dp.auto_is_v3(T, q.shape[1], K))):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

@@ -1,0 +1,217 @@
+"""Decode v3 (issue 17): csrc_triton.sparse_mla_v3 behind op ``dsv4_decode_fused_out`` (form 'v3').
+
+The same contract as the v1 fused kernel (tests/test_decode_fused.py), checked the same way:
+CPU through the Triton interpreter (fp16 q) against the float64 reference with outputs
+poisoned first, adversarial slots, every launch config a benchmark can pick; the plan; the
+AOT table (no spills on sm_80/86). GPU: both variants at the DSv4 shape, every split class,
+CUDA-graph replay on new inputs == eager, torch.compile(fullgraph=True) through the composite.
+v3 needs 16-byte aligned caches (vLLM's pages are multiples of 576 B): the caches here have
+16-byte aligned pages, and one test checks that an unaligned cache falls back to v1.
+"""
+
+import pytest
+import torch
+
+import dsv4_ops  # noqa: F401
+from dsv4_ops import attention, decode_plan, dsv4_decode, reference
+from dsv4_ops.csrc_triton import sparse_mla_v3 as _vk
+from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
+
+from test_decode_fused import case as _case
+from test_decode_fused import cpu
+
+D = 512
+SM_SCALE = D ** -0.5
+
+
+def case(*a, **k):
+    """test_decode_fused.case with 16-byte aligned pages (584 * block_size + 16 bytes for the
+    block sizes used here: 4 -> 2352, 8 -> 4688, 64 -> 37392)."""
+    k.setdefault("bs_c", 4)
+    k.setdefault("bs_w", 8)
+    args = _case(*a, **k)
+    for name in ("compressed_cache", "swa_cache"):
+        c = args[name]
+        pad = (-c.shape[1]) % 16
+        if pad:
+            wide = torch.zeros(c.shape[0], c.shape[1] + pad, dtype=c.dtype, device=c.device)
+            wide[:, :c.shape[1]] = c
+            args[name] = wide
+    return args
+
+
+def run_and_check(args, num_splits, device, config=""):
+    T, H = args["q"].shape[:2]
+    out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device=device))
+    got, lse = attention.dsv4_decode_fused(**args, num_splits=num_splits, out=out, form="v3", config=config)
+    assert got is out
+    want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
+    assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["direct", "S3", "plan"])
+@pytest.mark.parametrize("lens", [(True, True), (False, False)], ids=["tl-sl", "nolen"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+@pytest.mark.parametrize("T,H,K1,K2", [(3, 8, 40, 9), (2, 40, 21, 16), (1, 3, 0, 7)],
+                         ids=["T3-H8", "T2-H40-two-groups", "T1-H3-swa-only"])
+def test_v3_matches_float64_reference(interpret, T, H, K1, K2, slot_dtype, lens, splits):
+    args = case(T, H, K1, K2, slot_dtype, seed=T * 5 + H + K1, lens=lens, device=interpret)
+    run_and_check(args, splits, interpret)
+
+
+@pytest.mark.parametrize("config", sorted(_vk.V3_CANDIDATES))
+def test_v3_every_candidate_config_matches_reference(interpret, config):
+    """Every config bench_decode_v3.py may time (and so may be dispatched) is correct."""
+    args = case(3, 20, 40, 9, seed=17, device=interpret)
+    args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
+    run_and_check(args, 1, interpret, config)
+    run_and_check(args, 2, interpret, config)
+
+
+def test_v3_no_sink_and_no_keys(interpret):
+    args = case(2, 5, 12, 4, seed=3, device=interpret)
+    args["topk_slots"][1] = -1
+    args["swa_slots"][1] = 10 ** 6
+    run_and_check(args, 1, interpret)
+    run_and_check(dict(args, sink=None), 1, interpret)
+    run_and_check(dict(args, sink=None), 4, interpret)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+def test_v3_adversarial_slots(interpret, slot_dtype):
+    """Out-of-range, negative, dtype extremes and repeated slots: masked or counted each time."""
+    args = case(2, 8, 24, 8, slot_dtype, seed=21, lens=(False, False), device=interpret)
+    info = torch.iinfo(slot_dtype)
+    ext = torch.tensor([info.min, info.max, -1, 2 ** 31 - 1, -(2 ** 31), 24, 23, 0], dtype=torch.int64)
+    if slot_dtype == torch.int64:
+        ext[3] = 2 ** 40
+    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(interpret)
+    args["topk_slots"][1] = 5  # one slot repeated 24 times
+    args["swa_slots"][0, :4] = torch.tensor([info.max, info.min, 16, 15], dtype=torch.int64).to(slot_dtype).to(interpret)
+    run_and_check(args, 1, interpret)
+    run_and_check(args, 5, interpret)
+
+
+def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
+    """A cache whose page stride is not a multiple of 16 runs the v1 kernel (same results)."""
+    args = _case(2, 8, 9, 4, seed=9, device=interpret)  # pages of 584 * 4 + 8 bytes
+    assert args["compressed_cache"].stride(0) % 16
+    called = []
+    monkeypatch.setattr(attention, "_launch_v3", lambda *a: called.append(1))
+    out, lse = attention.dsv4_decode_fused(**args, num_splits=1, form="v3")
+    assert not called
+    want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
+    assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
+
+
+@pytest.mark.parametrize("T,H,sms", [(1, 8, 132), (4, 64, 132), (64, 64, 132), (128, 8, 108), (256, 128, 132)])
+def test_v3_plan_is_static_and_sane(T, H, sms):
+    p = decode_plan.v3_plan(T, H, 640, sms)
+    nb = -(-640 // p.block_n)
+    assert p.kernel == "v3" and 1 <= p.splits <= min(nb, 64) and p.direct == (p.splits == 1)
+    assert p.groups * p.block_h >= H and p.block_h in _vk.V3_CONFIG
+    # enough programs to fill the SMs, or one key block a split
+    assert T * p.groups * p.splits >= decode_plan.V3_PROGRAMS_PER_SM * sms or p.splits == min(nb, 64)
+    assert decode_plan.v3_plan(T, H, 640, sms) == p
+
+
+def test_v3_mode_routes_the_composite(monkeypatch):
+    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    assert decode_plan.mode() == "v3" and decode_plan.fused_form(64, 64, 640) == "v3"
+    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
+    assert decode_plan.fused_form(64, 64, 640) == "v1"
+
+
+def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
+    """Every dispatched v3 specialization compiles for sm_80 and sm_86, fits shared memory,
+    holds no e4m3 cvt, and spills nothing."""
+    from dsv4_ops import aot
+
+    results = [r for r in aot_results if r.label.startswith("v3[") and r.variant == "portable"]
+    assert {r.arch for r in results} == set(aot.AMPERE_ARCHS)
+    assert len(results) == 2 * len([s for s in attention.aot_specs() if s.label.startswith("v3[portable")])
+    failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert r.shared_bytes <= aot.SMEM_LIMIT[r.arch] and r.registers <= 255
+        assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+
+def gpu_case(T, H, seed, slot_dtype=torch.int32):
+    """The DSv4 decode shape: K1 = 512 top-k + K2 = 128 window, block size 64, bf16 q."""
+    args = case(T, H, 512, 128, slot_dtype, seed=seed, bs_c=64, nb_c=16, bs_w=64, nb_w=8,
+                q_dtype=torch.bfloat16, device="cuda")
+    args["topk_length"] = torch.randint(0, 530, (T,), generator=rng(seed + 1), dtype=torch.int32).cuda()
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 7, 0], ids=["direct", "S2", "S7", "plan"])
+@pytest.mark.parametrize("T,H", [(1, 8), (5, 16), (3, 64), (2, 128), (70, 8), (130, 64)])
+def test_gpu_v3_matches_reference(variant, T, H, splits):
+    run_and_check(gpu_case(T, H, seed=T * 13 + H), splits, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(_vk.V3_CANDIDATES))
+def test_gpu_v3_every_candidate_config(variant, config):
+    run_and_check(gpu_case(6, 40, seed=3), 1, "cuda", config)
+    run_and_check(gpu_case(6, 40, seed=4), 3, "cuda", config)
+
+
+@pytest.mark.gpu
+def test_gpu_v3_int64_adversarial(variant):
+    args = gpu_case(3, 64, seed=2, slot_dtype=torch.int64)
+    args["topk_slots"][0, :6] = torch.tensor([-(2 ** 63), 2 ** 63 - 1, 2 ** 40, -1, 16 * 64, 16 * 64 - 1]).cuda()
+    args["topk_slots"][1] = 77
+    run_and_check(args, 0, "cuda")
+    run_and_check(args, 1, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,splits", [(2, 16, 0), (64, 64, 1), (128, 8, 0)])
+def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits):
+    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    args = gpu_case(T, H, seed=4)
+    new = gpu_case(T, H, seed=5)
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        return dsv4_decode.dsv4_decode_attention(
+            static["q"], static["compressed_cache"], static["topk_slots"], static["swa_cache"], static["swa_slots"],
+            static["sink"], SM_SCALE, 64, 64, topk_length=static["topk_length"], swa_length=static["swa_length"],
+            num_splits=splits, out=out)[1]
+
+    g, g_lse = capture_graph(step)
+    for k, v in new.items():
+        if isinstance(v, torch.Tensor):
+            static[k].copy_(v)
+    g.replay()
+    torch.cuda.synchronize()
+    e_out, e_lse = attention.dsv4_decode_fused(**new, num_splits=splits, form="v3")
+    assert torch.equal(out, e_out) and torch.equal(g_lse, e_lse)
+    want, want_lse = reference.ref_dsv4_decode_fused(**cpu(new), out_dtype=torch.float64)
+    assert_attention_close(out.cpu(), g_lse.cpu(), want, want_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch):
+    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    args = gpu_case(3, 16, seed=6)
+
+    def f(q, cc, topk, cw, swa, sink, tl, sl):
+        out = torch.empty_like(q)
+        _, lse = dsv4_decode.dsv4_decode_attention(q, cc, topk, cw, swa, sink, SM_SCALE, 64, 64, topk_length=tl,
+                                                   swa_length=sl, out=out)
+        return out.float() * 2, lse
+
+    inputs = [args[k] for k in ("q", "compressed_cache", "topk_slots", "swa_cache", "swa_slots", "sink",
+                                "topk_length", "swa_length")]
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(*inputs)
+    want = f(*inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
