@@ -141,9 +141,10 @@ def flash_mla_sparse_fwd_ampere(
     kv2d = kv.reshape(-1, kv.shape[-1])
     idx = indices.reshape(indices.shape[0], -1)
     if out is None:
-        o, lse = torch.ops.dsv4_ampere.sparse_mla_decode(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0)
-        return o, None, lse
-    lse = torch.ops.dsv4_ampere.sparse_mla_decode_out(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), 0, out)
+        out = torch.empty((q.shape[0], q.shape[1], layout.HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    # The prefill kernel (dsv4_ops.sparse_prefill: one program per query and head group, no
+    # split), or the split-KV decode kernels where the queries do not fill the SMs.
+    lse = torch.ops.dsv4_ampere.sparse_mla_prefill(q, kv2d, idx, topk_length, attn_sink, float(sm_scale), out)
     return out, None, lse
 
 

@@ -1,0 +1,172 @@
+"""Sparse MLA prefill (FlashMLA ``flash_mla_sparse_fwd``'s job): op ``sparse_mla_prefill``.
+
+One program per (query, head group): the group's BLOCK_H heads are the M dimension of every
+tl.dot, so each gathered key row (512 latent dims, both key and value of every head: MQA) is
+loaded once per program and reused by all of its heads. No split: at prefill T x groups fill
+the SMs, so out and lse (sink folded in) are written in the epilogue, no partials, no merge.
+
+The 512-d latent is handled as 4 chunks of 128 dims (``C = 128``): q as 4 [BLOCK_H, 128]
+operands, 4 fp32 accumulators [BLOCK_H, 128], and each key block as 4 [BLOCK_N, 128] tiles
+loaded once and used twice (scores q_c k_c^T summed over c, then p @ v_c). Key rows are
+gathered by index, so triton's pipeliner (3.8, read from the TTGIR here) prefetches only the index rows, never the
+gathered rows (they stay plain loads in the TTGIR); PREFETCH = True pipelines by hand, in
+registers: the key rows of block b + 1 and the index block b + 2 are loaded before block b is
+computed, so their latency overlaps its MMAs. PREFETCH = False leaves it to
+``tl.range(num_stages=NUM_STAGES)``.
+
+Semantics (= dsv4_ops.reference.ref_sparse_mla_decode): positions j < min(topk_length[t], K)
+with 0 <= indices[t, j] < N are the valid keys; scores (q . k) * sm_scale with fp32
+accumulation of bf16 (fp16 under the interpreter) operands; p cast to the kv dtype for p @ v
+(fp32 accumulate); the per-head sink is a logit in the denominator with no value (a NaN sink is
+no sink). A head with no valid key gets out 0 and lse = sink (-inf without one), never NaN.
+Invalid key rows are loaded as zeros (masked), so workspace garbage (NaN/inf rows) never meets
+a zero probability.
+"""
+
+import triton
+import triton.language as tl
+
+HEAD_DIM = 512
+CHUNK = 128  # latent dims a chunk
+
+
+@triton.jit
+def _sparse_mla_prefill_kernel(
+    q_ptr, kv_ptr, indices_ptr, topk_length_ptr, sink_ptr, o_ptr, lse_ptr,
+    H, K, N, G, sm_scale,
+    stride_q_t, stride_q_h, stride_kv_n, stride_indices_t, stride_o_t, stride_o_h,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Grid (T * G,): program pid runs head group g = pid % G of query t = pid // G (the
+    groups of one query are adjacent, so their key reads meet in L2). q [T, H, 512] and out
+    [T, H, 512] with row strides (dims unit-stride); kv [N, 512] rows of stride stride_kv_n;
+    indices [T, K] rows of stride stride_indices_t; lse fp32 [T, H] contiguous."""
+    C: tl.constexpr = 128
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_t = (pid // G).to(tl.int64)
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    o_c = tl.arange(0, C)  # [C]
+    p_q = q_ptr + pid_t * stride_q_t + o_h[:, None].to(tl.int64) * stride_q_h + o_c[None, :]
+    b_q0 = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, C] each
+    b_q1 = tl.load(p_q + C, mask=m_h[:, None], other=0.0)
+    b_q2 = tl.load(p_q + 2 * C, mask=m_h[:, None], other=0.0)
+    b_q3 = tl.load(p_q + 3 * C, mask=m_h[:, None], other=0.0)
+
+    k_len = K
+    if HAS_TOPK_LENGTH:
+        k_len = tl.minimum(tl.maximum(tl.load(topk_length_ptr + pid_t), 0), K)
+    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running denominator
+    b_a0 = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    b_a1 = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    b_a2 = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    b_a3 = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    p_idx = indices_ptr + pid_t * stride_indices_t
+    o_b = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if PREFETCH:
+        # Manual software pipeline, in registers: the index block two ahead and the key rows one
+        # ahead are loaded before the current block is computed, so their latency overlaps it.
+        b_idx_n = tl.load(p_idx + o_b, mask=o_b < k_len, other=-1)
+        m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
+        p_kv = kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+        b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
+        b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
+        b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
+        b_k3n = tl.load(p_kv + 3 * C, mask=m_n_n[:, None], other=0.0)
+        b_idx_n = tl.load(p_idx + BLOCK_N + o_b, mask=BLOCK_N + o_b < k_len, other=-1)
+    for blk in tl.range(0, n_blocks, num_stages=NUM_STAGES):
+        if PREFETCH:
+            m_n = m_n_n
+            b_k0, b_k1, b_k2, b_k3 = b_k0n, b_k1n, b_k2n, b_k3n
+            m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
+            p_kv = kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+            b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
+            b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
+            b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
+            b_k3n = tl.load(p_kv + 3 * C, mask=m_n_n[:, None], other=0.0)
+            o_n2 = (blk + 2) * BLOCK_N + o_b
+            b_idx_n = tl.load(p_idx + o_n2, mask=o_n2 < k_len, other=-1)
+        else:
+            o_n = blk * BLOCK_N + o_b
+            b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
+            m_n = (b_idx >= 0) & (b_idx < N)
+            p_kv = kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+            b_k0 = tl.load(p_kv, mask=m_n[:, None], other=0.0)  # [BLOCK_N, C] each: once for all heads
+            b_k1 = tl.load(p_kv + C, mask=m_n[:, None], other=0.0)
+            b_k2 = tl.load(p_kv + 2 * C, mask=m_n[:, None], other=0.0)
+            b_k3 = tl.load(p_kv + 3 * C, mask=m_n[:, None], other=0.0)
+        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where invalid
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_pv = b_p.to(b_k0.dtype)
+        b_a0 = tl.dot(b_pv, b_k0, b_a0 * b_alpha[:, None])
+        b_a1 = tl.dot(b_pv, b_k1, b_a1 * b_alpha[:, None])
+        b_a2 = tl.dot(b_pv, b_k2, b_a2 * b_alpha[:, None])
+        b_a3 = tl.dot(b_pv, b_k3, b_a3 * b_alpha[:, None])
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe  # [BLOCK_H]
+    if HAS_SINK:
+        b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=float("-inf")).to(tl.float32)
+        b_sink = tl.where(b_sink == b_sink, b_sink, float("-inf"))  # a NaN sink is no sink
+        b_max = tl.maximum(b_lse, b_sink)
+        b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_den = tl.exp(b_lse - b_max_safe) + tl.exp(b_sink - b_max_safe)
+        b_tot = tl.where(b_den > 0.0, b_max_safe + tl.log(tl.where(b_den > 0.0, b_den, 1.0)), float("-inf"))
+        # out = (sum p v / l) * exp(lse_keys - lse_total); 0 where no key (acc is 0 there)
+        b_scale = tl.where(has_key, tl.exp(b_lse - tl.where(has_key, b_tot, 0.0)) / b_l_safe, 0.0)
+        b_lse = b_tot
+    row_o = pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H]
+    p_o = o_ptr + row_o[:, None] + o_c[None, :]
+    ty = o_ptr.dtype.element_ty
+    tl.store(p_o, (b_a0 * b_scale[:, None]).to(ty), mask=m_h[:, None])
+    tl.store(p_o + C, (b_a1 * b_scale[:, None]).to(ty), mask=m_h[:, None])
+    tl.store(p_o + 2 * C, (b_a2 * b_scale[:, None]).to(ty), mask=m_h[:, None])
+    tl.store(p_o + 3 * C, (b_a3 * b_scale[:, None]).to(ty), mask=m_h[:, None])
+    tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+
+
+# Launch configs per head-group size (BLOCK_H), as plain data. CANDIDATES: every config the
+# benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80/86/90 and
+# within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
+# the one the launcher runs (first entry: the pick before measurement; see the README notes).
+# PREFETCH: the manual register pipeline (num_stages 1); else Triton's pipeliner, which on
+# triton 3.6 prefetches only the index rows, not the gathered key rows (read from the TTGIR).
+# Probed and rejected (AOT, sm_80): BLOCK_H 64 spills at every config (a [64, 512] fp32
+# accumulator is 128 registers a thread at 8 warps; 272-23872 B), BLOCK_H 32 at 4 warps
+# (926 B), BLOCK_H 16 x 32 keys at 4 warps with prefetch (11.8 KB), BLOCK_H 32 x 64 keys
+# (172 B, 115 KB smem). So H = 64 runs as two 32-row groups and H = 128 as four.
+# The kernel holds no fp8: both variants share these.
+CANDIDATES = {
+    16: ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFETCH": True},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "PREFETCH": False}),
+    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "PREFETCH": False}),
+}
+PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0]}
+MAX_BLOCK_H = 32
+
+
+def block_h_for(H: int) -> int:
+    """Rows of a head group: H padded to a power of two >= 16, at most MAX_BLOCK_H."""
+    return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(max(int(H), 1))))
