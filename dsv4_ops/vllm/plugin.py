@@ -315,6 +315,9 @@ def unpatch() -> None:
     for owner, name, raw in STATE.originals.values():
         setattr(owner, name, raw)
     STATE.originals.clear()
+    from . import v32_backend
+
+    v32_backend.uninstall()
 
 
 def reset() -> None:
@@ -359,9 +362,13 @@ def register() -> None:
     routed, reason = decide(cap)
     done: List[str] = []
     if routed:
+        from . import v32_backend
+
         rows = patches()
         check_table(rows, scan_source=False)
+        v32_backend.check_registration(_error)  # the sm_8x sparse-MLA backend (V3.2 / GLM-5), checked first
         done = apply_patches(rows)
+        done += v32_backend.install()
     STATE.registered, STATE.capability, STATE.routed = True, cap, routed
     cap_s = f"sm_{cap[0]}{cap[1]}" if cap else "none"
     what = (f"patched {len(done)} vLLM symbols: " + ", ".join(p.rsplit(".", 1)[-1] for p in done)

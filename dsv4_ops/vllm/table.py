@@ -25,11 +25,12 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 V4 = "vllm.models.deepseek_v4"
 V41 = "vllm.models.deepseek_v41"
+V32 = "vllm.models.deepseek_v32"  # DeepSeek-V3.2 and GLM-5 (one model class on CUDA); rows in v32_model
 MODEL_PACKAGES = {"v4": V4, "v41": V41}
 KINDS = ("patch", "override", "kept", "hook")
 
 # Area modules of dsv4_ops.vllm that contribute rows, in table order (missing ones are skipped).
-AREAS = ("attention", "compressed_cache", "o_proj", "warmup", "indexer", "engram", "mhc", "pipeline")
+AREAS = ("attention", "compressed_cache", "o_proj", "warmup", "indexer", "engram", "mhc", "pipeline", "v32_model")
 
 
 @dataclass(frozen=True)
