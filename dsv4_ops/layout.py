@@ -201,3 +201,103 @@ def indexer_cache_pages(cache, block_size=None, name: str = "cache"):
     if indexer_min_page_bytes(block_size) >= 2**31:
         raise ValueError(f"block_size: {block_size} rows do not fit an int32 page offset")
     return flat, block_size
+
+
+# ---- DeepSeek-V3.2 / GLM-5 MLA cache (vLLM 0.33.0 ``fp8_ds_mla`` at 656 bytes, and ``auto``) ----
+# One token is one 656-byte record, laid out token by token (unlike V4's data-rows-then-
+# scale-rows pages). vLLM allocates the cache as uint8 ``[num_blocks, block_size, 656]``
+# (FlashMLA views it as ``[num_pages, 64, 1, 656]``); ``stride(0)`` may be padded
+# (vLLM's ``block_stride_alignment``), a record is ``stride(1) == 656`` bytes:
+#
+#     byte 0                          512          528                              656
+#     +-------------------------------+------------+--------------------------------+
+#     | 512 x E4M3 NoPE codes         | 4 x fp32   | 64 x bf16 RoPE dims (raw),     |
+#     | byte d = latent dim d         | scale of   | little-endian; dim 512 + r at  |
+#     |                               | dims       | bytes 528 + 2r, 529 + 2r       |
+#     |                               | 128g..+127 |                                |
+#     +-------------------------------+------------+--------------------------------+
+#
+# Slot s (vLLM's slot_mapping: block_id * block_size + pos) lives at
+#     ``(s // block_size) * stride(0) + (s % block_size) * 656``  (int64 arithmetic).
+# FlashMLA's sparse indices use the same number when pages are 64-token views of an
+# unpadded cache (``page * 64 + offset``).
+#
+# The writer (vLLM 0.33.0 ``concat_and_cache_mla(kv_c, k_pe, cache, slot_mapping,
+# "fp8_ds_mla", scale)`` -> ``concat_and_cache_ds_mla_kernel``; facts read from the
+# sm_90 SASS of the shipped ``_C_stable_libtorch.abi3.so``, and equal to FlashMLA's
+# ``tests/quant.py`` V32_FP8Sparse quantizer), per 128-dim tile g of kv_c (bf16):
+#     amax  = max |x| over the tile (fp32)
+#     s     = max(amax / 448, 1e-4)                (IEEE fp32 division, fmaxf)
+#     scale = 2 ** ceil(log2(s))                   (exp2f(ceilf(log2f(s)))): a power of two
+#     store the fp32 scale at bytes 512 + 4g; codes e4m3(satfinite(x / scale)) (RNE,
+#     saturating at +-448)
+# For bf16 amax, ``amax / 448`` is never within 0.4% of a power of two unless exactly on
+# one (nearest: amax = 1.7578 * 2**m, 225/224 of one), so ceil(log2f(.)) equals the exact ceil(log2(.)): e = max(E - 8 + (mant > 1.75),
+# V32_MIN_EXP) with amax = mant * 2**E, i.e. V4's UE8M0 exponent with a floor of -13
+# (ceil(log2(1e-4)) = -13) instead of -22. RoPE dims are copied raw. The ``scale``
+# argument of concat_and_cache_mla is unused on this path. Slots < 0 are skipped.
+# ``auto`` (and ``bfloat16``): bf16 ``[num_blocks, block_size, 576]``, a token's row is
+# ``cat(kv_c[512], k_pe[64])``, a plain copy.
+V32_NOPE_DIM = 512  # latent (kv_lora_rank) dims: E4M3, one fp32 scale per 128
+V32_ROPE_DIM = 64  # RoPE dims: bf16, stored raw
+V32_HEAD_DIM_QK = V32_NOPE_DIM + V32_ROPE_DIM  # 576: q and k width
+V32_HEAD_DIM_V = V32_NOPE_DIM  # 512: v is the latent
+V32_TILE = 128  # NoPE dims per fp32 scale
+V32_NUM_TILES = V32_NOPE_DIM // V32_TILE  # 4
+V32_SCALE_OFFSET = V32_NOPE_DIM  # 512: the 4 fp32 scales (16 bytes)
+V32_ROPE_OFFSET = V32_SCALE_OFFSET + 4 * V32_NUM_TILES  # 528: the 64 bf16 RoPE dims
+V32_RECORD_BYTES = V32_ROPE_OFFSET + 2 * V32_ROPE_DIM  # 656
+V32_SCALE_FLOOR = 1e-4  # applied to amax / 448 (not to amax, as V4 does)
+# ceil(log2(1e-4)) = ceil(-13.29) = -13: the exponent of an all-zero (or tiny) tile.
+V32_MIN_EXP = -13
+V32_KV_CACHE_DTYPES = ("fp8_ds_mla", "auto")  # the two records above (auto: bf16 rows of 576)
+
+assert V32_RECORD_BYTES == 656 and V32_NUM_TILES * V32_TILE == V32_NOPE_DIM
+
+
+def v32_record_offset(slot: int, block_size: int, block_stride: int, record_stride: int) -> int:
+    """Byte (fp8_ds_mla) or element (auto) offset of slot's record from the cache's start."""
+    return (slot // block_size) * block_stride + (slot % block_size) * record_stride
+
+
+def v32_cache_pages(kv_cache, name: str = "kv_cache"):
+    """(3-D view ``[num_blocks, block_size, D]``, format) of a V3.2 MLA cache.
+
+    Accepts uint8 / float8_e4m3fn ``[num_blocks, block_size, 656]`` (format
+    ``"fp8_ds_mla"``; returned as uint8) and bf16 ``[num_blocks, block_size, 576]``
+    (``"auto"``), or either with a head dim of 1 (``[num_blocks, block_size, 1, D]``).
+    The records of a block must be contiguous (stride(1) == D, stride(-1) == 1), blocks
+    must not overlap, and fp8 block strides and starts must be 4-byte aligned (the scales
+    are read as fp32). Anything else raises ValueError naming ``name``: a cache format
+    that is not recognised is never guessed.
+    """
+    if not isinstance(kv_cache, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(kv_cache).__name__}")
+    c = kv_cache
+    if c.dim() == 4:
+        if c.shape[2] != 1:
+            raise ValueError(f"{name}: a 4-D cache must be [num_blocks, block_size, 1, D], got {tuple(c.shape)}")
+        c = c.select(2, 0)
+    if c.dim() != 3:
+        raise ValueError(f"{name}: expected [num_blocks, block_size, 656] (fp8_ds_mla, uint8) or "
+                         f"[num_blocks, block_size, 576] (auto, bfloat16), got shape {tuple(kv_cache.shape)}")
+    if c.dtype in (torch.uint8, torch.float8_e4m3fn) and c.shape[-1] == V32_RECORD_BYTES:
+        fmt, width, align = "fp8_ds_mla", V32_RECORD_BYTES, 4
+        if c.dtype != torch.uint8:
+            c = c.view(torch.uint8)
+    elif c.dtype == torch.bfloat16 and c.shape[-1] == V32_HEAD_DIM_QK:
+        fmt, width, align = "auto", V32_HEAD_DIM_QK, 1
+    else:
+        raise ValueError(f"{name}: not a V3.2 MLA cache: expected uint8 [..., 656] (fp8_ds_mla) or bfloat16 "
+                         f"[..., 576] (auto), got {str(c.dtype).replace('torch.', '')} {tuple(kv_cache.shape)}")
+    nb, bs = int(c.shape[0]), int(c.shape[1])
+    if nb and bs:
+        if c.stride(2) != 1 or (bs > 1 and c.stride(1) != width):
+            raise ValueError(f"{name}: expected the records of a block contiguous (strides (*, {width}, 1)), "
+                             f"got strides {tuple(c.stride())}")
+        if nb > 1 and c.stride(0) < bs * width:
+            raise ValueError(f"{name}: blocks overlap (stride(0) {c.stride(0)} < {bs} * {width})")
+        if (nb > 1 and c.stride(0) % align) or c.storage_offset() % align:
+            raise ValueError(f"{name}: block stride ({c.stride(0)}) and storage offset ({c.storage_offset()}) "
+                             f"must be multiples of {align}: the fp32 scales are read as 4-byte words")
+    return c, fmt

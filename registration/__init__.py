@@ -14,7 +14,7 @@ from typing import Tuple
 from .library import NAMESPACE, OpDef, define, define_op, op_exists
 
 # Op modules of this folder, in registration order.
-AREAS = ("codec_ops", "kv_cache_ops", "attention_ops", "indexer_ops", "engram_ops", "sparse_prefill_ops")
+AREAS = ("codec_ops", "kv_cache_ops", "attention_ops", "indexer_ops", "engram_ops", "v32_ops", "sparse_prefill_ops")
 
 
 def all_ops() -> Tuple[OpDef, ...]:

@@ -1,0 +1,212 @@
+"""DeepSeek-V3.2 / GLM-5 sparse MLA: d_qk = 576 (512 latent + 64 RoPE), d_v = 512, no sink
+(ops ``v32_sparse_mla_decode``, ``v32_sparse_mla_prefill`` and their out= forms).
+
+One kernel, two key sources (constexpr FP8):
+  FP8   the paged 656-byte ``fp8_ds_mla`` records, read by slot (layout: dsv4_ops.layout):
+        the 512 E4M3 codes decoded in registers (portable: fp8e4b15 reinterpretation of
+        uint8 loads; no fp8 pointer), times the fp32 scale of their 128-dim tile, and the 64
+        RoPE dims as raw bf16 words.
+  bf16  rows of 576 (a prefill workspace, or the ``auto`` cache), read by row / slot.
+Row r of the source sits at ``(r // block_size) * stride_blk + (r % block_size) * stride_rec``
+(bytes for FP8, elements for bf16; a flat workspace passes block_size = its rows, so the
+block term is 0); r is attended when ``0 <= r < capacity`` and its position j <
+clamp(topk_length[t], 0, K) (K without topk_length). Repeats count each time.
+
+Per key block of BLOCK_N keys, the 576 dims go as 9 chunks of 64 (chunks 0..7 NoPE, chunk c
+with the scale of tile c // 2; chunk 8 RoPE): scores are the sum of 9 dots [BLOCK_H, 64] x
+[64, BLOCK_N]; 8 accumulators [BLOCK_H, 64] take p @ chunk c (c < 8; v is the latent only).
+Each key is decoded once for the BLOCK_H heads of a program's group.
+
+Grid (T * S * G,): program pid runs head group g = pid % G of token t = pid // (S * G) over
+the key blocks of split s = (pid // G) % S: nb = cdiv(k_len, BLOCK_N) blocks, split s takes
+blocks [floor(s * nb / S), floor((s + 1) * nb / S)).
+Epilogues (constexpr DIRECT): S == 1 writes out bf16 [T, H, 512] (row strides stride_o_t,
+stride_o_h) and lse fp32 [T, H]; otherwise the partials o_part fp32 [T, H, S, 512] and lse_part
+fp32 [T, H, S] (contiguous) of csrc_triton.sparse_mla's layout, merged by csrc_triton.merge
+(no sink). LSE is the natural log; no valid key: out 0, lse -inf.
+Scores use q's dtype for both dots (bf16; fp16 under the interpreter, whose bf16 tl.dot is
+wrong) with fp32 accumulation.
+"""
+
+import triton
+import triton.language as tl
+
+from dsv4_ops import layout as _L
+
+from .codec import e4m3_to_f32
+
+_C = tl.constexpr(64)  # dims of a chunk
+_NOPE = tl.constexpr(_L.V32_NOPE_DIM)  # 512
+_SCALE_OFF = tl.constexpr(_L.V32_SCALE_OFFSET)  # 512
+_ROPE_OFF = tl.constexpr(_L.V32_ROPE_OFFSET)  # 528
+HEAD_DIM_V = _L.V32_HEAD_DIM_V
+
+assert _L.V32_TILE == 2 * 64 and _L.V32_ROPE_DIM == 64 and _L.V32_NOPE_DIM == 8 * 64
+
+
+@triton.jit
+def _key_chunk(kv_ptr, o_rec, m_n, C: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """Dims [64*C, 64*C + 64) of BLOCK_N keys (record offsets o_rec [BLOCK_N]; rows with m_n
+    false load nothing and give 0): [BLOCK_N, 64] in DTYPE."""
+    o_e = tl.arange(0, _C)  # [64]
+    if FP8:
+        if C < 8:
+            b_codes = tl.load(kv_ptr + (o_rec + C * _C)[:, None] + o_e[None, :], mask=m_n[:, None], other=0)
+            p_sc = (kv_ptr + o_rec + (_SCALE_OFF + 4 * (C // 2))).to(tl.pointer_type(tl.float32), bitcast=True)
+            b_sc = tl.load(p_sc, mask=m_n, other=0.0)  # [BLOCK_N] fp32
+            b_k = (e4m3_to_f32(b_codes, NATIVE) * b_sc[:, None]).to(DTYPE)
+        else:
+            p_pe = (kv_ptr + o_rec + _ROPE_OFF).to(tl.pointer_type(tl.uint16), bitcast=True)
+            b_bits = tl.load(p_pe[:, None] + o_e[None, :], mask=m_n[:, None], other=0)
+            b_k = b_bits.to(tl.bfloat16, bitcast=True).to(DTYPE)
+    else:
+        b_k = tl.load(kv_ptr + (o_rec + C * _C)[:, None] + o_e[None, :], mask=m_n[:, None], other=0.0).to(DTYPE)
+    return b_k
+
+
+@triton.jit
+def _q_chunk(p_q, m_h, C: tl.constexpr):
+    """[BLOCK_H, 64] dims [64*C, 64*C + 64) of the group's q rows (p_q: [BLOCK_H] row pointers)."""
+    o_e = tl.arange(0, _C)
+    return tl.load(p_q[:, None] + C * _C + o_e[None, :], mask=m_h[:, None], other=0.0)
+
+
+@triton.jit
+def _store_chunk(p_o, b_acc, b_scale, m_h, C: tl.constexpr):
+    """Rows p_o ([BLOCK_H] pointers) dims [64*C, 64*C + 64) = b_acc * b_scale, in p_o's dtype."""
+    o_e = tl.arange(0, _C)
+    b_o = b_acc * b_scale[:, None]
+    tl.store(p_o[:, None] + C * _C + o_e[None, :], b_o.to(p_o.dtype.element_ty), mask=m_h[:, None])
+
+
+@triton.jit
+def _v32_sparse_mla_kernel(
+    q_ptr,  # bf16 [T, H, 576], dims contiguous
+    kv_ptr,  # FP8: uint8 records; else bf16 rows of 576
+    idx_ptr,  # int32 [T, K] rows / slots, row stride stride_idx_t, entries contiguous
+    len_ptr,  # int32 [>= T] or None
+    o_ptr, lse_ptr,  # DIRECT: bf16 [T, H, 512] / fp32 [T, H]; else fp32 [T, H, S, 512] / [T, H, S]
+    H, K, S, G, sm_scale,
+    stride_q_t, stride_q_h, stride_idx_t, stride_o_t, stride_o_h,
+    block_size, stride_blk, stride_rec, capacity,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr,
+    HAS_LEN: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """Grid (T * S * G,): one (token, split, head group) a program; see the module doc."""
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_s = (pid // G) % S
+    pid_t = (pid // (G * S)).to(tl.int64)
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    p_qrow = q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h  # [BLOCK_H]
+    b_q0 = _q_chunk(p_qrow, m_h, 0)  # [BLOCK_H, 64] each
+    b_q1 = _q_chunk(p_qrow, m_h, 1)
+    b_q2 = _q_chunk(p_qrow, m_h, 2)
+    b_q3 = _q_chunk(p_qrow, m_h, 3)
+    b_q4 = _q_chunk(p_qrow, m_h, 4)
+    b_q5 = _q_chunk(p_qrow, m_h, 5)
+    b_q6 = _q_chunk(p_qrow, m_h, 6)
+    b_q7 = _q_chunk(p_qrow, m_h, 7)
+    b_q8 = _q_chunk(p_qrow, m_h, 8)
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    k_len = K
+    if HAS_LEN:
+        k_len = tl.minimum(tl.maximum(tl.load(len_ptr + pid_t), 0), K)
+    nb = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * nb) // S
+    blk_hi = ((pid_s + 1) * nb) // S
+    p_idx = idx_ptr + pid_t * stride_idx_t
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running denominator
+    b_a0 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)  # unnormalised p @ v, dims 64c..64c+63
+    b_a1 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a2 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a3 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a4 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a5 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a6 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    b_a7 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    for blk in range(blk_lo, blk_hi):
+        o_j = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        b_r = tl.load(p_idx + o_j, mask=o_j < k_len, other=-1).to(tl.int64)
+        m_n = (b_r >= 0) & (b_r < capacity)
+        b_r = tl.minimum(tl.maximum(b_r, 0), capacity - 1)  # rows with m_n false load nothing
+        b_blk = b_r // block_size
+        o_rec = b_blk * stride_blk + (b_r - b_blk * block_size) * stride_rec  # [BLOCK_N] int64
+
+        b_k0 = _key_chunk(kv_ptr, o_rec, m_n, 0, FP8, NATIVE, DTYPE)  # [BLOCK_N, 64]
+        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+        b_k1 = _key_chunk(kv_ptr, o_rec, m_n, 1, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_k2 = _key_chunk(kv_ptr, o_rec, m_n, 2, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_k3 = _key_chunk(kv_ptr, o_rec, m_n, 3, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_k4 = _key_chunk(kv_ptr, o_rec, m_n, 4, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q4, tl.trans(b_k4), b_s)
+        b_k5 = _key_chunk(kv_ptr, o_rec, m_n, 5, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q5, tl.trans(b_k5), b_s)
+        b_k6 = _key_chunk(kv_ptr, o_rec, m_n, 6, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q6, tl.trans(b_k6), b_s)
+        b_k7 = _key_chunk(kv_ptr, o_rec, m_n, 7, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q7, tl.trans(b_k7), b_s)
+        b_k8 = _key_chunk(kv_ptr, o_rec, m_n, 8, FP8, NATIVE, DTYPE)  # RoPE: scores only
+        b_s = tl.dot(b_q8, tl.trans(b_k8), b_s)
+
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
+        b_p = b_p.to(DTYPE)
+        b_a0 = tl.dot(b_p, b_k0, b_a0 * b_alpha)
+        b_a1 = tl.dot(b_p, b_k1, b_a1 * b_alpha)
+        b_a2 = tl.dot(b_p, b_k2, b_a2 * b_alpha)
+        b_a3 = tl.dot(b_p, b_k3, b_a3 * b_alpha)
+        b_a4 = tl.dot(b_p, b_k4, b_a4 * b_alpha)
+        b_a5 = tl.dot(b_p, b_k5, b_a5 * b_alpha)
+        b_a6 = tl.dot(b_p, b_k6, b_a6 * b_alpha)
+        b_a7 = tl.dot(b_p, b_k7, b_a7 * b_alpha)
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe  # rows without a key have acc 0: out 0
+    if DIRECT:
+        p_o = o_ptr + pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H] rows
+        tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+    else:
+        row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
+        p_o = o_ptr + row * 512
+        tl.store(lse_ptr + row, b_lse, mask=m_h)
+    _store_chunk(p_o, b_a0, b_scale, m_h, 0)
+    _store_chunk(p_o, b_a1, b_scale, m_h, 1)
+    _store_chunk(p_o, b_a2, b_scale, m_h, 2)
+    _store_chunk(p_o, b_a3, b_scale, m_h, 3)
+    _store_chunk(p_o, b_a4, b_scale, m_h, 4)
+    _store_chunk(p_o, b_a5, b_scale, m_h, 5)
+    _store_chunk(p_o, b_a6, b_scale, m_h, 6)
+    _store_chunk(p_o, b_a7, b_scale, m_h, 7)
+
+
+# Launch configs per head-group size, as plain data (both variants; the native one differs
+# only in the E4M3 decode instruction). Checked by the AOT table (dsv4_ops.v32.aot_specs:
+# no spills on sm_80/86, within sm_86's 99 KB).
+V32_ATTN_CONFIG = {
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+}
+MAX_SPLITS = 64  # what csrc_triton.merge / dsv4_ops.attention.merge_splits accept
+
+
+def block_h_for(H: int) -> int:
+    """Rows of a head group: 16 for H <= 16 (TP8: one group), else 32."""
+    return 16 if H <= 16 else 32
