@@ -76,11 +76,11 @@ def bench_decode(rows, variants, copy_gbs, quick):
 PREFILL_M, PREFILL_H, PREFILL_N = 8192, 64, 2048
 
 
-def prefill_inputs():
+def prefill_inputs(H=PREFILL_H):
     """The prefill case (also swept by sweep_indexer.py): M = 8192 queries x H = 64 heads over a
     causal ragged [0, (m + 1) // 4) of N = 2048 compressed keys. Returns (q, w, k, k_scale, ks,
     ke, flops) with flops = 2 * H * 128 * (valid query-key pairs)."""
-    M, H, N = PREFILL_M, PREFILL_H, PREFILL_N
+    M, N = PREFILL_M, PREFILL_N
     q = codes((M, H, D))
     k = codes((N, D))
     w = torch.randn(M, H, device="cuda") * 1e-2
@@ -102,6 +102,77 @@ def bench_prefill(rows, variants, quick):
             rows.append({"case": "prefill " + ("compressed" if cols >= 0 else "full"), "variant": v, "B": M, "H": H,
                          "us": us, "TFLOP/s": flops / us / 1e6, "cuBLAS TFLOP/s": rate, "floor us": floor,
                          "x floor": us / floor})
+
+
+def short(cfg) -> str:
+    keys = ("KERNEL", "BLOCK_M", "BLOCK_N", "DOT_N", "num_warps", "TARGET_PROGRAMS", "PROGRAMS_PER_SM")
+    tags = ("v", "M", "N", "dotN", "w", "tp", "pps")
+    return " ".join(f"{t}{cfg[k]}" for k, t in zip(keys, tags) if k in cfg)
+
+
+def bench_candidates(rows, copy_gbs):
+    """Issue 18: the shipped decode / prefill configs and the new (v3, one-wave) candidates,
+    portable, same run, same inputs; 'x shipped' = candidate us / shipped us (< 1: faster);
+    'max rel diff' = max |candidate - shipped| / max |shipped| over finite logits (the GPU tests
+    check every candidate against the float64 reference)."""
+    from dsv4_ops.csrc_triton import indexer as K
+
+    def diff(a, b):
+        if not torch.equal(torch.isinf(a), torch.isinf(b)):
+            return float("inf")
+        fin = torch.isfinite(b)
+        return float((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp(min=1e-30)) if fin.any() else 0.0
+
+    for H in (64, 32):
+        for B in (1, 8, 64):
+            pages = CTX // BS
+            nb = B * pages
+            cache = codes((nb, BS * 132))
+            cache.view(nb, -1)[:, BS * D:].view(torch.float32).fill_(1.0 / 64)
+            bt = torch.randperm(nb, device="cuda", dtype=torch.int64).view(B, pages).to(torch.int32)
+            q = codes((B, 1, H, D))
+            w = torch.randn(B, H, device="cuda")
+            ctx = torch.full((B,), CTX, dtype=torch.int32, device="cuda")
+            nbytes = B * CTX * (132 + 4) + q.numel() + w.numel() * 4
+            flops = 2.0 * B * H * D * CTX
+            floor = max(nbytes / copy_gbs / 1e3, flops / gemm_rate_tflops(flops) / 1e6)
+            base_us, base_out = None, None
+            for cfg in [K.PAGED_CONFIG] + K.NEW_PAGED_CANDIDATES:
+                def fn(cfg=cfg):
+                    return indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS, variant="portable",
+                                                    config=cfg)
+                try:
+                    out = fn()
+                    us = time_graph_us(fn)
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"case": "decode", "config": short(cfg), "B": B, "H": H, "error": repr(exc)[:120]})
+                    continue
+                if base_us is None:
+                    base_us, base_out = us, out
+                rows.append({"case": "decode", "config": ("shipped " if cfg is K.PAGED_CONFIG else "") + short(cfg),
+                             "B": B, "H": H, "graph us": us, "floor us": floor, "x floor": us / floor,
+                             "x shipped": us / base_us, "max rel diff": diff(out, base_out)})
+            del cache
+    for H in (64, 32):
+        q, w, k, ksc, ks, ke, flops = prefill_inputs(H)
+        floor = flops / gemm_rate_tflops(flops) / 1e6
+        base_us, base_out = None, None
+        for cfg in [K.MQA_COMPRESSED_CONFIG] + K.NEW_MQA_CANDIDATES:
+            def fn(cfg=cfg):
+                return indexer.mqa_logits(q, w, k, ksc, ks, ke, PREFILL_N, variant="portable", config=cfg)
+            try:
+                out = fn()
+                us = time_us(fn)
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"case": "prefill compressed", "config": short(cfg), "B": PREFILL_M, "H": H,
+                             "error": repr(exc)[:120]})
+                continue
+            if base_us is None:
+                base_us, base_out = us, out
+            rows.append({"case": "prefill compressed",
+                         "config": ("shipped " if cfg is K.MQA_COMPRESSED_CONFIG else "") + short(cfg),
+                         "B": PREFILL_M, "H": H, "us": us, "TFLOP/s": flops / us / 1e6, "floor us": floor,
+                         "x floor": us / floor, "x shipped": us / base_us, "max rel diff": diff(out, base_out)})
 
 
 def bench_quant_insert(rows, variants, copy_gbs):
@@ -132,7 +203,7 @@ def main() -> None:
     torch.manual_seed(0)
     variants = ["portable"] + (["native"] if torch.cuda.get_device_capability() >= (8, 9) else [])
     copy_gbs = copy_bandwidth_gbs(256 << 20)
-    rows = []
+    rows, cand_rows = [], []
     for name, fn in (("decode", lambda: bench_decode(rows, variants, copy_gbs, args.quick)),
                      ("prefill", lambda: bench_prefill(rows, variants, args.quick)),
                      ("quant/insert", lambda: bench_quant_insert(rows, variants, copy_gbs))):
@@ -148,6 +219,19 @@ def main() -> None:
                   f"Copy bandwidth {copy_gbs:.0f} GB/s (read + written), measured in this run. floor = max(bytes / "
                   "copy bandwidth, flops / cuBLAS bf16 rate of a square GEMM of the same flops); B is the batch "
                   "(decode), the query count (prefill) or the token / row count (q quant / k insert).")
+    try:  # after indexer.md is written: a timeout here keeps it
+        bench_candidates(cand_rows, copy_gbs)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        cand_rows.append({"case": "candidates", "error": "FAILED"})
+    write_results("indexer_candidates", args.out, cand_rows,
+                  ["case", "config", "B", "H", "us", "graph us", "TFLOP/s", "floor us", "x floor", "x shipped",
+                   "max rel diff", "error"],
+                  f"Issue 18: shipped configs vs the new candidates (csrc_triton/indexer.py NEW_*_CANDIDATES), "
+                  f"portable, same run and inputs; decode in-graph (20 calls a graph), prefill by do_bench; floors "
+                  f"as in indexer.md (copy {copy_gbs:.0f} GB/s, same-run cuBLAS bf16). v = kernel, M/N = "
+                  "BLOCK_M/BLOCK_N, dotN = rows x H_BLOCK a dot, w = warps, tp = TARGET_PROGRAMS, pps = "
+                  "PROGRAMS_PER_SM x the SM count (one resident wave).")
 
 
 if __name__ == "__main__":

@@ -490,6 +490,195 @@ def _paged_mqa_logits_v2_kernel(
         tl.store(p_out + o_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=o_n < max_ctx)
 
 
+# ---- v3 kernels (issue 18; benchmarks/NOTES.md "Indexer v3") ------------------------------
+
+
+@triton.jit
+def _paged_tile_blocks(p_bt, o_n, b_lim, bt_cols, block_size, num_blocks):
+    """Page ids (int64, 0 where masked) and the mask of one tile's context positions o_n."""
+    b_bi = o_n // block_size
+    m_in = (o_n < b_lim) & (b_bi < bt_cols)
+    b_blk = tl.load(p_bt + b_bi, mask=m_in, other=-1).to(tl.int64)
+    m_k = m_in & (b_blk >= 0) & (b_blk < num_blocks)
+    return tl.where(m_k, b_blk, 0), m_k
+
+
+@triton.jit
+def _paged_tile_keys(cache_ptr, o_n, b_blk, m_k, o_d, block_size, page_bytes):
+    """One tile's raw key codes [BLOCK_N, 128] (uint8) and fp32 scales [BLOCK_N]."""
+    b_p = o_n % block_size
+    o_page = b_blk * page_bytes
+    b_k = tl.load(cache_ptr + (o_page + b_p * DATA_BYTES)[:, None] + o_d[None, :], mask=m_k[:, None], other=0)
+    p_sc = (cache_ptr + o_page + block_size * DATA_BYTES + b_p * SCALE_BYTES).to(
+        tl.pointer_type(tl.float32), bitcast=True)
+    return b_k, tl.load(p_sc, mask=m_k, other=0.0)
+
+
+@triton.jit
+def _paged_tile_logits(b_k, b_sc, b_qt, b_w, NATIVE: tl.constexpr, BITS: tl.constexpr):
+    """One tile's logits [BLOCK_N] from its raw codes, scales, Q^T [128, H] and weights."""
+    b_s = tl.dot(_e4m3_to_f16(b_k, NATIVE, BITS), b_qt)  # [BLOCK_N, H_BLOCK] fp32
+    return (tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * _dot_unscale(NATIVE)) * b_sc
+
+
+@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization (issue 19)
+def _paged_mqa_logits_v3_kernel(
+    q_ptr, w_ptr, cache_ptr, ctx_ptr, bt_ptr, out_ptr,
+    next_n, n_heads, max_ctx, num_blocks, bt_cols, block_size, page_bytes,
+    stride_q_r, stride_q_h, stride_w_r, stride_w_h, stride_bt_b, stride_out_r, tiles_per_prog,
+    CTX_PER_ROW: tl.constexpr,
+    NATIVE: tl.constexpr,
+    BITS: tl.constexpr,  # interpreter: bit-move portable decode (see _e4m3_to_f16)
+    H_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CODES_AHEAD: tl.constexpr,  # also hold the next tile's codes in flight (else page ids only)
+):
+    """_paged_mqa_logits_v2_kernel (same arguments, grid, math and output) with the gathered
+    loads software-pipelined in the source: the page ids of tile t + 2 are loaded during tile
+    t (loop-carried), so a tile's 132-byte rows load as soon as it starts, without waiting
+    on the block table; CODES_AHEAD also keeps the raw codes and scales of tile t + 1 in
+    flight while tile t is decoded, multiplied and reduced (more registers). Loads are masked to the program's own live tiles
+    (positions < min(context, end of its tile range)): nothing past them is read."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // next_n
+    if CTX_PER_ROW:
+        b_len = tl.load(ctx_ptr + r)
+    else:
+        b_len = tl.load(ctx_ptr + b) - next_n + 1 + (r % next_n).to(tl.int32)
+    b_len = tl.minimum(b_len, max_ctx)
+
+    o_h = tl.arange(0, H_BLOCK)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, HEAD_DIM)
+    b_qt = tl.load(q_ptr + r * stride_q_r + o_d[:, None] + (o_h * stride_q_h)[None, :], mask=m_h[None, :], other=0)
+    b_qt = _e4m3_to_f16(b_qt, NATIVE, BITS)  # [128, H_BLOCK]
+    b_w = tl.load(w_ptr + r * stride_w_r + o_h * stride_w_h, mask=m_h, other=0.0)
+    p_bt = bt_ptr + b * stride_bt_b
+    p_out = out_ptr + r * stride_out_r
+    tile0 = tl.program_id(1) * tiles_per_prog
+    o_k = tl.arange(0, BLOCK_N)
+    n_live = tl.minimum(tl.maximum(b_len - tile0 * BLOCK_N + (BLOCK_N - 1), 0) // BLOCK_N, tiles_per_prog)
+    b_lim = tl.minimum(b_len, (tile0 + tiles_per_prog) * BLOCK_N)
+    n_base = tile0 * BLOCK_N
+    # prologue: page ids of tiles 0 and 1 (and, CODES_AHEAD, the codes of tile 0)
+    b_blk, m_k = _paged_tile_blocks(p_bt, n_base + o_k, b_lim, bt_cols, block_size, num_blocks)
+    b_blk1, m_k1 = _paged_tile_blocks(p_bt, n_base + BLOCK_N + o_k, b_lim, bt_cols, block_size, num_blocks)
+    if CODES_AHEAD:
+        b_k, b_sc = _paged_tile_keys(cache_ptr, n_base + o_k, b_blk, m_k, o_d, block_size, page_bytes)
+        for t in range(0, n_live):
+            o_n = n_base + t * BLOCK_N + o_k
+            # in flight during this tile's work: codes of tile t + 1, page ids of tile t + 2
+            b_k_nx, b_sc_nx = _paged_tile_keys(cache_ptr, o_n + BLOCK_N, b_blk1, m_k1, o_d, block_size, page_bytes)
+            b_blk2, m_k2 = _paged_tile_blocks(p_bt, o_n + 2 * BLOCK_N, b_lim, bt_cols, block_size, num_blocks)
+            b_l = _paged_tile_logits(b_k, b_sc, b_qt, b_w, NATIVE, BITS)
+            tl.store(p_out + o_n, tl.where(m_k, b_l, float("-inf")), mask=o_n < max_ctx)
+            b_k, b_sc, m_k = b_k_nx, b_sc_nx, m_k1
+            b_blk1, m_k1 = b_blk2, m_k2
+    else:
+        for t in range(0, n_live):
+            o_n = n_base + t * BLOCK_N + o_k
+            # page ids of tile t + 2 in flight; this tile's rows load at once (ids known)
+            b_blk2, m_k2 = _paged_tile_blocks(p_bt, o_n + 2 * BLOCK_N, b_lim, bt_cols, block_size, num_blocks)
+            b_k, b_sc = _paged_tile_keys(cache_ptr, o_n, b_blk, m_k, o_d, block_size, page_bytes)
+            b_l = _paged_tile_logits(b_k, b_sc, b_qt, b_w, NATIVE, BITS)
+            tl.store(p_out + o_n, tl.where(m_k, b_l, float("-inf")), mask=o_n < max_ctx)
+            b_blk, m_k = b_blk1, m_k1
+            b_blk1, m_k1 = b_blk2, m_k2
+    for t in range(n_live, tiles_per_prog):
+        o_n = n_base + t * BLOCK_N + o_k
+        tl.store(p_out + o_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=o_n < max_ctx)
+
+
+@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization (issue 19)
+def _mqa_logits_v3_kernel(
+    q_ptr, w_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, out_ptr,
+    M, N, n_heads, out_cols,
+    stride_q_m, stride_q_h, stride_w_m, stride_w_h, stride_k_n, stride_out_m,
+    COMPRESSED: tl.constexpr,
+    NATIVE: tl.constexpr,
+    BITS: tl.constexpr,  # interpreter: bit-move portable decode (see _e4m3_to_f16)
+    H_BLOCK: tl.constexpr,  # power of two >= max(H, 16)
+    ROWS: tl.constexpr,  # query rows a dot: the MMA's N dim is ROWS * H_BLOCK
+    BLOCK_M: tl.constexpr,  # query rows a program walks (a multiple of ROWS)
+    BLOCK_N: tl.constexpr,  # keys: the MMA's M dim
+):
+    """_mqa_logits_v2_kernel (same arguments, grid and output) with ROWS query rows in one
+    dot: the decoded key tile [BLOCK_N, 128] (A operand, decoded once a program) times the
+    [128, ROWS * H_BLOCK] codes of ROWS rows (column r * H_BLOCK + h = head h of row r), so
+    the MMA's N dim is 128 at H = 64 (ROWS 2) or H = 32 (ROWS 4) instead of H; then relu,
+    * w, the head sum per row (a [BLOCK_N, ROWS, H_BLOCK] view) and a [BLOCK_N, ROWS] store.
+    Same products, same fp32 accumulation per (key, head), same -inf masks."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    o_k = tl.arange(0, BLOCK_N)
+    o_n = n0 + o_k
+    m_n = o_n < N
+    o_d = tl.arange(0, HEAD_DIM)
+    o_c = tl.arange(0, ROWS * H_BLOCK)  # dot column: row o_c // H_BLOCK, head o_c % H_BLOCK
+    o_ch = o_c % H_BLOCK
+    o_cr = o_c // H_BLOCK
+    m_ch = o_ch < n_heads
+    o_rr = tl.arange(0, ROWS)
+    m0 = pid_m * BLOCK_M
+    o_r = m0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < M
+    b_ks = tl.maximum(tl.load(ks_ptr + o_r, mask=m_r, other=0), 0)
+    b_ke = tl.minimum(tl.load(ke_ptr + o_r, mask=m_r, other=0), N)
+    lo = tl.min(tl.where(m_r & (b_ks < b_ke), b_ks, N), axis=0)
+    hi = tl.max(tl.where(m_r & (b_ks < b_ke), b_ke, 0), axis=0)
+    m_end = tl.minimum(m0 + BLOCK_M, M)
+    m0_64 = pid_m.to(tl.int64) * BLOCK_M
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        p_k = k_ptr + n0.to(tl.int64) * stride_k_n
+        b_k = tl.load(p_k + (o_k * stride_k_n)[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
+        b_k = _e4m3_to_f16(b_k, NATIVE, BITS)  # [BLOCK_N, 128]
+        b_sc = tl.load(k_scale_ptr + o_n, mask=m_n, other=0.0)
+        o_qt = o_d[:, None] + (o_cr * stride_q_m + o_ch * stride_q_h)[None, :]  # [128, ROWS * H_BLOCK] int32
+        o_wc = o_cr * stride_w_m + o_ch * stride_w_h
+        for i in range(0, m_end - m0, ROWS):
+            m64 = m0_64 + i
+            m_rows = (i + o_rr) < (m_end - m0)  # [ROWS]
+            r_ks = tl.maximum(tl.load(ks_ptr + m64 + o_rr, mask=m_rows, other=0), 0)
+            r_ke = tl.minimum(tl.load(ke_ptr + m64 + o_rr, mask=m_rows, other=0), N)
+            m_c = m_ch & ((i + o_cr) < (m_end - m0))
+            b_qt = tl.load(q_ptr + m64 * stride_q_m + o_qt, mask=m_c[None, :], other=0)
+            b_qt = _e4m3_to_f16(b_qt, NATIVE, BITS)  # [128, ROWS * H_BLOCK]
+            b_w = tl.load(w_ptr + m64 * stride_w_m + o_wc, mask=m_c, other=0.0)
+            b_s = tl.dot(b_k, b_qt)  # [BLOCK_N, ROWS * H_BLOCK] fp32
+            b_p = tl.reshape(tl.maximum(b_s, 0.0) * b_w[None, :], [BLOCK_N, ROWS, H_BLOCK])
+            b_l = (tl.sum(b_p, axis=2) * _dot_unscale(NATIVE)) * b_sc[:, None]  # [BLOCK_N, ROWS]
+            _mqa_store_rows(out_ptr, m64, b_l, o_n, m_n, r_ks, r_ke, m_rows, n0, out_cols, stride_out_m,
+                            COMPRESSED, BLOCK_N, ROWS)
+    else:
+        for i in range(0, m_end - m0, ROWS):
+            m64 = m0_64 + i
+            m_rows = (i + o_rr) < (m_end - m0)
+            r_ks = tl.maximum(tl.load(ks_ptr + m64 + o_rr, mask=m_rows, other=0), 0)
+            r_ke = tl.minimum(tl.load(ke_ptr + m64 + o_rr, mask=m_rows, other=0), N)
+            _mqa_store_rows(out_ptr, m64, tl.full([BLOCK_N, ROWS], float("-inf"), tl.float32), o_n, m_n, r_ks,
+                            r_ke, m_rows, n0, out_cols, stride_out_m, COMPRESSED, BLOCK_N, ROWS)
+
+
+@triton.jit
+def _mqa_store_rows(out_ptr, m64, b_l, o_n, m_n, r_ks, r_ke, m_rows, n0, out_cols, stride_out_m,
+                    COMPRESSED: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """Store ROWS query rows' logits b_l [BLOCK_N, ROWS] of keys o_n (rows m64 + r, m_rows
+    valid); -inf outside each row's [ks, ke) (and the compressed -inf tail)."""
+    o_rr = tl.arange(0, ROWS)
+    m_cell = (o_n[:, None] >= r_ks[None, :]) & (o_n[:, None] < r_ke[None, :])  # [BLOCK_N, ROWS]
+    b_l = tl.where(m_cell, b_l, float("-inf"))
+    p_rows = out_ptr + (m64 + o_rr) * stride_out_m  # [ROWS]
+    if COMPRESSED:
+        o_col = o_n[:, None] - r_ks[None, :]
+        tl.store(p_rows[None, :] + o_col, b_l, mask=m_cell & (o_col < out_cols) & m_rows[None, :])
+        o_t = (n0 + tl.arange(0, BLOCK_N))[:, None]  # -inf tail [ke - ks, out_cols) of this column tile
+        tl.store(p_rows[None, :] + o_t, tl.full([BLOCK_N, ROWS], float("-inf"), tl.float32),
+                 mask=(o_t >= (r_ke - r_ks)[None, :]) & (o_t < out_cols) & m_rows[None, :])
+    else:
+        tl.store(p_rows[None, :] + o_n[:, None], b_l, mask=m_n[:, None] & m_rows[None, :])
+
+
 # Launch configs as plain data (same on every capability; no run-time autotune).
 # "KERNEL" picks the kernel variant: 1 = the first kernels above, 2 = the v2 kernels
 # (q quant: 2 = the pairs kernel). benchmarks/sweep_indexer.py times every row of
@@ -517,11 +706,22 @@ MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG)] + [  # (MQA_CONFIG, 64 x 8 warps,
     {"KERNEL": 2, "BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
     for m, n, w, st in ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 128, 8, 2), (64, 256, 8, 2),
                         (32, 64, 4, 2), (64, 128, 8, 3))
+] + [  # issue 18: v3, ROWS = DOT_N / H_BLOCK query rows a dot (DOT_N 128: 2 rows at H = 64, 4 at H = 32;
+    # BLOCK_N 128 x DOT_N 128 spills 8-24 B at H = 32 on sm_80/86, so those two are H = 64 candidates only)
+    {"KERNEL": 3, "BLOCK_M": m, "BLOCK_N": n, "DOT_N": dn, "num_warps": w, "num_stages": 2}
+    for m, n, dn, w in ((32, 64, 128, 4), (32, 128, 128, 8), (32, 128, 64, 4))
 ]
+NEW_MQA_CANDIDATES = MQA_CANDIDATES[-3:]  # timed beside MQA_COMPRESSED_CONFIG by benchmarks/bench_indexer.py
 PAGED_CANDIDATES = [dict(PAGED_CONFIG)] + [
     {"KERNEL": 2, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TARGET_PROGRAMS": tp,
      "MAX_TILES_PER_PROGRAM": 64}
     # (64 keys x 4 warps spills 24 B on sm_86: not a candidate)
     for n, w, st, tp in ((64, 2, 2, 864), (128, 4, 2, 864), (128, 4, 2, 432), (128, 4, 3, 432), (128, 8, 2, 432),
                          (128, 8, 3, 864), (256, 8, 2, 432), (64, 2, 3, 1728))
+] + [  # issue 18: v3 (page ids two tiles ahead) and one resident wave (PROGRAMS_PER_SM x the SM count)
+    # (CODES_AHEAD, the next tile's codes in flight too, spills at H = 64: sm_80 108 B, sm_86 72-112 B)
+    {"KERNEL": k, "BLOCK_N": n, "num_warps": w, "num_stages": 2, "TARGET_PROGRAMS": tp, "MAX_TILES_PER_PROGRAM": 64,
+     **({"PROGRAMS_PER_SM": pps} if pps else {})}
+    for k, n, w, tp, pps in ((3, 64, 2, 864, 0), (3, 64, 2, 864, 5), (2, 64, 2, 864, 5), (3, 128, 4, 432, 2))
 ]
+NEW_PAGED_CANDIDATES = PAGED_CANDIDATES[-4:]  # timed beside PAGED_CONFIG by benchmarks/bench_indexer.py

@@ -41,6 +41,7 @@ Agreement with vLLM 0.33.0:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -209,6 +210,13 @@ def check_mqa_args(q, weights, k, k_scale, ks, ke, max_seqlen_k):
     return qc, kc, k_scale.reshape(-1).contiguous()
 
 
+def mqa_rows_per_dot(H: int, config: dict) -> int:
+    """KERNEL 3: query rows one dot takes, so that ROWS * H_BLOCK = config's DOT_N (a power of
+    two, at least 1 row)."""
+    h_block = max(16, triton.next_power_of_2(H))
+    return max(1, config.get("DOT_N", 128) // h_block)
+
+
 def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int = -1,
                variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
@@ -230,13 +238,17 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
         return out
     variant = variant or variant_for(qc)
     cfg = config or (_k.MQA_COMPRESSED_CONFIG if max_seqlen_k >= 0 else _k.MQA_CONFIG)
-    if cfg.get("KERNEL", 1) == 2:
+    kernel = cfg.get("KERNEL", 1)
+    if kernel in (2, 3):
         grid = (triton.cdiv(max(N, cols), cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
-        _k._mqa_logits_v2_kernel[grid](
+        h_block = max(16, triton.next_power_of_2(H))
+        extra = {"ROWS": mqa_rows_per_dot(H, cfg)} if kernel == 3 else {}
+        kern = _k._mqa_logits_v3_kernel if kernel == 3 else _k._mqa_logits_v2_kernel
+        kern[grid](
             qc, weights, kc, scale, ks, ke, out, M, N, H, cols,
             qc.stride(0), qc.stride(1), weights.stride(0), weights.stride(1), kc.stride(0), out.stride(0),
             COMPRESSED=max_seqlen_k >= 0, NATIVE=variant == "native", BITS=_interpreting(),
-            H_BLOCK=max(16, triton.next_power_of_2(H)), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            H_BLOCK=h_block, **extra, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(max(N, cols), cfg["BLOCK_N"]))
@@ -274,11 +286,22 @@ def check_paged_args(q, kv_cache, weights, context_lens, block_table, max_contex
     return qc, flat, block_size
 
 
-def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[dict] = None) -> int:
-    """Key tiles one program scores: spreads rows * tiles over ~TARGET_PROGRAMS programs
-    (static shapes only: the same for every replay of a captured graph)."""
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[dict] = None,
+                            sms: Optional[int] = None) -> int:
+    """Key tiles one program scores: spreads rows * tiles over ~TARGET_PROGRAMS programs, or,
+    when the config has PROGRAMS_PER_SM and ``sms`` (the device's SM count) is given, over
+    ~sms * PROGRAMS_PER_SM programs (one resident wave; static shapes only: the same for every
+    replay of a captured graph)."""
     cfg = config or _k.PAGED_CONFIG
     tiles = triton.cdiv(max_context_len, cfg["BLOCK_N"])
+    if sms and "PROGRAMS_PER_SM" in cfg:  # rows * cdiv(tiles, tpp) <= sms * PROGRAMS_PER_SM
+        cols = max(1, sms * cfg["PROGRAMS_PER_SM"] // max(rows, 1))
+        return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], triton.cdiv(tiles, cols), tiles))
     return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], rows * tiles // cfg["TARGET_PROGRAMS"], tiles))
 
 
@@ -306,11 +329,15 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     variant = variant or variant_for(qc)
     cfg = config or _k.PAGED_CONFIG
     q3 = qc.reshape(rows, H, D)
-    tpp = paged_tiles_per_program(rows, max_context_len, cfg)
+    sms = _sm_count(qc.device.index or 0) if "PROGRAMS_PER_SM" in cfg and qc.is_cuda else None
+    tpp = paged_tiles_per_program(rows, max_context_len, cfg, sms)
     grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
-    v2 = cfg.get("KERNEL", 1) == 2
-    kern = _k._paged_mqa_logits_v2_kernel if v2 else _k._paged_mqa_logits_kernel
-    extra = {"BITS": _interpreting()} if v2 else {}
+    kernel = cfg.get("KERNEL", 1)
+    kern = {1: _k._paged_mqa_logits_kernel, 2: _k._paged_mqa_logits_v2_kernel,
+            3: _k._paged_mqa_logits_v3_kernel}[kernel]
+    extra = {"BITS": _interpreting()} if kernel > 1 else {}
+    if kernel == 3:
+        extra["CODES_AHEAD"] = bool(cfg.get("CODES_AHEAD", False))
     kern[grid](
         q3, weights, flat, context_lens.contiguous(), block_table, out,
         next_n, H, max_context_len, flat.shape[0], block_table.shape[1], block_size, flat.stride(0),
@@ -354,7 +381,8 @@ def _q_quant_spec(variant, w_ty, cfg, tag=""):
 def _mqa_spec(variant, compressed, cfg, h_block=64, tag=""):
     from .aot import KernelSpec
 
-    v2 = cfg.get("KERNEL", 1) == 2
+    kernel = cfg.get("KERNEL", 1)
+    v2 = kernel in (2, 3)
     sig = {"q_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "k_scale_ptr": "*fp32", "ks_ptr": "*i32",
            "ke_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "n_heads": "i32", "out_cols": "i32",
            "stride_q_m": "i32", "stride_q_h": "i32", "stride_w_m": "i32", "stride_w_h": "i32",
@@ -366,15 +394,21 @@ def _mqa_spec(variant, compressed, cfg, h_block=64, tag=""):
     if v2:
         sig.update({"BITS": "constexpr", "H_BLOCK": "constexpr"})
         const.update({"BITS": False, "H_BLOCK": h_block})
-        label += f",v2,H={h_block},M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
-    return KernelSpec("mqa_logits", label + tag + "]", _k._mqa_logits_v2_kernel if v2 else _k._mqa_logits_kernel,
+        label += f",v{kernel},H={h_block},M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
+    if kernel == 3:
+        sig["ROWS"] = "constexpr"
+        const["ROWS"] = mqa_rows_per_dot(h_block, cfg)
+        label += f",rows={const['ROWS']}"
+    kern = {1: _k._mqa_logits_kernel, 2: _k._mqa_logits_v2_kernel, 3: _k._mqa_logits_v3_kernel}[kernel]
+    return KernelSpec("mqa_logits", label + tag + "]", kern,
                       sig, const, variant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _paged_spec(variant, h_block, per_row, cfg, tag=""):
     from .aot import KernelSpec
 
-    v2 = cfg.get("KERNEL", 1) == 2
+    kernel = cfg.get("KERNEL", 1)
+    v2 = kernel > 1
     sig = {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_ptr": "*u8", "ctx_ptr": "*i32", "bt_ptr": "*i32",
            "out_ptr": "*fp32", "next_n": "i32", "n_heads": "i32", "max_ctx": "i32", "num_blocks": "i32",
            "bt_cols": "i32", "block_size": "i32", "page_bytes": "i32", "stride_q_r": "i32",
@@ -386,9 +420,13 @@ def _paged_spec(variant, h_block, per_row, cfg, tag=""):
     if v2:
         sig["BITS"] = "constexpr"
         const["BITS"] = False
-        label += f",v2,N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
-    return KernelSpec("paged_mqa_logits", label + tag + "]",
-                      _k._paged_mqa_logits_v2_kernel if v2 else _k._paged_mqa_logits_kernel, sig, const, variant,
+        label += f",v{kernel},N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
+    if kernel == 3:
+        sig["CODES_AHEAD"] = "constexpr"
+        const["CODES_AHEAD"] = bool(cfg.get("CODES_AHEAD", False))
+        label += f",ahead={int(const['CODES_AHEAD'])}"
+    kern = {1: _k._paged_mqa_logits_kernel, 2: _k._paged_mqa_logits_v2_kernel, 3: _k._paged_mqa_logits_v3_kernel}
+    return KernelSpec("paged_mqa_logits", label + tag + "]", kern[kernel], sig, const, variant,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -403,7 +441,7 @@ def aot_specs():
             specs.append(_q_quant_spec(variant, w_ty, _k.Q_QUANT_CONFIG))
         for compressed in (False, True):
             cfg = _k.MQA_COMPRESSED_CONFIG if compressed else _k.MQA_CONFIG
-            for h_block in ((32, 64) if cfg.get("KERNEL", 1) == 2 else (64,)):
+            for h_block in ((32, 64) if cfg.get("KERNEL", 1) > 1 else (64,)):
                 specs.append(_mqa_spec(variant, compressed, cfg, h_block))
         for h_block in (32, 64):
             for per_row in (False, True):

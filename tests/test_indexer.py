@@ -336,10 +336,13 @@ def test_kernel_q_quant_candidates(interpret):
         assert torch.equal(got_w.cpu().view(torch.int32), ref_w.view(torch.int32)), cfg
 
 
+@pytest.mark.parametrize("kernel,dot_n", [(2, 0), (3, 64), (3, 128)], ids=["v2", "v3-rows2", "v3-rows4"])
 @pytest.mark.parametrize("compressed,block_m,block_n", [(False, 32, 32), (True, 16, 64)],
                          ids=["full-m32n32", "compressed-m16n64"])
-def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n):
-    """The v2 prefill kernel (keys as the MMA's M dim, one dot per query row over all heads)."""
+def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n, kernel, dot_n):
+    """The v2 prefill kernel (keys as the MMA's M dim, one dot per query row over all heads)
+    and v3 (2 or 4 query rows a dot: H = 20 pads to 32; BLOCK_M 16 / 32 and the 70 rows leave
+    a partial row group)."""
     M, H, N = 70, 20, 150  # partial row / key tiles, H padded to 32
     q = make_codes((M, H, D), 31)
     q[5] = 0
@@ -353,7 +356,10 @@ def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n):
     ks[9], ke[9] = -5, N + 7  # out-of-range bounds clamp to [0, N)
     cols = 100 if compressed else -1
     ref = ref_mqa_logits(q, w, k, ksc, ks.clamp(min=0), ke.clamp(max=N), cols)
-    cfg = {"KERNEL": 2, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+    cfg = {"KERNEL": kernel, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+    if kernel == 3:
+        cfg["DOT_N"] = dot_n
+        assert indexer.mqa_rows_per_dot(H, cfg) == dot_n // 32
     dv = interpret
     got = indexer.mqa_logits(q.to(dv), w.to(dv), k.to(dv), ksc.to(dv), ks.to(dv), ke.to(dv), cols, config=cfg)
     assert_logits_close(got, ref)
@@ -361,8 +367,10 @@ def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n):
 
 @pytest.mark.parametrize("next_n,per_row", [(1, False), (2, False), (2, True)], ids=["n1", "n2", "n2-2d"])
 @pytest.mark.parametrize("block_n", [32, 64])
-def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n):
-    """The v2 decode kernel (keys as the MMA's M dim), several tiles a program."""
+@pytest.mark.parametrize("kernel", [2, 3, "3-ahead"], ids=["v2", "v3", "v3-ahead"])
+def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel):
+    """The v2 decode kernel (keys as the MMA's M dim), several tiles a program; v3 (the same
+    with the next tile's loads in flight) on the same cases."""
     B, H, bs, nb = 3, 24, 16, 10
     q, cache, w, ctx, bt = _paged_case(B, next_n, H, bs, nb, [0 if next_n == 1 else 2, 1 + next_n, 70], per_row,
                                        seed=6, pad=20)
@@ -370,12 +378,31 @@ def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n):
     bt[2, 2] = -3
     max_len = 150
     ref = ref_paged_mqa_logits(q, cache, w, ctx, bt, max_len)
-    cfg = {"KERNEL": 2, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2, "TARGET_PROGRAMS": 4,
-           "MAX_TILES_PER_PROGRAM": 3}
+    cfg = {"KERNEL": 3 if kernel == "3-ahead" else kernel, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2,
+           "TARGET_PROGRAMS": 4, "MAX_TILES_PER_PROGRAM": 3, "CODES_AHEAD": kernel == "3-ahead"}
     assert indexer.paged_tiles_per_program(B * next_n, max_len, cfg) > 1
     dv = interpret
     got = indexer.paged_mqa_logits(q.to(dv), cache.to(dv), w.to(dv), ctx.to(dv), bt.to(dv), max_len, config=cfg)
     assert_logits_close(got, ref)
+
+
+def test_paged_tiles_per_program_one_wave():
+    """PROGRAMS_PER_SM: the grid (rows x cdiv(tiles, tpp)) fits one wave of sms x PROGRAMS_PER_SM
+    programs whenever the rows alone do and the tile cap allows; every tile is covered."""
+    import triton
+
+    for sms, pps in ((108, 5), (132, 5), (108, 2)):
+        cfg = {"BLOCK_N": 64, "TARGET_PROGRAMS": 864, "MAX_TILES_PER_PROGRAM": 64, "PROGRAMS_PER_SM": pps}
+        for rows in (1, 3, 8, 16, 64, 200, 600):
+            for ctx in (64, 1000, 8192, 32768, 65536):
+                tiles = triton.cdiv(ctx, 64)
+                tpp = indexer.paged_tiles_per_program(rows, ctx, cfg, sms)
+                assert 1 <= tpp <= min(tiles, 64)
+                programs = rows * triton.cdiv(tiles, tpp)
+                if rows <= sms * pps and triton.cdiv(tiles, 64) <= sms * pps // rows:
+                    assert programs <= sms * pps, (sms, pps, rows, ctx, tpp)
+        # without the SM count (warm-set key expansion, CPU): the TARGET_PROGRAMS rule
+        assert indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
 
 
 def test_kernel_k_insert_candidates(interpret):
@@ -574,3 +601,42 @@ def test_gpu_cuda_graph_replay_equals_eager(variant):
     torch.cuda.synchronize()
     eager = torch.ops.dsv4_ampere.paged_mqa_logits(q, view, w, ctx, bt, max_len)
     assert torch.equal(out, eager)
+
+
+def _nan_block(shape):
+    """Free a NaN-filled fp32 block of ``shape``: the caching allocator hands it to the next
+    launcher output of that size, so an element the kernel does not write stays NaN."""
+    torch.full(shape, float("nan"), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 32])
+def test_gpu_new_candidates_match_reference(H):
+    """Issue 18's v3 / one-wave candidates (csrc_triton.indexer NEW_*_CANDIDATES), portable,
+    against the references on fresh inputs (poisoned outputs; logits within 1e-5 of the
+    largest |logit|, same -inf mask): what benchmarks/bench_indexer.py times beside the
+    shipped configs, so a default can move to any of them."""
+    from dsv4_ops.csrc_triton import indexer as K
+
+    q, view, w, ctx, bt = _gpu_paged(8, 1, H, 4096, seed=40 + H)
+    bt[2, 3] = 10**6  # out-of-range page id
+    max_len = 4096 + 128
+    ref = ref_paged_mqa_logits(q, view, w, ctx, bt, max_len)
+    for cfg in K.NEW_PAGED_CANDIDATES:
+        _nan_block((8, max_len))
+        got = indexer.paged_mqa_logits(q, view, w, ctx, bt, max_len, variant="portable", config=cfg)
+        assert_logits_close(got, ref)
+    M, N = 700, 512
+    qm = make_codes((M, H, D), 41).cuda()
+    k = make_codes((N, D), 42).cuda()
+    wm = (torch.randn(M, H, generator=rng(43)) * 1e-3).cuda()
+    ksc = (2.0 ** torch.randint(-8, 0, (N,), generator=rng(44)).float()).cuda()
+    m = torch.arange(M)
+    ks = (m // 350 * 200).to(torch.int32).cuda()
+    ke = (ks.cpu() + (m % 350) + 1).clamp(max=N).to(torch.int32).cuda()
+    for cols in (300,):  # the compressed form vLLM calls (both forms: the interpreter tests above)
+        ref = ref_mqa_logits(qm, wm, k, ksc, ks, ke, cols)
+        for cfg in K.NEW_MQA_CANDIDATES:
+            _nan_block((M, N if cols < 0 else cols))
+            got = indexer.mqa_logits(qm, wm, k, ksc, ks, ke, cols, variant="portable", config=cfg)
+            assert_logits_close(got, ref)
