@@ -7,6 +7,7 @@ Writes decode_v3.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H in {
   step_us        dsv4_decode_attention under DSV4_AMPERE_DECODE_KERNEL=auto before this work
                  (workspace gather + tiles / heads, or v1 fused at T = 4, H <= 16): the
                  same-run baseline (AUTO_V3_WINDOWS emptied while it is timed)
+  auto_us        the same composite under auto with this commit's AUTO_V3_WINDOWS (step/auto)
   pipe_us        H <= 16: the v1 fused kernel's PIPELINE form (sparse_mla_paged.
                  FUSED_PIPELINE_CONFIG, never measured before) at its plan's split count
   <cfg>_us       the v3 kernel (csrc_triton.sparse_mla_v3) with launch config <cfg>
@@ -72,7 +73,7 @@ def split_choices(plan_s, nb, T):
     return out
 
 
-def measure(cc, cw, T, H, K1, gbs, replays, sms, configs):
+def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
     g = torch.Generator(device="cuda").manual_seed(T * 1000 + H + K1)
     cap = NBLK * BS
     topk = torch.randint(0, cap, (T, K1), device="cuda", generator=g, dtype=torch.int32)
@@ -93,6 +94,8 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs):
         step()
         row["step_us"] = time_graph_us(step, replays)
         decode_plan.AUTO_V3_WINDOWS = saved
+        row["auto_us"] = time_graph_us(step, replays)
+        row["step/auto"] = row["step_us"] / row["auto_us"]
         os.environ.pop(decode_plan.ENV_VAR, None)
         want, want_lse = reference.ref_dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE,
                                                          out_dtype=torch.float64)
@@ -105,7 +108,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs):
                 return "FAIL %.2g" % diff
             return "%.2g" % diff
 
-        if H <= 16:
+        if H <= 16 and pipe:
             default = _pk.FUSED_CONFIG[16]
             _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
             decode_plan.fused_plan.cache_clear()
@@ -158,6 +161,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--no-pipe", action="store_true", help="skip the v1 PIPELINE column")
     ns, rest = ap.parse_known_args()
     sys.argv = [sys.argv[0]] + (["--out", ns.out] if ns.out else []) + (["--quick"] if ns.quick else [])
     args = parse_args(__doc__.splitlines()[0])
@@ -169,14 +173,14 @@ def main():
     sms = decode_plan.num_sms(torch.cuda.current_device())
     cc, cw = make_cache(1), make_cache(2)
     rows = []
-    cols = (["T", "H", "K", "step_us", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs] + [f"{c}_S" for c in configs]
+    cols = (["T", "H", "K", "step_us", "auto_us", "step/auto", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs] + [f"{c}_S" for c in configs]
             + ["best_v3_us", "best_cfg", "best_S", "step/v3", "floor_us", "err_pipe"] + [f"err_{c}" for c in configs]
             + ["error"])
     shapes = [(T, H, 512) for T in TS for H in HS] + [(T, H, 128) for T, H in DRAFT]
     if args.quick:
         shapes = [(1, 8, 512), (64, 64, 512), (128, 8, 512)]
     for T, H, K1 in shapes:
-        rows.append(measure(cc, cw, T, H, K1, gbs, replays, sms, configs))
+        rows.append(measure(cc, cw, T, H, K1, gbs, replays, sms, configs, not ns.no_pipe))
         write_results("decode_v3", args.out, rows, cols,  # after every row: a timeout keeps what ran
                       notes=f"{os.environ.get('DSV4_AMPERE_IMPL')}, {sms} SMs, int32 slots, sink, no lengths; step = "
                             f"the decode step of DSV4_AMPERE_DECODE_KERNEL=auto before v3; <cfg>_us: the v3 kernel, "

@@ -261,7 +261,7 @@ def _dsv4_decode_v3_kernel(
 
 # Launch configs per head-group size, as plain data (AOT table: no spills on sm_80/86,
 # within sm_86's 99 KB); both variants share them. Candidates measured by
-# benchmarks/bench_decode_v3.py (V3_CANDIDATES); V3_CONFIG is what the launcher runs.
+# benchmarks/bench_decode_v3.py (V3_CANDIDATES; suffix p = hand-pipelined, s3 = 3 stages).
 V3_CANDIDATES = {
     "h16n32w4p": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "PIPE": True},
     "h16n32w8p": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PIPE": True},
@@ -277,11 +277,15 @@ V3_CANDIDATES = {
     "h32n16w8": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PIPE": False},
     "h16n32w8": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PIPE": False},
     "h64n16w8": {"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PIPE": False},
+    "h16n64w8": {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "PIPE": False},
+    "h32n64w8": {"BLOCK_H": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "PIPE": False},
+    "h16n32w2": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 2, "num_stages": 2, "PIPE": False},
+    "h16n64w4s3": {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PIPE": False},
+    "h32n32w8s3": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "PIPE": False},
 }
-V3_CONFIG = {
-    16: V3_CANDIDATES["h16n32w4"],
-    32: V3_CANDIDATES["h32n32w8"],
-}
+# The configs decode_plan.v3_config_name can pick (and the AOT table lists); the other
+# candidates are benchmark-only (reached through dsv4_decode_fused(config=...)).
+V3_DISPATCHED = ("h16n32w4", "h16n16w4")
 MAX_BLOCK_H = 32
 
 

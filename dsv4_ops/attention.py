@@ -585,7 +585,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     within the token's length), attended as sparse_mla_decode does with the sink.
     form: 'v1' (csrc_triton.sparse_mla_paged) | 'v3' (csrc_triton.sparse_mla_v3, 16-byte
     aligned caches only; else v1) | None (decode_plan.fused_form); config: a
-    sparse_mla_v3.V3_CANDIDATES name to force (benchmarks), '' = V3_CONFIG.
+    sparse_mla_v3.V3_CANDIDATES name to force (benchmarks), '' = decode_plan.v3_config_name.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
     """
     ok = (isinstance(q, torch.Tensor) and isinstance(topk_slots, torch.Tensor) and isinstance(swa_slots, torch.Tensor)
@@ -667,7 +667,7 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
     plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, config)
-    cfg = _vk.V3_CANDIDATES[config] if config else _vk.V3_CONFIG[plan.block_h]
+    cfg = _vk.V3_CANDIDATES[config or _dp.v3_config_name(T, H)]
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     consts_tail = (cfg["PIPE"], True)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
@@ -703,9 +703,9 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
     specs = []
     configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
     configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
-    configs += [("v3", bh, cfg) for bh, cfg in sorted(_vk.V3_CONFIG.items())]
+    configs += [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
     for name, bh, cfg in configs:
-        v3 = name == "v3"
+        v3 = name.startswith("v3-")
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
                 for direct, has_sink in ((False, False), (True, True), (True, False)):

@@ -208,7 +208,18 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 
 
 # ---- decode v3 (csrc_triton.sparse_mla_v3, issue 17): the fused read, 4 x 128-dim chunks ----
-V3_PROGRAMS_PER_SM = 2  # programs aimed at per SM when T * groups alone does not fill the SMs
+# Programs aimed at per SM when T * groups alone does not fill the SMs. Measured
+# (benchmarks/results/decode_v3.md, H200, 16 heads x 32 keys x 4 warps): among the plan's count
+# for 2 a SM, half and twice it, the best was the count for ~1 a SM at every T (T = 16: 10 of
+# 20 blocks; T = 128: 2; T = 256: 1).
+V3_PROGRAMS_PER_SM = 1
+
+
+def v3_config_name(T: int, H: int) -> str:
+    """The v3 launch config (sparse_mla_v3.V3_CANDIDATES) auto runs: 16-head groups at every
+    H (measured fastest or within 2% of it at 26 of 28 shapes, 32-head groups included), 16-key
+    blocks for a single token (more splits: T = 1, H <= 16: 8.2-8.6 us vs 9.3-9.6 at 32 keys)."""
+    return "h16n16w4" if T <= 1 and H <= 16 else "h16n32w4"
 
 
 def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> int:
@@ -223,10 +234,10 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> i
 
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
     """The plan of the v3 kernel (kernel 'v3'); config: a V3_CANDIDATES name to force one
-    (benchmarks), else V3_CONFIG of the head-group size; splits 0 = v3_splits."""
+    (benchmarks), else v3_config_name(T, H); splits 0 = v3_splits."""
     from .csrc_triton import sparse_mla_v3 as _vk
 
-    cfg = _vk.V3_CANDIDATES[config] if config else _vk.V3_CONFIG[_vk.block_h_for(H)]
+    cfg = _vk.V3_CANDIDATES[config or v3_config_name(T, H)]
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
     s = splits or v3_splits(T, H, K, sms, bh, bn)
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1)
@@ -246,8 +257,14 @@ def auto_is_fused(T: int, H: int, K: int) -> bool:
     return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_FUSED_WINDOWS)
 
 
-# Where auto runs the v3 kernel (the fused op's other form): none until measured.
-AUTO_V3_WINDOWS = ()
+# Where auto runs the v3 kernel (the fused op's other form): measured windows (T_lo, T_hi,
+# H_max, K), benchmarks/results/decode_v3.md (H200, portable, in-graph, same-run ratio against
+# the step before it): H <= 16, K = 640 at every T measured (1, 4, 16, 64, 128, 256): 1.11-1.36x
+# (T = 128, H = 8: 62.2 vs 81.4 us); the draft's K = 256 at T = 1 and 16: 1.27 / 1.45x; T = 1,
+# H = 64: 1.15x (T = 1, H = 128: 1.02x, left out). From H = 64 at T >= 4 the step stays
+# (v3 0.66-0.98x there). Between the measured T the ratio held at every point, so the window
+# spans them; T > 256 (prefill-sized) keeps the step.
+AUTO_V3_WINDOWS = ((1, 256, 16, 640), (1, 16, 16, 256), (1, 1, 64, 640))
 
 
 def auto_is_v3(T: int, H: int, K: int) -> bool:

@@ -58,6 +58,13 @@ def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compres
                                    swa_cache.shape[0] * swa_block_size)
 
 
+def _aligned(cache) -> bool:
+    """v3 reads 16-byte vectors: the cache starts 16-byte aligned and its page stride is a
+    multiple of 16 (vLLM's pages are multiples of 576 B). Else auto keeps the workspace step
+    where it would run v3 (the v1 fused kernel is slower than the step at most of those shapes)."""
+    return isinstance(cache, torch.Tensor) and cache.dim() == 2 and not (cache.data_ptr() % 16 or cache.stride(0) % 16)
+
+
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
                           swa_cache: torch.Tensor, swa_slots: torch.Tensor, sink: Optional[torch.Tensor],
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
@@ -85,8 +92,9 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     rows = T * (topk_slots.shape[1] + swa_slots.shape[1])
     kernel_mode = _dp.mode()
     K = topk_slots.shape[1] + swa_slots.shape[1]
-    if kernel_mode in ("fused", "v3") or (kernel_mode == "auto" and (_dp.auto_is_fused(T, q.shape[1], K)
-                                                                   or _dp.auto_is_v3(T, q.shape[1], K))):
+    if kernel_mode in ("fused", "v3") or (kernel_mode == "auto" and (
+            _dp.auto_is_fused(T, q.shape[1], K) or (_dp.auto_is_v3(T, q.shape[1], K) and _aligned(compressed_cache)
+                                                    and _aligned(swa_cache)))):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

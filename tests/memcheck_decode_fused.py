@@ -5,8 +5,8 @@
 Each tensor gets its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and pages are sized
 exactly (no slack after the last record), so a read past a cache is an error the sanitizer
 reports. Slots: out of range, negative, int32 / int64 extremes, repeated; lengths negative
-and past K; an empty window cache. Both variants (native on sm_89+), both forms (default and
-PIPELINE), direct and split; exits non-zero when a result differs from the float64 reference.
+and past K; an empty window cache. Both variants (native on sm_89+), three forms (v1 default,
+v1 PIPELINE, v3: csrc_triton.sparse_mla_v3; the caches here are 16-byte aligned), direct and split; exits non-zero when a result differs from the float64 reference.
 """
 
 import os
@@ -30,6 +30,8 @@ def cache(bs, nb, seed):
 
 def main() -> int:
     variants = ["portable"] + (["native"] if torch.cuda.get_device_capability() >= (8, 9) else [])
+    if os.environ.get("MEMCHECK_VARIANTS"):  # e.g. portable (a short device call)
+        variants = [v for v in variants if v in os.environ["MEMCHECK_VARIANTS"].split(",")]
     g = torch.Generator().manual_seed(0)
     T, H, K1, K2 = 3, 8, 40, 12
     cc, cw = cache(16, 3, 1), cache(8, 2, 2)
@@ -49,7 +51,7 @@ def main() -> int:
         q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).cuda()
         sink = torch.randn(H, generator=g).cuda()
         for variant in variants:
-            for form in ("default", "pipe"):
+            for form in ("default", "pipe", "v3"):
                 saved = _pk.FUSED_CONFIG[16]
                 if form == "pipe":
                     _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
@@ -58,7 +60,8 @@ def main() -> int:
                     for window, lens in ((cw, (tl, sl)), (cw_empty, (None, None))):
                         for splits in (1, 3):
                             args = (q, cc, topk, lens[0], 16, window, swa, lens[1], 8, sink, 512 ** -0.5)
-                            out, lse = attention.dsv4_decode_fused(*args, splits, variant=variant)
+                            out, lse = attention.dsv4_decode_fused(*args, splits, variant=variant,
+                                                                   form="v3" if form == "v3" else "v1")
                             want, want_lse = reference.ref_dsv4_decode_fused(
                                 *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
                                 out_dtype=torch.float64)
