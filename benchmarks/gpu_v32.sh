@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 20 part B: all GPU work for the v32_* ops in one device call (<= 150 s): install, the
+# GPU tests of tests/test_v32_ops.py (portable variant: what sm_8x runs), bench_v32.py, then
+# compute-sanitizer memcheck of tests/memcheck_v32.py with whatever time is left.
+# Everything is written straight into $OUT (8 files at most), so a timeout still returns logs.
+#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT (65), BENCH_TIMEOUT (45), MEMCHECK_TIMEOUT (20)
+set -u -o pipefail
+OUT="${OUT:-/tmp/v32_out}"
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1 DSV4_AMPERE_IMPL=portable
+S="$OUT/summary.txt"
+t0=$(date +%s)
+el() { echo "$(( $(date +%s) - t0 ))s"; }
+
+python3 -m pip install --no-deps --no-build-isolation -e . -q > /tmp/v32_install.log 2>&1 || { tail -20 /tmp/v32_install.log | tee -a "$S"; exit 1; }
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' >> "$S" 2>&1
+echo "install done $(el)" >> "$S"
+
+timeout "${TEST_TIMEOUT:-65}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -k "not native" -p no:cacheprovider \
+  > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
+
+timeout "${BENCH_TIMEOUT:-45}" python3 benchmarks/bench_v32.py --out "$OUT/results" > "$OUT/bench.log" 2>&1
+echo "bench rc=$? $(el)" >> "$S"
+
+if command -v compute-sanitizer > /dev/null; then
+  timeout "${MEMCHECK_TIMEOUT:-20}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_v32.py \
+    > "$OUT/memcheck.log" 2>&1
+  echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|memcheck_v32' "$OUT/memcheck.log" | tail -2 | tr '\n' ' ') $(el)" >> "$S"
+else
+  echo "no compute-sanitizer" >> "$S"
+fi
+cat "$S"
