@@ -7,8 +7,8 @@ indexer and attention time (issue 18). < 110 s on an H200 (a wall-clock guard sk
 Layers (geometry: /work/shared/DSV4_FACTS.md, dsv4_ops/vllm/audit/_config.py; attention heads
 per rank at TP = 8: 64 / 8 = 8; the indexer is replicated, every rank runs all its heads):
   v4-c4a     V4 C4A: compress ratio 4, indexer 64 heads x 128, top-k 512 + window 128
-  v4-c128a   V4 C128A: ratio 128, no indexer; attends every compressed entry + window 128
   v41-r2     V4.1 index source of ratio 2: indexer 32 heads, top-k 512 + window 128
+  v4-c128a   V4 C128A: ratio 128, no indexer; attends every compressed entry + window 128
   v41-r1     V4.1 index source of ratio 1 (a full-length compressed cache), last (costliest)
 Calls, as vLLM 0.33.0 makes them (models/deepseek_v4[1]/nvidia/flashmla.py, model_executor/
 layers/sparse_attn_indexer.py), through torch.ops.dsv4_ampere.* only:
@@ -66,8 +66,8 @@ LOGITS_BUDGET = 512 << 20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
 A100_GBS, A100_TFLOPS = 2000.0, 312.0
 LAYERS = [  # name, model, ratio, indexer heads (0: none), model KV block size
     ("v4-c4a", "V4", 4, 64, 256),
-    ("v4-c128a", "V4", 128, 0, 256),
     ("v41-r2", "V4.1", 2, 32, 128),
+    ("v4-c128a", "V4", 128, 0, 256),
     ("v41-r1", "V4.1", 1, 32, 128),
 ]
 CONTEXTS = (32768, 131072, 262144)

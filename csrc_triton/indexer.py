@@ -532,12 +532,15 @@ def _paged_mqa_logits_v3_kernel(
     H_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CODES_AHEAD: tl.constexpr,  # also hold the next tile's codes in flight (else page ids only)
+    PAIRS: tl.constexpr,  # (without CODES_AHEAD) two tiles an iteration, both tiles' rows loaded at once
 ):
     """_paged_mqa_logits_v2_kernel (same arguments, grid, math and output) with the gathered
     loads software-pipelined in the source: the page ids of tile t + 2 are loaded during tile
     t (loop-carried), so a tile's 132-byte rows load as soon as it starts, without waiting
     on the block table; CODES_AHEAD also keeps the raw codes and scales of tile t + 1 in
-    flight while tile t is decoded, multiplied and reduced (more registers). Loads are masked to the program's own live tiles
+    flight while tile t is decoded, multiplied and reduced (more registers); PAIRS takes two
+    tiles an iteration, issuing both tiles' row loads before either is scored (no
+    loop-carried codes, so their layout stays the coalesced one). Loads are masked to the program's own live tiles
     (positions < min(context, end of its tile range)): nothing past them is read."""
     r = tl.program_id(0).to(tl.int64)
     b = r // next_n
@@ -574,6 +577,22 @@ def _paged_mqa_logits_v3_kernel(
             tl.store(p_out + o_n, tl.where(m_k, b_l, float("-inf")), mask=o_n < max_ctx)
             b_k, b_sc, m_k = b_k_nx, b_sc_nx, m_k1
             b_blk1, m_k1 = b_blk2, m_k2
+    elif PAIRS:
+        n_end = (tile0 + n_live) * BLOCK_N  # this program's live positions end here
+        for t in range(0, n_live, 2):
+            o_n = n_base + t * BLOCK_N + o_k
+            o_n2 = o_n + BLOCK_N
+            # both tiles' rows in flight at once (their page ids are known), and the page ids
+            # of tiles t + 2, t + 3 while these two are scored
+            b_k, b_sc = _paged_tile_keys(cache_ptr, o_n, b_blk, m_k, o_d, block_size, page_bytes)
+            b_k2, b_sc2 = _paged_tile_keys(cache_ptr, o_n2, b_blk1, m_k1, o_d, block_size, page_bytes)
+            b_blk, m_kn = _paged_tile_blocks(p_bt, o_n + 2 * BLOCK_N, b_lim, bt_cols, block_size, num_blocks)
+            b_blk1, m_kn1 = _paged_tile_blocks(p_bt, o_n + 3 * BLOCK_N, b_lim, bt_cols, block_size, num_blocks)
+            b_l = _paged_tile_logits(b_k, b_sc, b_qt, b_w, NATIVE, BITS)
+            tl.store(p_out + o_n, tl.where(m_k, b_l, float("-inf")), mask=o_n < max_ctx)
+            b_l2 = _paged_tile_logits(b_k2, b_sc2, b_qt, b_w, NATIVE, BITS)
+            tl.store(p_out + o_n2, tl.where(m_k1, b_l2, float("-inf")), mask=(o_n2 < max_ctx) & (o_n2 < n_end))
+            m_k, m_k1 = m_kn, m_kn1
     else:
         for t in range(0, n_live):
             o_n = n_base + t * BLOCK_N + o_k

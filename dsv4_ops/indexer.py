@@ -338,6 +338,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     extra = {"BITS": _interpreting()} if kernel > 1 else {}
     if kernel == 3:
         extra["CODES_AHEAD"] = bool(cfg.get("CODES_AHEAD", False))
+        extra["PAIRS"] = bool(cfg.get("PAIRS", False))
     kern[grid](
         q3, weights, flat, context_lens.contiguous(), block_table, out,
         next_n, H, max_context_len, flat.shape[0], block_table.shape[1], block_size, flat.stride(0),
@@ -424,7 +425,9 @@ def _paged_spec(variant, h_block, per_row, cfg, tag=""):
     if kernel == 3:
         sig["CODES_AHEAD"] = "constexpr"
         const["CODES_AHEAD"] = bool(cfg.get("CODES_AHEAD", False))
-        label += f",ahead={int(const['CODES_AHEAD'])}"
+        sig["PAIRS"] = "constexpr"
+        const["PAIRS"] = bool(cfg.get("PAIRS", False))
+        label += f",ahead={int(const['CODES_AHEAD'])},pairs={int(const['PAIRS'])}"
     kern = {1: _k._paged_mqa_logits_kernel, 2: _k._paged_mqa_logits_v2_kernel, 3: _k._paged_mqa_logits_v3_kernel}
     return KernelSpec("paged_mqa_logits", label + tag + "]", kern[kernel], sig, const, variant,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -367,10 +367,11 @@ def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n, kernel, d
 
 @pytest.mark.parametrize("next_n,per_row", [(1, False), (2, False), (2, True)], ids=["n1", "n2", "n2-2d"])
 @pytest.mark.parametrize("block_n", [32, 64])
-@pytest.mark.parametrize("kernel", [2, 3, "3-ahead"], ids=["v2", "v3", "v3-ahead"])
+@pytest.mark.parametrize("kernel", [2, 3, "3-ahead", "3-pairs"], ids=["v2", "v3", "v3-ahead", "v3-pairs"])
 def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel):
-    """The v2 decode kernel (keys as the MMA's M dim), several tiles a program; v3 (the same
-    with the next tile's loads in flight) on the same cases."""
+    """The v2 decode kernel (keys as the MMA's M dim), several tiles a program; v3 (page ids two
+    tiles ahead; + CODES_AHEAD: the next tile's codes in flight; PAIRS: two tiles an iteration)
+    on the same cases."""
     B, H, bs, nb = 3, 24, 16, 10
     q, cache, w, ctx, bt = _paged_case(B, next_n, H, bs, nb, [0 if next_n == 1 else 2, 1 + next_n, 70], per_row,
                                        seed=6, pad=20)
@@ -378,8 +379,9 @@ def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel)
     bt[2, 2] = -3
     max_len = 150
     ref = ref_paged_mqa_logits(q, cache, w, ctx, bt, max_len)
-    cfg = {"KERNEL": 3 if kernel == "3-ahead" else kernel, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2,
-           "TARGET_PROGRAMS": 4, "MAX_TILES_PER_PROGRAM": 3, "CODES_AHEAD": kernel == "3-ahead"}
+    cfg = {"KERNEL": 2 if kernel == 2 else 3, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2,
+           "TARGET_PROGRAMS": 4, "MAX_TILES_PER_PROGRAM": 3, "CODES_AHEAD": kernel == "3-ahead",
+           "PAIRS": kernel == "3-pairs"}  # 3 tiles a program: PAIRS ends on a single tile
     assert indexer.paged_tiles_per_program(B * next_n, max_len, cfg) > 1
     dv = interpret
     got = indexer.paged_mqa_logits(q.to(dv), cache.to(dv), w.to(dv), ctx.to(dv), bt.to(dv), max_len, config=cfg)
