@@ -1,18 +1,21 @@
 """Startup cost of the warm set (issue 19) and the cost of batch invariance.
 
-    python benchmarks/bench_startup.py --out DIR [--quick]
+    python benchmarks/bench_startup.py --out DIR [--quick] [--part startup|invariant|both] [--budget S]
 
-1. Compile seconds of the warm set (``dsv4_ops.vllm.warm_set.build``: every Triton
-   specialization the dispatch can pick) per worker, for V4-Flash and V4.1-Flash at TP = 8
-   and max_num_batched_tokens = 8192, on this GPU's SM count, with DSV4_AMPERE_IMPL=portable.
+1. Seconds per worker of the warm set (``dsv4_ops.vllm.warm_set.build``: every Triton
+   specialization the plugin's entry points can launch) for V4.1-Flash and V4-Flash at TP = 8
+   and TP = 1, max_num_batched_tokens = 8192, on this GPU's SM count, DSV4_AMPERE_IMPL=portable.
    Each measurement is a fresh process (an empty in-memory JIT cache) compiling through
-   ``warm_keys.compile_many_jit`` with vLLM's default pool of 4 threads (and 1 thread, cold):
-   ``cold`` with an empty TRITON_CACHE_DIR, ``warm`` again on the cache the cold run filled
-   (a restart). ``build_s`` is the Python enumeration of the set.
+   ``warm_keys.compile_many_jit`` (what vLLM's JIT warmup calls) with vLLM's default pool of
+   4 threads: ``cold`` with an empty TRITON_CACHE_DIR, ``warm_cache`` again on the cache the
+   cold run filled (a restart). ``build_s`` is the Python enumeration of the set (part of the
+   startup too); ``compiles`` counts Triton's post-compile hook during the warmup.
 2. In-graph microseconds of the decode step (``dsv4_decode_attention``, K = 512 + 128) with
-   and without DSV4_AMPERE_BATCH_INVARIANT=1 (the fixed heads plan), and their ratio.
+   and without DSV4_AMPERE_BATCH_INVARIANT=1 (the fixed heads plan), same process, and their
+   ratio; the plan each ran.
 
-Writes startup.{json,md} and batch_invariant.{json,md} under DIR.
+Writes startup.{json,md} (both tables) under DIR. --budget: skip the cases that would start
+after that many seconds (each written as it finishes, so a timeout keeps the finished ones).
 """
 
 from __future__ import annotations
@@ -27,62 +30,52 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(model: str, tp: int, max_tokens: int, threads: int) -> dict:
-    """Build and compile one warm set in this (fresh) process; returns the timings."""
-    import torch
-
-    import dsv4_ops  # noqa: F401
-    from dsv4_ops import decode_plan, warm_keys
-    from dsv4_ops.vllm import warm_set as ws
-
-    shapes = (ws.v41_flash if model == "v41" else ws.v4_flash)(tp=tp)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
-    t0 = time.perf_counter()
-    warm = ws.build(shapes, max_tokens, sms=sms, variant="portable")
-    build_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    warm_keys.compile_many_jit(warm.keys, threads=threads)
-    torch.cuda.synchronize()
-    return {"keys": len(warm), "classes": len(warm.classes), "build_s": round(build_s, 2),
-            "compile_s": round(time.perf_counter() - t0, 2)}
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "test_warm_set.py")
 
 
-def run_child(model, tp, max_tokens, threads, cache_dir, timeout):
+def run_child(model: str, tp: int, cache_dir: str, timeout: float) -> dict:
+    """One worker's startup in a fresh process: ``tests/test_warm_set.py --sweep`` (build the
+    set, compile it as vLLM's warmup does, then the mixed sweep with Triton's compiles
+    counted) on TRITON_CACHE_DIR = cache_dir."""
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, DSV4_AMPERE_IMPL="portable")
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model, str(tp), str(max_tokens),
-                          str(threads)], env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run([sys.executable, TESTS, "--sweep", model, str(tp)], env=env, capture_output=True,
+                         text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def startup_rows(quick: bool):
-    cases = [("v41", 8, 512)] if quick else [("v4", 8, 8192), ("v41", 8, 8192)]
+def startup_rows(cases, cache_root: str, deadline: float, emit):
+    """Per case (model, tp): cold (an empty cache dir under cache_root) then warm (the same)."""
     rows = []
-    for model, tp, max_tokens in cases:
-        with tempfile.TemporaryDirectory() as cache:
-            row = {"model": model, "tp": tp, "max_tokens": max_tokens}
-            try:
-                cold = run_child(model, tp, max_tokens, 4, cache, 120)
-                warm = run_child(model, tp, max_tokens, 4, cache, 60)
-                row.update(keys=cold["keys"], classes=cold["classes"], build_s=cold["build_s"],
-                           cold_4_threads_s=cold["compile_s"], warm_cache_s=warm["compile_s"])
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                row["error"] = str(exc)[-300:]
+    for model, tp in cases:
+        row = {"model": model, "tp": tp}
+        if time.perf_counter() > deadline:
+            row["error"] = "skipped: over the time budget"
+            rows.append(row)
+            emit(rows)
+            continue
+        cache = os.path.join(cache_root, f"c_{model}_{tp}")
+        os.makedirs(cache, exist_ok=True)
+        try:
+            cold = run_child(model, tp, cache, 150)
+            row.update(max_tokens=cold["max_tokens"], keys=cold["warm_keys"], classes=cold["classes"],
+                       build_s=cold["build_s"], cold_4_threads_s=cold["warm_s"], cold_compiles=cold["warmup_compiles"],
+                       sweep_compiles=cold["compiles_after_warmup"])
+            warm = run_child(model, tp, cache, 60)
+            row.update(warm_cache_s=warm["warm_s"], warm_compiles=warm["warmup_compiles"],
+                       sweep_compiles=row["sweep_compiles"] + warm["compiles_after_warmup"])
+            if cold["new"] or warm["new"]:
+                row["error"] = f"compiled after warmup: {(cold['new'] + warm['new'])[:3]}"
+        except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+            row["error"] = str(exc)[-300:]
         rows.append(row)
         print(row, flush=True)
-    if not quick:
-        with tempfile.TemporaryDirectory() as cache:
-            try:
-                serial = run_child("v41", 8, 8192, 1, cache, 150)
-                rows.append({"model": "v41", "tp": 8, "max_tokens": 8192, "keys": serial["keys"],
-                             "cold_1_thread_s": serial["compile_s"]})
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                rows.append({"model": "v41", "tp": 8, "error": "1 thread: " + str(exc)[-200:]})
+        emit(rows)
     return rows
 
 
-def invariant_rows(quick: bool):
+def invariant_rows(quick: bool, emit=lambda rows: None):
     import torch
 
     import dsv4_ops  # noqa: F401
@@ -98,7 +91,7 @@ def invariant_rows(quick: bool):
     torch.ops.dsv4_ampere.kv_cache_insert(kv, cache, torch.arange(nb * bs, device=dev), bs)
     rows = []
     for H in (8, 64):
-        for T in ((1, 64) if quick else (1, 8, 64, 256, 1024)):
+        for T in ((1, 64) if quick else (1, 8, 64, 256)):
             q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).to(dev)
             topk = torch.randint(0, nb * bs, (T, 512), generator=g).to(torch.int32).to(dev)
             win = torch.randint(0, nb * bs, (T, 128), generator=g).to(torch.int32).to(dev)
@@ -114,36 +107,111 @@ def invariant_rows(quick: bool):
                 os.environ[decode_plan.BATCH_INVARIANT_ENV] = flag
                 row[label] = time_graph_us(step)
                 mode = decode_plan.mode()
-                fused = mode == "auto" and decode_plan.auto_is_fused(T, H, 640)
-                p = decode_plan.plan(T, H, 640, decode_plan.num_sms(0), mode)
-                row[label.replace("_us", "_plan")] = "fused" if fused else f"{p.kernel} S={p.splits}"
+                sms = decode_plan.num_sms(0)
+                if mode in ("fused", "v3") or (mode == "auto" and (decode_plan.auto_is_fused(T, H, 640)
+                                                                   or decode_plan.auto_is_v3(T, H, 640))):
+                    form = decode_plan.fused_form(T, H, 640)
+                    p = decode_plan.v3_plan(T, H, 640, sms) if form == "v3" else decode_plan.fused_plan(T, H, 640, sms)
+                    row[label.replace("_us", "_plan")] = f"{'v3' if form == 'v3' else 'fused'} S={p.splits}"
+                else:
+                    p = decode_plan.plan(T, H, 640, sms, mode)
+                    row[label.replace("_us", "_plan")] = f"{p.kernel} S={p.splits}"
             os.environ.pop(decode_plan.BATCH_INVARIANT_ENV, None)
             row["ratio"] = row["invariant_us"] / row["default_us"]
             rows.append(row)
             print(row, flush=True)
+            emit(rows)
     return rows
 
 
-def main():
-    from common import parse_args, write_results
+def assemble(path: str):
+    """Startup rows from sweep JSON lines: per (model, tp), the cold line and the warm one."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip().startswith("{"):
+                continue
+            d = json.loads(line)
+            row = rows.setdefault((d["model"], d["tp"]), {"model": d["model"], "tp": d["tp"], "sweep_compiles": 0})
+            row.update(max_tokens=d["max_tokens"], keys=d["warm_keys"], classes=d["classes"], build_s=d["build_s"])
+            row["sweep_compiles"] += d["compiles_after_warmup"]
+            if d.get("cache") == "cold":
+                row.update(cold_4_threads_s=d["warm_s"], cold_compiles=d["warmup_compiles"])
+            elif d.get("cache") == "warm":
+                row.update(warm_cache_s=d["warm_s"], warm_compiles=d["warmup_compiles"])
+            if d["new"]:
+                row["error"] = f"compiled after warmup: {d['new'][:3]}"
+    return [rows[k] for k in sorted(rows, key=lambda k: (-k[1], k[0] != "v41"))]
 
-    args = parse_args("warm-set compile cost at startup; batch-invariance cost")
-    write_results("startup", args.out, startup_rows(args.quick),
-                  ["model", "tp", "max_tokens", "keys", "classes", "build_s", "cold_4_threads_s", "warm_cache_s",
-                   "cold_1_thread_s", "error"],
-                  notes="Seconds per worker (fresh process, portable). cold: empty TRITON_CACHE_DIR; warm_cache: "
-                        "the cache the cold run filled (a restart). 4 threads = vLLM's default "
-                        "VLLM_TRITON_JIT_WARMUP_NUM_THREADS.")
-    write_results("batch_invariant", args.out, invariant_rows(args.quick),
-                  ["T", "H", "default_plan", "default_us", "invariant_plan", "invariant_us", "ratio"],
-                  notes="dsv4_decode_attention in a CUDA graph, K = 512 top-k + 128 window, portable; "
-                        "invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K).")
+
+STARTUP_COLUMNS = ["model", "tp", "max_tokens", "keys", "classes", "build_s", "cold_4_threads_s", "cold_compiles",
+                   "warm_cache_s", "warm_compiles", "sweep_compiles", "error"]
+STARTUP_NOTES = ("Seconds per worker (fresh process each, portable, the served shapes: 4096 blocks, 64K context). "
+                 "build: enumerating the warm set (Python, meta tensors); cold: compiling it as vLLM's JIT warmup does "
+                 "(warm_keys.compile_many_jit, 4 threads = VLLM_TRITON_JIT_WARMUP_NUM_THREADS' default) with an empty "
+                 "TRITON_CACHE_DIR; warm_cache: again on the cache the cold run filled (a restart); *_compiles: "
+                 "Triton's post-compile hook during the warmup; sweep_compiles: during the mixed-batch sweep after "
+                 "it, both runs (tests/test_warm_set.py; must be 0).")
+INVARIANT_COLUMNS = ["T", "H", "default_plan", "default_us", "invariant_plan", "invariant_us", "ratio"]
+INVARIANT_NOTES = ("dsv4_decode_attention in a CUDA graph (20 calls, median), K = 512 top-k + 128 window, portable, "
+                   "same process; invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K).")
+
+
+def write_all(out_dir, startup, invariant):
+    """startup.{json,md}: both tables (the JSON's rows are the startup rows, 'invariant' the others)."""
+    from common import markdown_table, write_results
+
+    md = write_results("startup", out_dir, startup, STARTUP_COLUMNS, notes=STARTUP_NOTES)
+    path = os.path.join(out_dir, "startup.json")
+    with open(path) as f:
+        data = json.load(f)
+    data["invariant"] = invariant
+    data["invariant_notes"] = INVARIANT_NOTES
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    with open(os.path.join(out_dir, "startup.md"), "w") as f:
+        f.write(md + f"\n### batch invariance: decode step\n\n{markdown_table(invariant, INVARIANT_COLUMNS)}\n\n"
+                f"{INVARIANT_NOTES}\n")
+
+
+def main():
+    import argparse
+
+    p = argparse.ArgumentParser(description="warm-set compile cost at startup; batch-invariance cost")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--part", choices=("startup", "invariant", "both"), default="both")
+    p.add_argument("--cases", default="v41:8,v4:8,v41:1,v4:1", help="model:tp,... of the startup rows")
+    p.add_argument("--cache-root", default="", help="folder for the per-case Triton caches (default: a temp dir)")
+    p.add_argument("--budget", type=float, default=1e9, help="seconds after which no new startup case starts")
+    p.add_argument("--assemble", default="", help="a file of sweep JSON lines (tests/test_warm_set.py --sweep, "
+                   "tagged cache=cold/warm): the startup rows from it instead of running the cases")
+    args = p.parse_args()
+    cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",") if c]
+    deadline = time.perf_counter() + args.budget
+    state = {"startup": [], "invariant": []}
+    previous = os.path.join(args.out, "startup.json")
+    if os.path.exists(previous):  # the other part of an earlier run into the same folder is kept
+        with open(previous) as f:
+            data = json.load(f)
+        state = {"startup": data.get("rows", []), "invariant": data.get("invariant", [])}
+
+    def emit(key):
+        def f(rows):
+            state[key] = list(rows)
+            write_all(args.out, state["startup"], state["invariant"])
+        return f
+
+    if args.assemble:
+        emit("startup")(assemble(args.assemble))
+        return
+    if args.part in ("invariant", "both"):
+        invariant_rows(args.quick, emit("invariant"))
+    if args.part in ("startup", "both"):
+        root = args.cache_root or tempfile.mkdtemp(prefix="dsv4_triton_")
+        startup_rows(cases[:1] if args.quick else cases, root, deadline, emit("startup"))
+    write_all(args.out, state["startup"], state["invariant"])
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        i = sys.argv.index("--child")
-        m, tp, mt, th = sys.argv[i + 1], int(sys.argv[i + 2]), int(sys.argv[i + 3]), int(sys.argv[i + 4])
-        print(json.dumps(child(m, tp, mt, th)))
-    else:
-        main()
+    main()

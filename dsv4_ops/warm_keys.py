@@ -1,19 +1,27 @@
 """Triton launch keys: what one launch of a ``@triton.jit`` kernel compiles, recorded without
 launching, and compiled ahead of a launch.
 
-A launch compiles one specialization per *launch key*: the kernel, every constexpr by value,
-every other argument's Triton type and specialization attribute (a pointer's dtype and its
-16-byte alignment; an int's width and, unless the kernel says ``do_not_specialize``, whether
-it is 1 (then a constexpr) or a multiple of 16), and the launch options (num_warps,
-num_stages, enable_fp_fusion, ...). Triton's JIT keeps one compiled kernel per key in memory
-per device; a launch with a new key compiles (or loads from the on-disk cache).
+A launch compiles one specialization per *launch key*. Triton's ``JITFunction.run`` (3.6 and
+3.8 alike) keys its in-memory cache of one device by ``str(specialization) + str(options)``:
+the specialization is, per parameter, ``("constexpr", value)`` or the argument's Triton type
+and attribute from ``native_specialize_impl`` (a pointer's dtype and 16-byte alignment; an
+int's width and, unless the kernel says ``do_not_specialize``, whether it is 1, then a
+constexpr, or a multiple of 16); the options are the launch's keyword arguments that are not
+parameters, *as passed and in the order passed* (``num_warps=4`` given and omitted are two
+keys, so are ``num_warps, num_stages`` and ``num_stages, num_warps``), plus ``debug`` and
+``instrumentation_mode`` that ``run`` adds. A launch with a key not in memory compiles (or
+loads from the on-disk cache) and fires ``jit_post_compile_hook``.
 
-- ``recording()``: while active, launches through ``dsv4_ops._launch.FastKernel`` and
-  ``kernel[grid](...)`` record their ``LaunchKey`` instead of running (so launchers can be
-  driven with ``meta`` tensors on any machine: nothing is allocated on a GPU, nothing runs).
-  The attributes come from Triton's own ``native_specialize_impl`` (what its binder calls).
-- ``compile_jit(key)``: compiles one key into the JIT's in-memory cache of the current CUDA
-  device (``JITFunction.warmup`` with mock pointers), so the later real launch finds it.
+- ``recording()``: while active, every ``kernel[grid](...)`` (``JITFunction.run``) records its
+  ``LaunchKey`` instead of running; ``dsv4_ops._launch.FastKernel`` is switched to its plain
+  path for the duration, so its launches reach ``run`` in their real call form. Launchers
+  can so be driven with ``meta`` tensors on any machine (nothing allocated, nothing runs).
+- ``compile_jit(key)``: replays the launch through Triton's own ``JITFunction.warmup`` (=
+  ``run(..., warmup=True)``): every parameter positionally (mock pointers of the recorded
+  dtype and alignment, ints of the recorded class), the options as the launch passed them.
+  Triton computes the key itself, so it is the key of the real launch by construction.
+- ``triton_key(fn, args, kwargs)``: that key string as Triton's binder computes it, on any
+  machine (tests check a replay's key equals the recorded launch's).
 - ``compile_aot(key, arch)``: the same specialization compiled for ``sm_<arch>`` on any
   machine (no GPU; ``triton.compile`` with the key's signature, constexprs and attributes).
 """
@@ -23,11 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-from typing import Any, Dict, Iterator, List, Set, Tuple
-
-# Launch options and their Triton (CUDA) defaults: a launch that omits one gets the same
-# kernel as a launch that passes the default.
-OPTION_DEFAULTS = {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": True}
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 # Values that reproduce an int argument's specialization (type, attribute) at compile time.
 _INT_VALUES = {("i32", "D"): 16, ("i32", ""): 17, ("i32", None): 17,
@@ -40,7 +44,8 @@ class LaunchKey:
     """One compiled specialization. kernel: 'module:qualname' of the @triton.jit function;
     args: (name, type, attribute) per parameter in order, type 'constexpr' with the value as
     the attribute for constexprs (and for ints equal to 1, which Triton turns into
-    constexprs); options: sorted (name, value) launch options, defaults filled in."""
+    constexprs); options: the (name, value) launch options the launch passed, in its order
+    (part of Triton's key as they are: no defaults filled in, not sorted)."""
 
     kernel: str
     args: Tuple[Tuple[str, str, Any], ...]
@@ -54,7 +59,7 @@ class LaunchKey:
                 parts.append(f"{name}={attr}")
             elif ty[0] in "iu" and attr:
                 parts.append(f"{name}:{attr}")
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        opts = ",".join(f"{k}={v}" for k, v in self.options) or "-"
         return f"{self.kernel.rsplit(':', 1)[-1]}[{','.join(parts)}]({opts})"
 
 
@@ -149,8 +154,7 @@ def key_of(fn, args: tuple, kwargs: dict) -> LaunchKey:
     fn = jit_function(fn)
     names = [p.name for p in fn.params]
     params = {k: v for k, v in kwargs.items() if k in names}
-    options = dict(OPTION_DEFAULTS)
-    options.update({k: v for k, v in kwargs.items() if k not in names})
+    options = tuple((k, v) for k, v in kwargs.items() if k not in names)
     bound = fn.signature.bind(*args, **params)
     bound.apply_defaults()
     spec = []
@@ -161,33 +165,61 @@ def key_of(fn, args: tuple, kwargs: dict) -> LaunchKey:
         else:
             ty, attr = _specialize(value, p)
             spec.append((p.name, ty, value if ty == "constexpr" else attr))
-    return LaunchKey(kernel_id(fn), tuple(spec), tuple(sorted(options.items())))
+    return LaunchKey(kernel_id(fn), tuple(spec), options)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Set[LaunchKey]]:
+def recording(calls: Optional[List[tuple]] = None) -> Iterator[Set[LaunchKey]]:
     """Record the LaunchKey of every launch in the block instead of running it (yields the
-    set that fills). Patches ``FastKernel.__call__`` and ``JITFunction.run`` for the
-    duration; not thread-safe (a tool for enumeration, never for serving)."""
+    set that fills; ``calls``, when given, also gets each launch's (JITFunction, args,
+    kwargs) as passed). Patches ``JITFunction.run`` (and the interpreter's) and turns
+    ``FastKernel``'s direct path off for the duration, so its launches take its plain
+    ``fn[grid](*args, *consts, num_warps=, num_stages=)`` call, the one that compiles for it;
+    not thread-safe (a tool for enumeration and startup, never for serving)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from ._launch import FastKernel
+    from . import _launch
 
     keys: Set[LaunchKey] = set()
 
-    def fast_call(self, grid, args, consts, num_warps=4, num_stages=3):
-        keys.add(key_of(self.fn, tuple(args) + tuple(consts), {"num_warps": num_warps, "num_stages": num_stages}))
-
     def jit_run(self, *args, grid, warmup, **kwargs):
         keys.add(key_of(self, args, kwargs))
+        if calls is not None:
+            calls.append((jit_function(self), args, dict(kwargs)))
 
-    saved = (FastKernel.__call__, JITFunction.run, InterpretedFunction.run)
-    FastKernel.__call__, JITFunction.run, InterpretedFunction.run = fast_call, jit_run, jit_run
+    saved = (JITFunction.run, InterpretedFunction.run, _launch.ENABLED)
+    JITFunction.run, InterpretedFunction.run, _launch.ENABLED = jit_run, jit_run, False
     try:
         yield keys
     finally:
-        FastKernel.__call__, JITFunction.run, InterpretedFunction.run = saved
+        JITFunction.run, InterpretedFunction.run, _launch.ENABLED = saved
+
+
+_BINDERS: Dict[int, Any] = {}
+
+
+def triton_key(fn, args: tuple, kwargs: dict) -> Optional[str]:
+    """The key ``JITFunction.run`` files ``fn[grid](*args, **kwargs)`` under in its in-memory
+    cache, computed by Triton's own binder (``create_function_from_signature``) and
+    ``compute_cache_key`` for a CUDA sm_80 backend, after the two options ``run`` adds
+    (``debug``, ``instrumentation_mode``); needs no GPU. None where this triton lacks those
+    functions (the GPU test of the warmup is then the only check)."""
+    try:
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key, create_function_from_signature
+    except ImportError:
+        return None
+    fn = jit_function(fn)
+    binder = _BINDERS.get(id(fn))
+    if binder is None:
+        binder = _BINDERS[id(fn)] = (fn, create_function_from_signature(fn.signature, fn.params, _backend()))
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    if hasattr(knobs.compilation, "instrumentation_mode"):
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    _, specialization, options = binder[1](*args, **kwargs)
+    return compute_cache_key({}, specialization, options)
 
 
 class _MockPointer:
@@ -212,30 +244,40 @@ def _torch_dtype(ty: str):
     return table[ty]
 
 
+def _argument(key: LaunchKey, name: str, ty: str, attr) -> Any:
+    """A value that specializes as (ty, attr) does."""
+    if ty == "constexpr":
+        return attr
+    if ty.startswith("*"):
+        return _MockPointer(_torch_dtype(ty[1:]), attr == "D")
+    if ty == "fp32":
+        return 1.0
+    if ty == "u1":
+        return True
+    if (ty, attr) in _INT_VALUES:
+        return _INT_VALUES[(ty, attr)]
+    raise ValueError(f"warm_keys: cannot rebuild argument {name} ({ty}, {attr!r}) of {key.kernel}")
+
+
+def replay_arguments(key: LaunchKey) -> Tuple[list, Dict[str, Any]]:
+    """(positional arguments, options) of a launch with exactly this key: every parameter
+    positionally, the options in the launch's order (``fn.warmup(*args, grid=..., **options)``)."""
+    return [_argument(key, *a) for a in key.args], dict(key.options)
+
+
 def warmup_arguments(key: LaunchKey) -> Dict[str, Any]:
-    """Keyword arguments (parameters and options) whose launch has exactly this key."""
-    kwargs: Dict[str, Any] = {}
-    for name, ty, attr in key.args:
-        if ty == "constexpr":
-            kwargs[name] = attr
-        elif ty.startswith("*"):
-            kwargs[name] = _MockPointer(_torch_dtype(ty[1:]), attr == "D")
-        elif ty == "fp32":
-            kwargs[name] = 1.0
-        elif ty == "u1":
-            kwargs[name] = True
-        elif (ty, attr) in _INT_VALUES:
-            kwargs[name] = _INT_VALUES[(ty, attr)]
-        else:
-            raise ValueError(f"warm_keys: cannot rebuild argument {name} ({ty}, {attr!r}) of {key.kernel}")
-    kwargs.update(dict(key.options))
+    """The same launch as keyword arguments (parameters, then the options in order)."""
+    kwargs = {name: _argument(key, name, ty, attr) for name, ty, attr in key.args}
+    kwargs.update(key.options)
     return kwargs
 
 
 def compile_jit(key: LaunchKey) -> None:
-    """Compile one key into the in-memory JIT cache of the current CUDA device (no launch).
+    """Compile one key into the in-memory JIT cache of the current CUDA device: the launch
+    replayed through ``JITFunction.warmup`` (Triton computes the key itself; nothing runs).
     Raises whatever Triton raises (a compile error names the kernel)."""
-    jit_function(resolve(key.kernel)).warmup(grid=(1,), **warmup_arguments(key))
+    args, options = replay_arguments(key)
+    jit_function(resolve(key.kernel)).warmup(*args, grid=(1,), **options)
 
 
 def compile_many_jit(keys, threads: int = 1) -> None:

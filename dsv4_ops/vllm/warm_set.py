@@ -2,24 +2,27 @@
 V4.1 serve path can reach through this library on sm_8x, for one model, TP degree and
 ``max_num_batched_tokens``.
 
-Built by driving the real launchers (``dsv4_ops.attention``, ``kv_cache``, ``indexer``,
-``engram``) with ``meta`` tensors under ``warm_keys.recording()``: nothing is allocated on
-a GPU, nothing runs, and every key is what the launcher itself would compile, so a new
-dispatch rule in a launcher shows up here without a hand list. What the calls look like
-(shapes, dtypes, which arguments are present) follows the vLLM integration
-(``dsv4_ops.vllm.attention`` / ``indexer`` / ``compressed_cache`` / ``engram`` and vLLM
-0.33.0's DSv4 forward, cited per call below).
+Built by calling the plugin's own entry points (``dsv4_ops.vllm.attention.ampere_decode`` /
+``flash_mla_sparse_fwd_ampere`` / ``dequantize_and_gather_k_cache_ampere``, the
+``dsv4_ops.vllm.indexer`` functions) and the ops the other writers call, with ``meta``
+tensors shaped as vLLM 0.33.0's DSv4 forward passes them, under ``warm_keys.recording()``,
+with ``torch.ops.dsv4_ampere`` routed to each op's registered CUDA implementation (its
+launcher: on meta tensors the real op would run its fake) and the launchers answering for the
+target device (``device_of``: its SM count, the kernel variant). Nothing is allocated on a
+GPU and nothing runs; every dispatch decision below an entry point (the composite's fused /
+v3 / gather branches, split plans, sparse prefill's kernel-or-split rule, ...) is the code's
+own, so a new branch or kernel shows up here without a hand list, and a kernel of the AOT
+table that none reaches fails ``tests/test_warm_set.py`` unless ``NOT_SERVED`` names it.
 
-Batch classes. A launch key depends on the token count T only through (a) the decode plan
-(``decode_plan.plan``: kernel and split count; ``fused_plan`` where the composite takes the
-fused paged kernel), (b) the gather branch of ``dsv4_decode.dsv4_decode_attention``, (c)
-Triton's specialization of ints derived from T (equal to 1, multiple of 16; T times a
-constant), and (d) a few grids computed from T (the decode indexer's tiles a program, the
-Engram grid), so the keys of all T in [1, max_tokens] are those of one representative per
-class (T == 1, T mod 16, the plans at every K, the branch, (d)), ``batch_classes``. Sizes that depend on request contents, not on
-T (a prefill workspace's rows, the tokens a compressor writes, indexer key counts), take
-each specialization class: ``DATA_SIZES`` (1, a multiple of 16, neither).
-The plan also depends on the SM count (108 on an A100): ``sms``.
+Batch classes. A launch key depends on the token count T only through the dispatch's choices
+from T (``t_choices``: the decode plan of the mode, the fused and v3 plans and auto windows,
+sparse prefill's rule), the one-launch gather branch (T * K <= FUSED_GATHER_MAX_ROWS),
+Triton's specialization of ints derived from T (== 1, multiple of 16; the kernels mark pure
+counts ``do_not_specialize``) and a few T-derived launch ints (``_other_t_ints``), so the keys
+of all T in [1, max_tokens] are those of one representative per class (``batch_classes``).
+Sizes that depend on request contents, not on T (a prefill workspace's rows, the tokens a
+compressor writes, indexer key counts), take each specialization class: ``DATA_SIZES`` (1, a
+multiple of 16, neither). The plans also depend on the SM count (108 on an A100): ``sms``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ HEAD_DIM = 512
 INDEXER_DIM = 128
 RECORD_BYTES = 584
 C128A_TOPK_ALIGNMENT = 128  # vLLM deepseek_v4/sparse_mla.py _C128A_TOPK_ALIGNMENT
+# Kernels of the sm_8x AOT table (``dsv4_ops.aot.all_specs``) that vLLM's DeepSeek-V4 / V4.1
+# serve path never launches, with the reason; every other AOT kernel must be in a warm set
+# (tests/test_warm_set.py), so a new kernel is warmed or named here.
+NOT_SERVED = {
+    "_e4m3_decode_kernel": "the E4M3 codec ops (dsv4_ampere.e4m3_decode/encode) serve tools and tests; the cache "
+                           "writers and readers inline their own codec",
+    "_e4m3_encode_kernel": "as _e4m3_decode_kernel",
+    # DeepSeek-V3.2 (dsv4_ops.v32, dsv4_ops.vllm.v32_backend): another model; this warm set is
+    # V4 / V4.1's (shapes_from_vllm_config answers None for V3.2), so these compile at first use.
+    "_v32_kv_gather_kernel": "DeepSeek-V3.2's cache gather (no V3.2 warm set yet)",
+    "_v32_kv_insert_kernel": "DeepSeek-V3.2's cache writer (no V3.2 warm set yet)",
+    "_v32_sparse_mla_kernel": "DeepSeek-V3.2's sparse attention (no V3.2 warm set yet)",
+}
 # Engram table rows of a shard and hash columns: stand-ins (they only reach kernel ints, whose
 # classes the real values may differ in: unverified against a V4.1 checkpoint).
 ENGRAM_ROWS, ENGRAM_COLS = 1 << 20, 16
@@ -124,16 +140,32 @@ def v41_flash(tp: int = 1, **kw) -> ModelShapes:
 
 # ----------------------------------------------------------------------------- batch classes
 
-def _plan_of(T: int, H: int, K: int, sms: int, mode: str):
-    from .. import decode_plan
+def t_choices(T: int, H: int, K: int, sms: int, mode: str) -> tuple:
+    """Every choice the dispatch makes from (T, H, K, SMs) for one key width: the decode plan of
+    the mode, the fused and v3 plans, the auto windows and the fused form (decode_plan), and
+    whether sparse prefill takes its own kernel (dsv4_ops.sparse_prefill); each where this
+    tree has it. Token counts with equal choices at every width launch the same kernels."""
+    import importlib
 
-    return decode_plan.plan(T, H, K, sms, mode)
+    from .. import decode_plan as dp
 
+    out = [dp.plan(T, H, K, sms, mode if mode in dp.MODES else "auto")]
+    for name in ("fused_plan", "v3_plan"):
+        fn = getattr(dp, name, None)
+        out.append(fn(T, H, K, sms) if fn is not None else None)
+    for name in ("auto_is_fused", "auto_is_v3", "fused_form"):
+        fn = getattr(dp, name, None)
+        out.append(fn(T, H, K) if fn is not None else None)
+    try:
+        sp = importlib.import_module("dsv4_ops.sparse_prefill")
+    except ImportError:
+        sp = None
+    rule = getattr(sp, "uses_prefill_kernel", None)
+    if rule is not None:
+        import torch
 
-def _fused_plan_of(T: int, H: int, K: int, sms: int):
-    from .. import decode_plan
-
-    return decode_plan.fused_plan(T, H, K, sms)
+        out.append(rule(T, H, torch.int32, sms))
+    return tuple(out)
 
 
 def int_class(v: int) -> int:
@@ -144,14 +176,13 @@ def int_class(v: int) -> int:
 def batch_classes(max_tokens: int, H: int, widths: Sequence[int], sms: int, mode: str = "auto",
                   fused_max_rows: Optional[int] = None,
                   extra: Optional[Callable[[int], tuple]] = None) -> List[int]:
-    """One token count per class of [1, max_tokens] (module doc): T == 1, T mod 16, the
-    decode plan at every key width in ``widths``, the fused-gather branch
-    (T * width <= fused_max_rows) for each, and ``extra(T)`` (other launch ints computed
-    from T, as their int_class). Ascending."""
+    """One token count per class of [1, max_tokens] (module doc): T == 1, T mod 16, every
+    dispatch choice at every key width in ``widths`` (``t_choices``), the one-launch gather
+    branch (T * width <= fused_max_rows) for each, and ``extra(T)`` (other launch ints
+    computed from T, as their int_class). Ascending."""
     seen: Dict[tuple, int] = {}
     for T in range(1, max_tokens + 1):
-        sig = (T == 1, T % 16, tuple(_plan_of(T, H, K, sms, mode) for K in widths),
-               tuple(_fused_plan_of(T, H, K, sms) if _fused(mode, T, H, K) else None for K in widths),
+        sig = (T == 1, T % 16, tuple(t_choices(T, H, K, sms, mode) for K in widths),
                () if fused_max_rows is None else tuple(T * K <= fused_max_rows for K in widths),
                () if extra is None else extra(T))
         seen.setdefault(sig, T)
@@ -214,82 +245,86 @@ def _cache(shapes: ModelShapes, block_size: int, record_bytes: int = RECORD_BYTE
     return _meta((shapes.num_blocks, page), torch.uint8)
 
 
-def _fused(mode: str, T: int, H: int, K: int) -> bool:
-    """Whether dsv4_decode_attention takes its fused paged path (its own test)."""
-    from .. import decode_plan
-
-    return mode == "fused" or (mode == "auto" and decode_plan.auto_is_fused(T, H, K))
-
-
 def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool, mode: str,
                 ratio: int = 4) -> None:
-    """One decode layer (``vllm.attention.ampere_decode`` -> ``dsv4_decode_attention``):
-    int32 top-k slots [T, K1] with int32 lengths (SWA-only layers: K1 = 0, no lengths),
-    int32 window slots [T, window] with or without lengths, then sparse attention with the
-    sink into vLLM's output buffer; the compressed cache holds block_size // ratio tokens a
-    block (``_forward_decode``). The branches (fused paged kernel; one-launch gather or
-    two gathers) are the composite's own tests and threshold."""
+    """One decode layer as vLLM's ``_forward_decode`` calls the plugin's
+    ``vllm.attention.ampere_decode``: q / output bf16 [T, H, 512], window slots int32
+    [T, 1, window] with or without int32 lengths, the compressed cache (block_size // ratio
+    tokens a block) with int32 top-k slots [T, 1, K1] and lengths, or none (SWA-only, K1 = 0),
+    the sink. Everything below is the composite's own dispatch (``dsv4_decode``: fused paged
+    kernel, v3, one-launch gather or two gathers; plan and splits from T) and the ops'
+    launchers (``routed_ops``)."""
     import torch
 
-    from .. import attention, kv_cache
-    from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
+    from . import attention as vattn
 
     H, K2 = shapes.heads_per_rank, shapes.window
-    comp_bs = max(1, shapes.block_size // ratio) if K1 else shapes.swa_block_size
-    comp = _cache(shapes, comp_bs) if K1 else _cache(shapes, shapes.swa_block_size)
+    comp_bs = max(1, shapes.block_size // ratio)
     swa = _cache(shapes, shapes.swa_block_size)
-    topk = _meta((T, K1), torch.int32)
+    comp = _cache(shapes, comp_bs) if K1 else None
+    topk = _meta((T, 1, K1), torch.int32) if K1 else None
     topk_len = _meta((T,), torch.int32) if K1 else None
-    swa_slots = _meta((T, K2), torch.int32)
+    swa_slots = _meta((T, 1, K2), torch.int32)
     swa_len = _meta((T,), torch.int32) if with_swa_len else None
     q = _meta((T, H, HEAD_DIM), torch.bfloat16)
     out = _meta((T, H, HEAD_DIM), torch.bfloat16)
     sink = _meta((H,), torch.float32)
-    if _fused(mode, T, H, K1 + K2):
-        attention.dsv4_decode_fused(q, comp, topk, topk_len, comp_bs, swa, swa_slots, swa_len, shapes.swa_block_size,
-                                    sink, HEAD_DIM ** -0.5, 0, out=out, variant=variant)
+    with decode_mode(mode):
+        vattn.ampere_decode(q, out, swa, swa_slots, swa_len, shapes.swa_block_size, comp, topk, topk_len,
+                            comp_bs if K1 else shapes.swa_block_size, sink, HEAD_DIM ** -0.5)
+
+
+@contextlib.contextmanager
+def decode_mode(mode: Optional[str]):
+    """DSV4_AMPERE_DECODE_KERNEL = mode for the block (None or 'invariant': unchanged; the
+    composite reads it at each call)."""
+    import os
+
+    from .. import decode_plan
+
+    if mode is None or mode == "invariant":
+        yield
         return
-    rows = T * (K1 + K2)
-    ws = _meta((rows, HEAD_DIM), torch.bfloat16)
-    if rows <= FUSED_GATHER_MAX_ROWS:
-        idx = attention.dsv4_decode_gather(comp, topk, topk_len, comp_bs, swa, swa_slots, swa_len,
-                                           shapes.swa_block_size, ws, variant=variant)
-    else:  # dsv4_decode._gather_two_launches (window lengths folded into the slots by torch)
-        if K1:
-            kv_cache.kv_cache_gather(comp, topk, comp_bs, out=ws, row_offset=0, variant=variant)
-        kv_cache.kv_cache_gather(swa, swa_slots, shapes.swa_block_size, out=ws, row_offset=T * K1, variant=variant)
-        idx = attention.dsv4_decode_indices(topk, topk_len, swa_slots, comp.shape[0] * comp_bs,
-                                            swa.shape[0] * shapes.swa_block_size)
-    attention.sparse_mla_decode(q, ws, idx, None, sink, HEAD_DIM ** -0.5, 0, variant=variant, out=out,
-                                kernel=mode)
+    saved = os.environ.get(decode_plan.ENV_VAR)
+    os.environ[decode_plan.ENV_VAR] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(decode_plan.ENV_VAR, None)
+        else:
+            os.environ[decode_plan.ENV_VAR] = saved
 
 
 def prefill_attention(shapes: ModelShapes, T: int, width: int, n_kv: int, variant: str, mode: str) -> None:
-    """``flash_mla_sparse_fwd_ampere`` as vLLM's ``_forward_prefill`` calls it: q [T, H, 512],
-    the chunk's gathered workspace [n_kv, 512], combined int32 indices [T, width] (rows of a
-    [max_num_batched_tokens, width] buffer) with int32 lengths, the sink, ``out`` given."""
+    """vLLM's ``_forward_prefill`` through the plugin's ``flash_mla_sparse_fwd_ampere``: q
+    [T, H, 512], the chunk's gathered workspace [n_kv, 1, 512], combined int32 indices
+    [T, 1, width] with int32 lengths, the sink, ``out`` given."""
     import torch
 
-    from .. import attention
+    from . import attention as vattn
 
     H = shapes.heads_per_rank
     q = _meta((T, H, HEAD_DIM), torch.bfloat16)
-    kv = _meta((n_kv, HEAD_DIM), torch.bfloat16)
-    idx = _meta((T, width), torch.int32)
+    kv = _meta((n_kv, 1, HEAD_DIM), torch.bfloat16)
+    idx = _meta((T, 1, width), torch.int32)
     lens = _meta((T,), torch.int32)
     out = _meta((T, H, HEAD_DIM), torch.bfloat16)
-    attention.sparse_mla_decode(q, kv, idx, lens, _meta((H,), torch.float32), HEAD_DIM ** -0.5, 0,
-                                variant=variant, out=out, kernel=mode)
+    with decode_mode(mode):
+        vattn.flash_mla_sparse_fwd_ampere(q, kv, idx, HEAD_DIM ** -0.5, HEAD_DIM, _meta((H,), torch.float32), lens,
+                                          out)
 
 
 def prefill_gather(shapes: ModelShapes, n_slots: int, block_size: int, variant: str) -> None:
-    """``dequantize_and_gather_k_cache_ampere``: int64 slots [R, L] (n_slots in all) gathered."""
+    """The plugin's ``dequantize_and_gather_k_cache_ampere`` for one request of n_slots rows
+    into a bf16 [1, n_slots, 512] workspace (int64 slots [R, L] built by torch)."""
     import torch
 
-    from .. import kv_cache
+    from . import attention as vattn
 
-    kv_cache.kv_cache_gather(_cache(shapes, block_size), _meta((n_slots,), torch.int64), block_size,
-                             variant=variant)
+    vattn.dequantize_and_gather_k_cache_ampere(
+        _meta((1, n_slots, HEAD_DIM), torch.bfloat16), _cache(shapes, block_size), _meta((1,), torch.int32), None,
+        _meta((1, _cdiv(n_slots, block_size) + 1), torch.int32), block_size, 0)
 
 
 def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
@@ -297,17 +332,15 @@ def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
     compressed block size) and indexer keys (``indexer_k_insert`` into [nb, bs, 132])."""
     import torch
 
-    from .. import indexer, kv_cache
-
+    ops = torch.ops.dsv4_ampere
     rows = _meta((n, HEAD_DIM), torch.bfloat16)
-    for ratio in shapes.ratios:
+    for ratio in shapes.ratios:  # compressed_cache.*_ampere: rows, the 2-D page view, int64 slots
         bs = max(1, shapes.block_size // ratio)
-        kv_cache.kv_cache_insert(rows, _cache(shapes, bs), _meta((n,), torch.int64), bs, variant=variant)
+        ops.kv_cache_insert(rows, _cache(shapes, bs), _meta((n,), torch.int64), bs)
     for ratio in shapes.index_ratios:
         bs = max(1, shapes.block_size // ratio)
         icache = _meta((shapes.num_blocks, bs, INDEXER_DIM + 4), torch.uint8)
-        indexer.indexer_k_insert(_meta((n, INDEXER_DIM), torch.bfloat16), icache, _meta((n,), torch.int64), bs,
-                                 variant=variant)
+        ops.indexer_k_insert(_meta((n, INDEXER_DIM), torch.bfloat16), icache, _meta((n,), torch.int64), bs)
 
 
 def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
@@ -316,13 +349,13 @@ def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
     max_model_len / ratio columns, the indexer cache of block_size // ratio tokens a block)."""
     import torch
 
-    from .. import indexer
+    from . import indexer as vidx
 
     Hi = shapes.index_heads
     for w_dtype in (torch.bfloat16, torch.float32):
-        indexer.indexer_q_quant(_meta((T,), torch.int64), _meta((T, Hi, INDEXER_DIM), torch.bfloat16),
-                                _meta((shapes.max_model_len, 64), torch.float32), _meta((T, Hi), w_dtype),
-                                1.0, 1.0, variant=variant)
+        vidx.fused_indexer_q_rope_quant(_meta((T,), torch.int64), _meta((T, Hi, INDEXER_DIM), torch.bfloat16),
+                                        _meta((shapes.max_model_len, 64), torch.float32), _meta((T, Hi), w_dtype),
+                                        1.0, 1.0)
     for ratio in shapes.index_ratios:
         bs = max(1, shapes.block_size // ratio)
         icache = _meta((shapes.num_blocks, bs, 1, INDEXER_DIM + 4), torch.uint8)
@@ -331,21 +364,21 @@ def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
             if T % next_n:
                 continue
             B = T // next_n
-            indexer.paged_mqa_logits(_meta((B, next_n, Hi, INDEXER_DIM), torch.uint8), icache,
-                                     _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
-                                     _meta((B, _cdiv(ctx_cols, bs)), torch.int32), ctx_cols, variant=variant)
+            vidx.fp8_fp4_paged_mqa_logits((_meta((B, next_n, Hi, INDEXER_DIM), torch.float8_e4m3fn), None), icache,
+                                          _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
+                                          _meta((B, _cdiv(ctx_cols, bs)), torch.int32), None, ctx_cols)
 
 
 def prefill_logits(shapes: ModelShapes, M: int, N: int, cols: int, variant: str) -> None:
     """``fp8_fp4_mqa_logits``: q [M, Hi, 128] E4M3, k [N, 128], compressed [M, cols] output."""
     import torch
 
-    from .. import indexer
+    from . import indexer as vidx
 
     Hi = shapes.index_heads
-    indexer.mqa_logits(_meta((M, Hi, INDEXER_DIM), torch.uint8), _meta((M, Hi), torch.float32),
-                       _meta((N, INDEXER_DIM), torch.uint8), _meta((N,), torch.float32), _meta((M,), torch.int32),
-                       _meta((M,), torch.int32), cols, variant=variant)
+    vidx.fp8_fp4_mqa_logits((_meta((M, Hi, INDEXER_DIM), torch.float8_e4m3fn), None), (
+        _meta((N, INDEXER_DIM), torch.float8_e4m3fn), _meta((N, 1), torch.float32)), _meta((M, Hi), torch.float32),
+        _meta((M,), torch.int32), _meta((M,), torch.int32), cols)
 
 
 def engram_calls(shapes: ModelShapes, T: int, sms: int, variant: str) -> None:
@@ -353,16 +386,14 @@ def engram_calls(shapes: ModelShapes, T: int, sms: int, variant: str) -> None:
     grid and the background one (sms // 2 programs)."""
     import torch
 
-    from .. import engram
-
     dim, qb = shapes.engram
     rows, cols = ENGRAM_ROWS, ENGRAM_COLS
     local = _cdiv(cols, shapes.tp)
     weight, scales = _meta((rows, dim), torch.uint8), _meta((rows, dim // qb), torch.uint8)
     for out in (_meta((T, local, dim), torch.bfloat16), _meta((T, local, dim + dim // qb), torch.uint8)):
         for programs in (0, max(1, sms // 2)):
-            engram.engram_lookup(weight, scales, _meta((T, cols), torch.int32), out, 0, rows, 0, cols,
-                                 None, programs, variant=variant)
+            torch.ops.dsv4_ampere.engram_lookup(weight, scales, _meta((T, cols), torch.int32), out, 0, rows, 0,
+                                                cols, None, programs)
 
 
 # ----------------------------------------------------------------------------- the set
@@ -382,38 +413,100 @@ class WarmSet:
         return len(self.keys)
 
 
-@functools.lru_cache(maxsize=None)
-def _patched_device(sms: int):
-    """(attention._decode_plan, engram.default_programs, attention._fused_plan) for meta
-    tensors: the SM count of the target device instead of the CPU default (108)."""
-    from .. import decode_plan, engram
+class _LauncherOps:
+    """Stands in for ``torch.ops.dsv4_ampere`` while tracing: each op is its registered CUDA
+    implementation (the Triton launcher; ``registration.all_ops``), so meta tensors reach the
+    launchers (the real op would run its fake) and every branch behind an op is traced."""
+
+    def __init__(self, real):
+        from ..registration import all_ops
+
+        self._impl = {op.name: op.cuda for op in all_ops()}
+        self._real = real
+
+    def __getattr__(self, name):
+        impl = self._impl.get(name)
+        if impl is None:
+            return getattr(self._real, name)
+        return impl
+
+
+@contextlib.contextmanager
+def routed_ops():
+    """``torch.ops.dsv4_ampere.<op>`` -> the op's launcher for the block (module doc)."""
+    import torch
+
+    real = torch.ops.dsv4_ampere
+    torch.ops.dsv4_ampere = _LauncherOps(real)
+    try:
+        yield
+    finally:
+        torch.ops.dsv4_ampere = real
+
+
+# Where the launchers read the device's SM count (tests/test_warm_set.py checks this list
+# against every ``multi_processor_count`` in the package, so a new one must be added here).
+# A meta tensor's get_device() is -1 (the launchers then assume 108 SMs) or its device is not
+# 'cuda' (they take their CPU defaults): while tracing, get_device() of a meta tensor is 0
+# and these answer for a device of ``sms`` SMs.
+SM_SOURCES = {
+    "dsv4_ops.decode_plan:num_sms": "decode, fused and v3 plans (attention, v32 via get_device())",
+    "dsv4_ops.engram:_sm_count": "Engram persistent grid (engram.default_programs, patched for meta tensors)",
+    "dsv4_ops.sparse_prefill:_num_sms": "sparse prefill's kernel-or-split rule (sparse_prefill.num_sms_of, patched)",
+    "dsv4_ops.indexer:_sm_count": "decode indexer tiles a program (only where qc.is_cuda; tiles_per_prog is "
+                                  "do_not_specialize and a grid size: no key depends on it)",
+}
+
+
+@contextlib.contextmanager
+def device_of(sms: int, variant: str):
+    """Launchers called on meta tensors behave as on a CUDA device of ``sms`` SMs running
+    ``variant`` (DSV4_AMPERE_IMPL for the block)."""
+    import importlib
+    import os
+
+    import torch
+
+    from .. import decode_plan, dispatch, engram
     from ..csrc_triton import engram as engram_kernels
 
-    def plan(T, H, K, q, kernel_mode, num_splits):
-        return decode_plan.plan(T, H, K, sms, kernel_mode, num_splits)
-
-    def programs(device):
-        return sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"]
-
-    def fused(T, H, K, q, num_splits):
-        return decode_plan.fused_plan(T, H, K, sms, num_splits)
-
-    return plan, programs, fused
-
-
-def trace(calls: Iterable[Callable[[], None]], sms: int) -> FrozenSet[warm_keys.LaunchKey]:
-    """Launch keys of the calls (each a closure over the launchers) for a device of ``sms``."""
-    from .. import attention, engram
-
-    plan, programs, fused = _patched_device(sms)
-    saved = (attention._decode_plan, engram.default_programs, attention._fused_plan)
-    attention._decode_plan, engram.default_programs, attention._fused_plan = plan, programs, fused
+    patches = [(decode_plan, "num_sms", lambda device_index: sms),
+               (engram, "default_programs", lambda device: sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"])]
     try:
-        with warm_keys.recording() as keys:
-            for call in calls:
-                call()
+        sp = importlib.import_module("dsv4_ops.sparse_prefill")
+        patches.append((sp, "num_sms_of", lambda t: sms))
+    except ImportError:
+        pass
+    real_get_device = torch.Tensor.get_device
+
+    def get_device(t):
+        return 0 if t.device.type == "meta" else real_get_device(t)
+
+    patches.append((torch.Tensor, "get_device", get_device))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved_env = os.environ.get(dispatch.ENV_VAR)
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    os.environ[dispatch.ENV_VAR] = variant
+    try:
+        yield
     finally:
-        attention._decode_plan, engram.default_programs, attention._fused_plan = saved
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        if saved_env is None:
+            os.environ.pop(dispatch.ENV_VAR, None)
+        else:
+            os.environ[dispatch.ENV_VAR] = saved_env
+
+
+def trace(calls: Iterable[Callable[[], None]], sms: int, variant: str = "portable",
+          record: Optional[List[tuple]] = None) -> FrozenSet[warm_keys.LaunchKey]:
+    """Launch keys of the calls (each a closure over the plugin's entry points / the ops) on
+    meta tensors, for a device of ``sms`` SMs running ``variant``; record: also gets every
+    launch's (JITFunction, args, kwargs) (tests)."""
+    with device_of(sms, variant), routed_ops(), warm_keys.recording(record) as keys:
+        for call in calls:
+            call()
     return frozenset(keys)
 
 
@@ -458,7 +551,7 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
                           | set(shapes.prefill_index_widths())))
     classes = batch_classes(max_tokens, H, widths, sms, mode, FUSED_GATHER_MAX_ROWS, _other_t_ints(shapes, sms))
-    keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms)
+    keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms, variant)
     return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
 
 
