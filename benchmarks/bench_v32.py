@@ -6,10 +6,12 @@ Writes under DIR:
   v32_decode.{json,md}   decode over the paged 656-byte fp8_ds_mla cache by slot, T in {1, 16,
                          64, 128} x H in {16 (TP8), 128 (TP1)}, K = 2048 random slots of a
                          1,048,576-slot cache (688 MB, beyond the 60 MB L2):
-      us           v32_sparse_mla_decode at the heuristic's split count (splits)
-      unsplit_us   the same kernel with one split (no merge): the same-run baseline
-      best_us      the fastest of a few split counts (best_splits)
+      w64_us, w128_us   v32_sparse_mla_decode, form w64 (9 chunks of 64 dims) / w128 (4 tiles of
+                   128 + RoPE), at the heuristic's split count (*_splits)
+      *_unsplit_us the same kernel with one split (no merge): the same-run baseline
+      *_best_us    the fastest of a few split counts (*_best_splits)
       ws_us        the workspace route: v32_kv_gather of the T*K rows + v32_sparse_mla_prefill
+      floor/us, GB/s, TFLOP/s   of the faster form
       floor_us     max(bytes T*K*656 + q + out at the copy rate, FLOPs 2*T*H*K*1088 at the
                    bf16 matmul rate, launches 0.9 us each), rates measured in this run
       floor/us     the fraction of the floor reached
@@ -81,20 +83,23 @@ def decode_row(cache, T, H, gbs, tfl, replays, sweep, sms):
     out = torch.empty(T, H, DV, device="cuda", dtype=torch.bfloat16)
     row = {"T": T, "H": H, "K": K}
     try:
-        S = v32.num_splits_for(T, H, K, sms)
-        row["splits"] = S
+        for form in ("w64", "w128"):
+            S = v32.num_splits_for(T, H, K, sms, form)
+            row[f"{form}_splits"] = S
 
-        def dec(s):
-            return lambda: v32.v32_sparse_mla_decode(q, cache, idx, None, SM_SCALE, s, out=out)
+            def dec(s, form=form):
+                return lambda: v32.v32_sparse_mla_decode(q, cache, idx, None, SM_SCALE, s, out=out, form=form)
 
-        row["us"] = time_graph_us(dec(S), replays)
-        row["unsplit_us"] = time_graph_us(dec(1), replays) if S != 1 else row["us"]
-        best = (row["us"], S)
-        if sweep:
-            for s in SWEEP:
-                if s not in (1, S) and s <= K // 16:
-                    best = min(best, (time_graph_us(dec(s), max(10, replays // 2)), s))
-        row["best_us"], row["best_splits"] = best
+            row[f"{form}_us"] = time_graph_us(dec(S), replays)
+            row[f"{form}_unsplit_us"] = time_graph_us(dec(1), replays) if S != 1 else row[f"{form}_us"]
+            best = (row[f"{form}_us"], S)
+            if sweep:
+                for s in SWEEP:
+                    if s not in (1, S) and s <= K // 16:
+                        best = min(best, (time_graph_us(dec(s), max(10, replays // 2)), s))
+            row[f"{form}_best_us"], row[f"{form}_best_splits"] = best
+        row["us"] = min(row["w64_us"], row["w128_us"])
+        S = row["w64_splits"]
         ws = torch.empty(T * K, QK, dtype=torch.bfloat16, device="cuda")
         local = torch.arange(T * K, device="cuda", dtype=torch.int32).view(T, K)
 
@@ -116,6 +121,11 @@ def decode_row(cache, T, H, gbs, tfl, replays, sweep, sms):
     return row
 
 
+DECODE_COLUMNS = ["T", "H", "K", "w64_splits", "w64_us", "w64_unsplit_us", "w64_best_us", "w64_best_splits",
+                  "w128_splits", "w128_us", "w128_unsplit_us", "w128_best_us", "w128_best_splits", "ws_us",
+                  "floor_us", "floor/us", "GB/s", "TFLOP/s", "error"]
+
+
 def prefill_rows(cache, gbs, tfl, replays):
     rows = []
     N, T = 65536, 1024
@@ -134,8 +144,11 @@ def prefill_rows(cache, gbs, tfl, replays):
         try:
             q = torch.randn(T, H, QK, device="cuda", generator=g).to(torch.bfloat16)
             out = torch.empty(T, H, DV, device="cuda", dtype=torch.bfloat16)
-            row["us"] = time_graph_us(lambda: v32.v32_sparse_mla_prefill(q, ws, idx, None, SM_SCALE, out=out),
-                                      max(5, replays // 3))
+            for form in ("w64", "w128"):
+                row[f"{form}_us"] = time_graph_us(
+                    lambda form=form: v32.v32_sparse_mla_prefill(q, ws, idx, None, SM_SCALE, out=out, form=form),
+                    max(5, replays // 3))
+            row["us"] = min(row["w64_us"], row["w128_us"])
             nbytes = T * K * QK * 2 + T * H * (QK + DV) * 2
             flops = 2 * T * H * K * (QK + DV)
             row["floor_us"] = floor(nbytes, flops, 1, gbs, tfl)
@@ -162,12 +175,11 @@ def main():
     rows = [decode_row(cache, T, H, gbs, tfl, replays, not args.quick, sms) for T in TS for H in HS]
     notes = (f"Same run: copy {gbs:.0f} GB/s, bf16 matmul {tfl:.0f} TFLOP/s (8192^3), {sms} SMs. "
              f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}. Wall {time.time() - t0:.0f} s.")
-    write_results("v32_decode", args.out, rows,
-                  ["T", "H", "K", "splits", "us", "unsplit_us", "best_us", "best_splits", "ws_us", "floor_us",
-                   "floor/us", "GB/s", "TFLOP/s", "error"], notes)
+    write_results("v32_decode", args.out, rows, DECODE_COLUMNS, notes)
     prows = prefill_rows(cache, gbs, tfl, replays)
     write_results("v32_prefill", args.out, prows,
-                  ["T", "H", "K", "N", "us", "floor_us", "floor/us", "TFLOP/s", "gather_us", "gather_floor_us", "error"],
+                  ["T", "H", "K", "N", "w64_us", "w128_us", "floor_us", "floor/us", "TFLOP/s", "gather_us",
+                   "gather_floor_us", "error"],
                   notes)
 
 

@@ -3,7 +3,7 @@
 # GPU tests of tests/test_v32_ops.py (portable variant: what sm_8x runs), bench_v32.py, then
 # compute-sanitizer memcheck of tests/memcheck_v32.py with whatever time is left.
 # Everything is written straight into $OUT (8 files at most), so a timeout still returns logs.
-#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT (65), BENCH_TIMEOUT (45), MEMCHECK_TIMEOUT (20)
+#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT1 (35), TEST_TIMEOUT2 (40), BENCH_TIMEOUT (45), MEMCHECK_TIMEOUT (15)
 set -u -o pipefail
 OUT="${OUT:-/tmp/v32_out}"
 mkdir -p "$OUT/results"
@@ -16,15 +16,19 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q > /tmp/v32_install
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' >> "$S" 2>&1
 echo "install done $(el)" >> "$S"
 
-timeout "${TEST_TIMEOUT:-65}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -k "not native" -p no:cacheprovider \
-  > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
+# the cheap, broad checks first (insert, graphs, compile, opcheck, corner cases), then FlashMLA's cases
+timeout "${TEST_TIMEOUT1:-35}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider \
+  -k "not native and not test_gpu_flashmla_cases" > "$OUT/pytest.log" 2>&1
+echo "pytest(1) rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
+timeout "${TEST_TIMEOUT2:-40}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider \
+  -k "not native and test_gpu_flashmla_cases" >> "$OUT/pytest.log" 2>&1
+echo "pytest(2) rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
 
 timeout "${BENCH_TIMEOUT:-45}" python3 benchmarks/bench_v32.py --out "$OUT/results" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(el)" >> "$S"
 
 if command -v compute-sanitizer > /dev/null; then
-  timeout "${MEMCHECK_TIMEOUT:-20}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_v32.py \
+  timeout "${MEMCHECK_TIMEOUT:-15}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_v32.py \
     > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|memcheck_v32' "$OUT/memcheck.log" | tail -2 | tr '\n' ' ') $(el)" >> "$S"
 else

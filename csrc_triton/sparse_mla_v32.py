@@ -197,6 +197,155 @@ def _v32_sparse_mla_kernel(
     _store_chunk(p_o, b_a7, b_scale, m_h, 7)
 
 
+@triton.jit
+def _rec_ptrs(kv_ptr, o_rec, FP8: tl.constexpr, ALIGN: tl.constexpr):
+    """[BLOCK_N] pointers to the keys' records / rows; ALIGN: declared 16-byte aligned (the
+    launcher checked the base and both strides), so the code and row loads become vectors."""
+    p_rec = kv_ptr + o_rec
+    if ALIGN:
+        if FP8:
+            p_rec = tl.multiple_of(p_rec, 16)
+        else:
+            p_rec = tl.multiple_of(p_rec, 8)  # bf16 elements: 16 bytes
+    return p_rec
+
+
+@triton.jit
+def _key_tile(p_rec, m_n, C: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, DTYPE: tl.constexpr):
+    """NoPE dims [128*C, 128*C + 128) of BLOCK_N keys (one fp32 scale a row: tile C):
+    [BLOCK_N, 128] in DTYPE; rows with m_n false give 0."""
+    o_e = tl.arange(0, 128)
+    if FP8:
+        b_codes = tl.load(p_rec[:, None] + C * 128 + o_e[None, :], mask=m_n[:, None], other=0)
+        p_sc = (p_rec + (_SCALE_OFF + 4 * C)).to(tl.pointer_type(tl.float32), bitcast=True)
+        b_sc = tl.load(p_sc, mask=m_n, other=0.0)  # [BLOCK_N] fp32
+        b_k = (e4m3_to_f32(b_codes, NATIVE) * b_sc[:, None]).to(DTYPE)
+    else:
+        b_k = tl.load(p_rec[:, None] + C * 128 + o_e[None, :], mask=m_n[:, None], other=0.0).to(DTYPE)
+    return b_k
+
+
+@triton.jit
+def _key_rope(p_rec, m_n, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """The 64 RoPE dims of BLOCK_N keys: [BLOCK_N, 64] in DTYPE."""
+    o_e = tl.arange(0, 64)
+    if FP8:
+        p_pe = (p_rec + _ROPE_OFF).to(tl.pointer_type(tl.uint16), bitcast=True)
+        b_bits = tl.load(p_pe[:, None] + o_e[None, :], mask=m_n[:, None], other=0)
+        b_k = b_bits.to(tl.bfloat16, bitcast=True).to(DTYPE)
+    else:
+        b_k = tl.load(p_rec[:, None] + 512 + o_e[None, :], mask=m_n[:, None], other=0.0).to(DTYPE)
+    return b_k
+
+
+@triton.jit
+def _q_tile(p_q, m_h, C: tl.constexpr):
+    """[BLOCK_H, 128] dims [128*C, 128*C + 128) of the group's q rows."""
+    o_e = tl.arange(0, 128)
+    return tl.load(p_q[:, None] + C * 128 + o_e[None, :], mask=m_h[:, None], other=0.0)
+
+
+@triton.jit
+def _store_tile(p_o, b_acc, b_scale, m_h, C: tl.constexpr):
+    o_e = tl.arange(0, 128)
+    b_o = b_acc * b_scale[:, None]
+    tl.store(p_o[:, None] + C * 128 + o_e[None, :], b_o.to(p_o.dtype.element_ty), mask=m_h[:, None])
+
+
+@triton.jit
+def _v32_sparse_mla_w128_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, o_ptr, lse_ptr,
+    H, K, S, G, sm_scale,
+    stride_q_t, stride_q_h, stride_idx_t, stride_o_t, stride_o_h,
+    block_size, stride_blk, stride_rec, capacity,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr,
+    HAS_LEN: tl.constexpr, DIRECT: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """_v32_sparse_mla_kernel's contract and grid, with the latent as 4 tiles of 128 dims (the
+    fp8_ds_mla scale tiles: one fp32 scale a row and tile) plus the 64 RoPE dims: per key
+    block 5 dots for the scores (4 of K = 128, 1 of K = 64) and 4 accumulators [BLOCK_H, 128],
+    instead of 9 and 8 of 64 (fewer layout conversions; larger tiles). ALIGN: record pointers
+    declared 16-byte aligned (vector loads; without it the sm_80 build spills)."""
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_s = (pid // G) % S
+    pid_t = (pid // (G * S)).to(tl.int64)
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    p_qrow = q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h  # [BLOCK_H]
+    b_q0 = _q_tile(p_qrow, m_h, 0)  # [BLOCK_H, 128] each
+    b_q1 = _q_tile(p_qrow, m_h, 1)
+    b_q2 = _q_tile(p_qrow, m_h, 2)
+    b_q3 = _q_tile(p_qrow, m_h, 3)
+    b_qr = _q_chunk(p_qrow, m_h, 8)  # [BLOCK_H, 64]: dims 512..575
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    k_len = K
+    if HAS_LEN:
+        k_len = tl.minimum(tl.maximum(tl.load(len_ptr + pid_t), 0), K)
+    nb = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * nb) // S
+    blk_hi = ((pid_s + 1) * nb) // S
+    p_idx = idx_ptr + pid_t * stride_idx_t
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_a0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)  # unnormalised p @ v, dims 128c..128c+127
+    b_a1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_a2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_a3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    for blk in range(blk_lo, blk_hi):
+        o_j = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        b_r = tl.load(p_idx + o_j, mask=o_j < k_len, other=-1).to(tl.int64)
+        m_n = (b_r >= 0) & (b_r < capacity)
+        b_r = tl.minimum(tl.maximum(b_r, 0), capacity - 1)  # rows with m_n false load nothing
+        b_blk = b_r // block_size
+        o_rec = b_blk * stride_blk + (b_r - b_blk * block_size) * stride_rec  # [BLOCK_N] int64
+
+        p_rec = _rec_ptrs(kv_ptr, o_rec, FP8, ALIGN)  # [BLOCK_N]
+        b_k0 = _key_tile(p_rec, m_n, 0, FP8, NATIVE, DTYPE)  # [BLOCK_N, 128]
+        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+        b_k1 = _key_tile(p_rec, m_n, 1, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_k2 = _key_tile(p_rec, m_n, 2, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_k3 = _key_tile(p_rec, m_n, 3, FP8, NATIVE, DTYPE)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_kr = _key_rope(p_rec, m_n, FP8, DTYPE)  # [BLOCK_N, 64]: scores only
+        b_s = tl.dot(b_qr, tl.trans(b_kr), b_s)
+
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
+        b_p = b_p.to(DTYPE)
+        b_a0 = tl.dot(b_p, b_k0, b_a0 * b_alpha)
+        b_a1 = tl.dot(b_p, b_k1, b_a1 * b_alpha)
+        b_a2 = tl.dot(b_p, b_k2, b_a2 * b_alpha)
+        b_a3 = tl.dot(b_p, b_k3, b_a3 * b_alpha)
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe  # rows without a key have acc 0: out 0
+    if DIRECT:
+        p_o = o_ptr + pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H] rows
+        tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+    else:
+        row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
+        p_o = o_ptr + row * 512
+        tl.store(lse_ptr + row, b_lse, mask=m_h)
+    _store_tile(p_o, b_a0, b_scale, m_h, 0)
+    _store_tile(p_o, b_a1, b_scale, m_h, 1)
+    _store_tile(p_o, b_a2, b_scale, m_h, 2)
+    _store_tile(p_o, b_a3, b_scale, m_h, 3)
+
+
 # Launch configs per head-group size, as plain data (both variants; the native one differs
 # only in the E4M3 decode instruction). Checked by the AOT table (dsv4_ops.v32.aot_specs:
 # no spills on sm_80/86, within sm_86's 99 KB).
@@ -204,6 +353,14 @@ V32_ATTN_CONFIG = {
     16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     32: {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
 }
+# The w128 form (_v32_sparse_mla_w128_kernel), ALIGN only (unaligned inputs run the w64 form):
+# sm_80 AOT, ALIGN: 16 x 32 x 8 warps 176-178 regs, 0 spills, 63 KB; 32 x 32 x 8 warps 254
+# regs, 0 spills, 81 KB (32 x 16 spills 68 B on sm_86; 16 x 32 x 4 warps 255 regs).
+V32_W128_CONFIG = {
+    16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
+FORMS = ("w64", "w128")
 MAX_SPLITS = 64  # what csrc_triton.merge / dsv4_ops.attention.merge_splits accept
 
 

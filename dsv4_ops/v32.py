@@ -35,6 +35,7 @@ shapes.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -58,6 +59,8 @@ MAX_SPLITS = _ak.MAX_SPLITS
 _insert_kernel = fast(_ck._v32_kv_insert_kernel)
 _gather_kernel = fast(_ck._v32_kv_gather_kernel)
 _attn_kernel = fast(_ak._v32_sparse_mla_kernel)
+_w128_kernel = fast(_ak._v32_sparse_mla_w128_kernel)
+FORM_ENV = "DSV4_AMPERE_V32_FORM"  # w64 | w128 | auto (default)
 
 _CACHE_OK = {}
 
@@ -197,13 +200,32 @@ def v32_kv_gather(kv_cache: torch.Tensor, slots: torch.Tensor, out: Optional[tor
 # ---- sparse attention ----
 
 
+def form_for(aligned: bool, form: Optional[str] = None) -> str:
+    """The kernel form: 'w64' (9 chunks of 64 dims) or 'w128' (4 tiles of 128 + the 64 RoPE
+    dims; aligned records only). form / env DSV4_AMPERE_V32_FORM: w64 | w128 | auto (None:
+    the env, default auto). auto: AUTO_FORM when aligned, else w64."""
+    f = form or os.environ.get(FORM_ENV, "auto")
+    if f not in ("auto",) + _ak.FORMS:
+        raise ValueError(f"{FORM_ENV} / form: expected auto, w64 or w128, got {f!r}")
+    if f == "auto":
+        f = AUTO_FORM
+    return f if aligned else "w64"
+
+
+AUTO_FORM = "w64"  # until benchmarks/bench_v32.py has measured both forms on a GPU
+
+
+def _config(form: str, bh: int) -> dict:
+    return (_ak.V32_W128_CONFIG if form == "w128" else _ak.V32_ATTN_CONFIG)[bh]
+
+
 @functools.lru_cache(maxsize=4096)
-def num_splits_for(T: int, H: int, K: int, sms: int) -> int:
+def num_splits_for(T: int, H: int, K: int, sms: int, form: str = "w64") -> int:
     """Split count from static shapes: 1 when T * groups programs fill the SMs, else enough
     splits for about two programs an SM, at most one key block a split and MAX_SPLITS."""
     bh = _ak.block_h_for(H)
     groups = -(-H // bh)
-    nb = max(1, -(-K // _ak.V32_ATTN_CONFIG[bh]["BLOCK_N"]))
+    nb = max(1, -(-K // _config(form, bh)["BLOCK_N"]))
     base = max(1, T * groups)
     if base >= sms:
         return 1
@@ -279,52 +301,62 @@ def _norm_idx(indices, topk_length, cap: int, K: int):
     return indices, topk_length
 
 
-def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits, out, variant):
+def _aligned(src: torch.Tensor, fp8: bool, s_blk: int, s_rec: int) -> bool:
+    """Records start 16-byte aligned: the base and both strides (bytes for fp8, bf16 elements
+    else) are multiples of 16 bytes. vLLM's caches are (656 = 16 * 41, pages of 64 records)."""
+    a = 16 if fp8 else 8
+    return src.data_ptr() % 16 == 0 and s_blk % a == 0 and s_rec % a == 0
+
+
+def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits, out, variant, form=None):
     """Launch the attention kernel over a key source (inputs checked); returns (out, lse)."""
     T, H = q.shape[0], q.shape[1]
     K = indices.shape[1]
     bs, s_blk, s_rec, cap = geom
     indices, topk_length = _norm_idx(indices, topk_length, cap, K)
     variant = variant or variant_for(q)
+    form = form_for(_aligned(src, fp8, s_blk, s_rec), form)
     bh = _ak.block_h_for(H)
-    cfg = _ak.V32_ATTN_CONFIG[bh]
+    cfg = _config(form, bh)
     G = -(-H // bh)
-    S = num_splits or num_splits_for(T, H, K, _sms(q))
+    S = num_splits or num_splits_for(T, H, K, _sms(q), form)
     if out is None:
         out = torch.empty((T, H, DV), dtype=torch.bfloat16, device=q.device)
     consts = (bh, cfg["BLOCK_N"], fp8, variant == "native", topk_length is not None)
+    kernel, extra = (_w128_kernel, (True,)) if form == "w128" else (_attn_kernel, ())
     tail = (bs, s_blk, s_rec, cap)
     if S == 1:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T and H:
-            _attn_kernel(
+            kernel(
                 (T * G,),
                 (q, src, indices, topk_length, out, lse, H, K, 1, G, float(sm_scale),
                  q.stride(0), q.stride(1), indices.stride(0), out.stride(0), out.stride(1)) + tail,
-                consts + (True,), cfg["num_warps"], cfg["num_stages"])
+                consts + (True,) + extra, cfg["num_warps"], cfg["num_stages"])
         return out, lse
     o_part = torch.empty((T, H, S, DV), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
     if T and H:
-        _attn_kernel(
+        kernel(
             (T * S * G,),
             (q, src, indices, topk_length, o_part, lse_part, H, K, S, G, float(sm_scale),
              q.stride(0), q.stride(1), indices.stride(0), 0, 0) + tail,
-            consts + (False,), cfg["num_warps"], cfg["num_stages"])
+            consts + (False,) + extra, cfg["num_warps"], cfg["num_stages"])
     return merge_splits(o_part, lse_part, None, variant=variant, out=out)
 
 
 def v32_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                           topk_length: Optional[torch.Tensor], sm_scale: float, num_splits: int = 0,
-                          out: Optional[torch.Tensor] = None, variant: Optional[str] = None
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+                          out: Optional[torch.Tensor] = None, variant: Optional[str] = None,
+                          form: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA read straight from the paged cache by slot (no workspace).
 
     q bf16 [T, H, 576] (ql_nope | q_pe; dims unit-stride; fp16 accepted for the interpreter);
     kv_cache as in v32_kv_insert (fp8_ds_mla or auto); indices int32/int64 [T, K] slots
     (block * block_size + pos; < 0 or >= capacity masked); topk_length int [>= T] or None
     (entries j >= topk_length[t] ignored); sm_scale: applied to q.k as is; num_splits 0 =
-    heuristic, else 1..64; out bf16 [T, H, 512] (dims unit-stride) or None.
+    heuristic, else 1..64; out bf16 [T, H, 512] (dims unit-stride) or None; form: the kernel
+    form (form_for: w64 | w128 | auto; None = env DSV4_AMPERE_V32_FORM, default auto).
     Returns out bf16 [T, H, 512] (``out`` itself when given) and lse fp32 [T, H] (natural log;
     -inf and out 0 where a token has no valid key). No sink.
     """
@@ -333,13 +365,13 @@ def v32_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torc
     if out is not None:
         check_attn_out(out, q.shape[0], q.shape[1], q)
     return _attend(q, c, fmt == "fp8_ds_mla", _geometry(c), indices, topk_length, sm_scale, num_splits, out,
-                   variant)
+                   variant, form)
 
 
 def v32_sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                            topk_length: Optional[torch.Tensor], sm_scale: float, num_splits: int = 0,
-                           out: Optional[torch.Tensor] = None, variant: Optional[str] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+                           out: Optional[torch.Tensor] = None, variant: Optional[str] = None,
+                           form: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over bf16 rows (the prefill workspace that v32_kv_gather fills).
 
     q bf16 [T, H, 576]; kv bf16 [N, 576] (q's dtype; row stride free, dims contiguous);
@@ -352,7 +384,7 @@ def v32_sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
         check_attn_out(out, q.shape[0], q.shape[1], q)
     N = int(kv.shape[0])
     geom = (max(N, 1), 0, int(kv.stride(0)) if N > 1 else QK, N)
-    return _attend(q, kv, False, geom, indices, topk_length, sm_scale, num_splits, out, variant)
+    return _attend(q, kv, False, geom, indices, topk_length, sm_scale, num_splits, out, variant, form)
 
 
 # ---- AOT ----
@@ -404,4 +436,12 @@ def aot_specs():
                                 f"{'direct' if direct else 'part'}]",
                             _ak._v32_sparse_mla_kernel, sig, consts, variant,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                        wcfg = _ak.V32_W128_CONFIG[bh]
+                        wsig = dict(sig, ALIGN="constexpr")
+                        wconsts = dict(consts, BLOCK_N=wcfg["BLOCK_N"], ALIGN=True)
+                        specs.append(KernelSpec(
+                            op, f"v32_attn_w128[{variant},{fmt},bh{bh},{'len' if has_len else 'nolen'},"
+                                f"{'direct' if direct else 'part'}]",
+                            _ak._v32_sparse_mla_w128_kernel, wsig, wconsts, variant,
+                            num_warps=wcfg["num_warps"], num_stages=wcfg["num_stages"]))
     return specs

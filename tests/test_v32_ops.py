@@ -294,16 +294,17 @@ def test_bad_arguments_raise_value_error_naming_them():
 # ---- attention kernels on the interpreter (small) ----
 
 
+@pytest.mark.parametrize("form", ["w64", "w128"])
 @pytest.mark.parametrize("H", [16, 20])
 @pytest.mark.parametrize("splits", [1, 3, 0])
-def test_decode_kernel_small_against_float64_reference(interpret, H, splits):
+def test_decode_kernel_small_against_float64_reference(interpret, form, H, splits):
     dev = interpret
     q, cache, idx, tlen = flashmla_case(2, 2, H, 90, 40, 7, True, 41 + H + splits, dev)
     if dev == "cpu":
         q = q.to(torch.float16)  # the interpreter's bf16 tl.dot is wrong
     idx[1, 3] = idx[1, 4]  # a repeat
     idx[3] = -1  # a token with no valid key
-    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE, num_splits=splits)
+    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE, num_splits=splits, form=form)
     check_attention(out, lse, q, cache, idx, tlen, V32_SCALE)
     assert torch.all(lse[3] == float("-inf")) and int(out[3].view(torch.int16).count_nonzero()) == 0
 
@@ -319,18 +320,42 @@ def test_decode_int64_indices_out_of_range_never_wrap(interpret):
     check_attention(out, lse, q, cache, i64, None, V32_SCALE)
 
 
-def test_prefill_kernel_small_and_auto_cache(interpret):
+def test_form_choice_and_unaligned_records_fall_back_to_w64(interpret, monkeypatch):
+    assert v32.form_for(True, "w128") == "w128" and v32.form_for(False, "w128") == "w64"
+    assert v32.form_for(True, "w64") == "w64" and v32.form_for(True, "auto") == v32.AUTO_FORM
+    monkeypatch.setenv(v32.FORM_ENV, "w128")
+    assert v32.form_for(True) == "w128"
+    monkeypatch.setenv(v32.FORM_ENV, "w256")
+    with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
+        v32.form_for(True)
+    monkeypatch.delenv(v32.FORM_ENV)
+    dev = interpret
+    # a block stride padded by 4 bytes: records not 16-byte aligned, so w128 must not run
+    nb, bs = 3, 8
+    c = make_cache("fp8_ds_mla", nb, bs, 62, dev, pad=4)
+    kv_c, k_pe = make_kv(nb * bs, 63, dev, spread=False)
+    R.ref_v32_kv_insert(kv_c, k_pe, c, torch.arange(nb * bs, device=dev))
+    assert not v32._aligned(c, True, c.stride(0), c.stride(1))
+    g = rng(64)
+    q = torch.randn(2, 16, QK, generator=g).to(torch.float16 if dev == "cpu" else torch.bfloat16).to(dev)
+    idx = torch.randint(-1, nb * bs, (2, 20), generator=g).to(torch.int32).to(dev)
+    out, lse = v32.v32_sparse_mla_decode(q, c, idx, None, V32_SCALE, form="w128")
+    check_attention(out, lse, q, c, idx, None, V32_SCALE)
+
+
+@pytest.mark.parametrize("form", ["w64", "w128"])
+def test_prefill_kernel_small_and_auto_cache(interpret, form):
     dev = interpret
     q, cache, idx, tlen = flashmla_case(2, 2, 16, 70, 24, 5, True, 61, dev)
     ws = v32.v32_kv_gather(cache, torch.arange(cache.shape[0] * cache.shape[1], device=dev))
     dt = torch.float16 if dev == "cpu" else torch.bfloat16
     q = q.to(dt)
-    out, lse = v32.v32_sparse_mla_prefill(q, ws.to(dt), idx, tlen, V32_SCALE)
+    out, lse = v32.v32_sparse_mla_prefill(q, ws.to(dt), idx, tlen, V32_SCALE, form=form)
     ref_o, ref_l = R.ref_v32_sparse_mla(q, ws.to(dt), idx, tlen, V32_SCALE, torch.float64, torch.float64)
     assert_attention_close(out, lse, ref_o, ref_l)
     # the bf16 auto cache, read by slot, gives the same attention as its rows
     auto = ws.view(cache.shape[0], cache.shape[1], QK)
-    out2, lse2 = v32.v32_sparse_mla_decode(q, auto, idx, tlen, V32_SCALE, num_splits=1)
+    out2, lse2 = v32.v32_sparse_mla_decode(q, auto, idx, tlen, V32_SCALE, num_splits=1, form=form)
     if dev == "cpu":
         assert_attention_close(out2, lse2, ref_o, ref_l)
     else:
@@ -461,26 +486,28 @@ GPU_CASES = [(c, h, bq) for c in FLASHMLA_CASES for h in (16, 128) for bq in ((4
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["w64", "w128"])
 @pytest.mark.parametrize("case,h,bq", GPU_CASES)
-def test_gpu_flashmla_cases(variant, case, h, bq):
+def test_gpu_flashmla_cases(variant, form, case, h, bq):
     (s_k, topk, bs), (b, s_q) = case, bq
-    has_len = (s_k + b) % 2 == 0
+    has_len = not (s_k == 512 and b == 4)  # topk_length as vLLM passes it, but one case without
     q, cache, idx, tlen = flashmla_case(b, s_q, h, s_k, topk, bs, has_len, s_k + topk + bs + h + b, "cuda")
-    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE)
+    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE, form=form)
     check_attention(out, lse, q, cache, idx, tlen, V32_SCALE)
     ws = v32.v32_kv_gather(cache, idx.reshape(-1))
     local = torch.arange(idx.numel(), device="cuda", dtype=torch.int32).view_as(idx)
     local = torch.where(idx >= 0, local, -1)
-    o2, l2 = v32.v32_sparse_mla_prefill(q, ws, local, tlen, V32_SCALE)
+    o2, l2 = v32.v32_sparse_mla_prefill(q, ws, local, tlen, V32_SCALE, form=form)
     assert_attention_close(o2, l2, out.double(), lse.double(), what="prefill vs decode")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["w64", "w128"])
 @pytest.mark.parametrize("all_invalid,zero_seqlen", [(True, False), (False, True)])
 @pytest.mark.parametrize("h", [16, 128])
-def test_gpu_flashmla_corner_cases(variant, all_invalid, zero_seqlen, h):
+def test_gpu_flashmla_corner_cases(variant, form, all_invalid, zero_seqlen, h):
     q, cache, idx, tlen = flashmla_case(74, 3, h, 650, 576, 53, True, 81 + h, "cuda", all_invalid, zero_seqlen)
-    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE)
+    out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE, form=form)
     check_attention(out, lse, q, cache, idx, tlen, V32_SCALE)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
