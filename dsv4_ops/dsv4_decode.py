@@ -59,10 +59,12 @@ def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compres
 
 
 def _aligned(cache) -> bool:
-    """v3 reads 16-byte vectors: the cache starts 16-byte aligned and its page stride is a
-    multiple of 16 (vLLM's pages are multiples of 576 B). Else auto keeps the workspace step
-    where it would run v3 (the v1 fused kernel is slower than the step at most of those shapes)."""
-    return isinstance(cache, torch.Tensor) and cache.dim() == 2 and not (cache.data_ptr() % 16 or cache.stride(0) % 16)
+    """v3 reads 16-byte vectors: the page stride is a multiple of 16 (vLLM's pages are
+    multiples of 576 B). Else auto keeps the workspace step where it would run v3 (v1 is slower
+    than the step at most of those shapes). The stride only (data_ptr and storage_offset break
+    torch.compile(fullgraph=True), measured on the H200); the launcher checks the address
+    itself and runs v1 on a misaligned one."""
+    return isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.stride(0) % 16 == 0
 
 
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,

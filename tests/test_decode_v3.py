@@ -217,3 +217,32 @@ def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch):
     got = torch.compile(f, fullgraph=True)(*inputs)
     want = f(*inputs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_auto_v3_composite_traces_fullgraph_on_cpu():
+    """The composite's v3 routing (auto_is_v3 + the cache stride check) traces under
+    torch.compile(fullgraph=True): a data_ptr() check there broke it on the H200."""
+    args = case(3, 16, 512, 128, seed=6, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
+    assert decode_plan.auto_is_v3(3, 16, 640) and dsv4_decode._aligned(args["compressed_cache"])
+
+    def f(q, cc, topk, cw, swa, sink, tl, sl):
+        out = torch.empty_like(q)
+        _, lse = dsv4_decode.dsv4_decode_attention(q, cc, topk, cw, swa, sink, SM_SCALE, 64, 64, topk_length=tl,
+                                                   swa_length=sl, out=out)
+        return out.float() * 2, lse
+
+    inputs = [args[k] for k in ("q", "compressed_cache", "topk_slots", "swa_cache", "swa_slots", "sink",
+                                "topk_length", "swa_length")]
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="eager")(*inputs)
+    want = f(*inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, True), (256, 16, 640, True), (1, 64, 640, True),
+                                        (4, 64, 640, False), (1, 128, 640, False), (64, 64, 640, False),
+                                        (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False)])
+def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
+    """decode_v3.md (H200, portable): v3 won at H <= 16 (every T, K 640; T <= 16 at K 256) and
+    T = 1, H = 64; the step stays at H >= 64 from T = 4, T = 1 H = 128, and unmeasured T > 256."""
+    assert decode_plan.auto_is_v3(T, H, K) is want
