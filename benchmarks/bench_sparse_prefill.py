@@ -4,7 +4,16 @@ kernels over prefill shapes, what flash_mla_sparse_fwd_ampere ran before: sparse
 auto) against the prefill kernel (dsv4_ops.sparse_prefill) in every candidate config and as
 dispatched, same run, same inputs. Target: < 120 s on an H200.
 
-    python benchmarks/bench_sparse_prefill.py --out DIR [--quick]
+    [DISABLE_MMA_V3=1] [SPARSE_PREFILL_BH=64] [SPARSE_PREFILL_NAME=name] \
+        python benchmarks/bench_sparse_prefill.py --out DIR [--quick]
+
+DISABLE_MMA_V3=1 (a triton env switch) makes sm_90 compile every tl.dot to mma.sync, the
+instruction sm_80/86 run: without it the 64-row head groups compile to Hopper's wgmma there,
+which an A100 does not have, so the H200 figure would flatter them. SPARSE_PREFILL_BH limits
+the prefill configs to those head-group sizes (comma list), SPARSE_PREFILL_H the head counts
+(default 8,64,128); SPARSE_PREFILL_NAME names the
+result files (default sparse_prefill). Each row's rel_diff_vs_old is ||out - out_old|| /
+||out_old|| on the timed inputs (a check of the same run; the tests check against float64).
 
 Two workloads:
   random  each query's 640 keys are random rows of an N = 16384-row workspace (issue 12's case);
@@ -55,7 +64,8 @@ def random_case(H, g):
     q = torch.randn(S_Q, H, D, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
     kv = torch.randn(N_RANDOM, D, device="cuda", dtype=torch.bfloat16, generator=g)
     idx = torch.randint(0, N_RANDOM, (S_Q, K), device="cuda", dtype=torch.int32, generator=g)
-    return q, kv, idx, None
+    lens = torch.full((S_Q,), K, device="cuda", dtype=torch.int32)  # vLLM always passes topk_length
+    return q, kv, idx, lens
 
 
 def vllm_case(H, g, topk=512, window=128, ratio=4, T=S_Q):
@@ -67,6 +77,7 @@ def vllm_case(H, g, topk=512, window=128, ratio=4, T=S_Q):
     visible = (t + 1) // ratio  # compressed rows a query sees
     score = torch.rand(T, nc, device="cuda", generator=g)
     score = torch.where(torch.arange(nc, device="cuda")[None, :] < visible[:, None], score, -1.0)
+    topk = min(topk, nc)
     top = score.topk(topk, dim=1)  # the visible ones first (scores >= 0)
     n_top = visible.clamp(max=topk)
     j = torch.arange(window, device="cuda")
@@ -92,6 +103,10 @@ def main() -> int:
     copy_gbs = copy_bandwidth_gbs(1 << 30)
     rows = []
     heads = (8, 64) if args.quick else (8, 64, 128)
+    if os.environ.get("SPARSE_PREFILL_H"):
+        heads = tuple(int(h) for h in os.environ["SPARSE_PREFILL_H"].split(","))
+    only_bh = {int(b) for b in os.environ.get("SPARSE_PREFILL_BH", "").split(",") if b.strip()}
+    mma = "mma.sync (DISABLE_MMA_V3=1)" if os.environ.get("DISABLE_MMA_V3", "0") not in ("", "0") else "default"
     replays = 10 if args.quick else 20
     for H in heads:
         rate = gemm_tflops(2.0 * S_Q * H * K * 2 * D)
@@ -108,12 +123,15 @@ def main() -> int:
             unique_bytes = kv.numel() * 2 + 2 * q.numel() * 2 + idx.numel() * 4
             byte_us = unique_bytes / copy_gbs / 1e3
             out = torch.empty(S_Q, H, D, device="cuda", dtype=torch.bfloat16)
-            kernels = [("old auto", None)] + [(f"prefill #{i}", (bh, i)) for i in range(len(pk.CANDIDATES[bh]))]
+            bhs = sorted({bh} | ({32} if H > 32 else set()))  # H >= 64: the 32-row groups beside the 64-row ones
+            kernels = [("old auto", None)]
+            kernels += [(f"prefill bh{b} #{i}", (b, i)) for b in bhs if not only_bh or b in only_bh
+                        for i in range(len(pk.CANDIDATES[b]))]
             kernels.append(("dispatched", "dispatch"))
             old_us = None
             for name, cfg in kernels:
                 row = dict(workload=workload, H=H, kernel=name, s_q=S_Q, K=K, valid_keys=valid_keys,
-                           flop_floor_us=flop_us, byte_floor_us=byte_us, cublas_tflops=rate)
+                           flop_floor_us=flop_us, byte_floor_us=byte_us, cublas_tflops=rate, mma=mma)
                 if isinstance(cfg, tuple):
                     c = pk.CANDIDATES[cfg[0]][cfg[1]]
                     row["config"] = (f"bh{cfg[0]} bn{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
@@ -129,6 +147,12 @@ def main() -> int:
                         def fn(cfg=cfg):
                             return sparse_prefill.sparse_mla_prefill(q, kv, idx, lens, sink, SM_SCALE, out=out,
                                                                      config=cfg)
+                    out.fill_(float("nan"))
+                    fn()
+                    if cfg is None:
+                        ref_out = out.float().clone()
+                    else:
+                        row["rel_diff_vs_old"] = float((out.float() - ref_out).norm() / ref_out.norm())
                     us = time_graph_us(fn, replays=replays, inner=3)
                     row.update(us=us, tflops=flops / us / 1e6, x_flop_floor=us / flop_us, x_byte_floor=us / byte_us)
                     if cfg is None:
@@ -142,15 +166,16 @@ def main() -> int:
                     traceback.print_exc()
                 rows.append(row)
                 print(row, flush=True)
-    cols = ["workload", "H", "kernel", "config", "us", "tflops", "cublas_tflops", "flop_floor_us", "x_flop_floor",
-            "byte_floor_us", "x_byte_floor", "speedup_vs_old", "speedup_vs_public_issue", "error"]
+    cols = ["workload", "H", "kernel", "config", "mma", "us", "tflops", "cublas_tflops", "flop_floor_us",
+            "x_flop_floor", "byte_floor_us", "x_byte_floor", "speedup_vs_old", "speedup_vs_public_issue",
+            "rel_diff_vs_old", "error"]
     notes = (f"Portable unless DSV4_AMPERE_IMPL says otherwise; copy {copy_gbs:.0f} GB/s (read + written) and the "
              "cuBLAS bf16 rate measured in this run. flops = 2 * valid keys * H * 1024; the vllm workload has "
              "fewer valid keys than s_q * K (early queries see fewer rows). speedup_vs_public_issue: against the "
              "issue's 2.55 ms for the public Triton bf16 kernel at H = 64 (random workload; not this run). "
              "Goals (issue 17): <= 2.5x the flop floor and >= 1.25x the public kernel at H = 64/128; <= 2x the "
              "unique-byte floor at H = 8.")
-    print(write_results("sparse_prefill", args.out, rows, cols, notes))
+    print(write_results(os.environ.get("SPARSE_PREFILL_NAME", "sparse_prefill"), args.out, rows, cols, notes))
     return 0
 
 

@@ -30,7 +30,8 @@ HEAD_DIM = 512
 CHUNK = 128  # latent dims a chunk
 
 
-@triton.jit
+# Sizes are not specialized (value 1, divisibility by 16): one compile serves every T, H, K, N.
+@triton.jit(do_not_specialize=["H", "K", "N", "G"])
 def _sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, sink_ptr, o_ptr, lse_ptr,
     H, K, N, G, sm_scale,
@@ -43,6 +44,14 @@ def _sparse_mla_prefill_kernel(
     [T, H, 512] with row strides (dims unit-stride); kv [N, 512] rows of stride stride_kv_n;
     indices [T, K] rows of stride stride_indices_t; lse fp32 [T, H] contiguous."""
     C: tl.constexpr = 128
+    # Row strides are multiples of 8 elements and the bases 16-byte aligned (the launcher
+    # checks; Triton would specialize on it at launch, the hints make the AOT compile the same
+    # 16-byte vector loads).
+    stride_q_t = tl.multiple_of(stride_q_t, 8)
+    stride_q_h = tl.multiple_of(stride_q_h, 8)
+    stride_kv_n = tl.multiple_of(stride_kv_n, 8)
+    stride_o_t = tl.multiple_of(stride_o_t, 8)
+    stride_o_h = tl.multiple_of(stride_o_h, 8)
     pid = tl.program_id(0)
     pid_g = pid % G
     pid_t = (pid // G).to(tl.int64)
@@ -50,7 +59,7 @@ def _sparse_mla_prefill_kernel(
     o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
     o_c = tl.arange(0, C)  # [C]
-    p_q = q_ptr + pid_t * stride_q_t + o_h[:, None].to(tl.int64) * stride_q_h + o_c[None, :]
+    p_q = tl.multiple_of(q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h, 16)[:, None] + o_c[None, :]
     b_q0 = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, C] each
     b_q1 = tl.load(p_q + C, mask=m_h[:, None], other=0.0)
     b_q2 = tl.load(p_q + 2 * C, mask=m_h[:, None], other=0.0)
@@ -75,7 +84,8 @@ def _sparse_mla_prefill_kernel(
         # ahead are loaded before the current block is computed, so their latency overlaps it.
         b_idx_n = tl.load(p_idx + o_b, mask=o_b < k_len, other=-1)
         m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
-        p_kv = kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+        p_row = tl.multiple_of(kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64) * stride_kv_n, 16)
+        p_kv = p_row[:, None] + o_c[None, :]
         b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
         b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
         b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
@@ -86,7 +96,8 @@ def _sparse_mla_prefill_kernel(
             m_n = m_n_n
             b_k0, b_k1, b_k2, b_k3 = b_k0n, b_k1n, b_k2n, b_k3n
             m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
-            p_kv = kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+            p_row = tl.multiple_of(kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64) * stride_kv_n, 16)
+            p_kv = p_row[:, None] + o_c[None, :]
             b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
             b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
             b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
@@ -97,7 +108,8 @@ def _sparse_mla_prefill_kernel(
             o_n = blk * BLOCK_N + o_b
             b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
             m_n = (b_idx >= 0) & (b_idx < N)
-            p_kv = kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64)[:, None] * stride_kv_n + o_c[None, :]
+            p_row = tl.multiple_of(kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64) * stride_kv_n, 16)
+            p_kv = p_row[:, None] + o_c[None, :]
             b_k0 = tl.load(p_kv, mask=m_n[:, None], other=0.0)  # [BLOCK_N, C] each: once for all heads
             b_k1 = tl.load(p_kv + C, mask=m_n[:, None], other=0.0)
             b_k2 = tl.load(p_kv + 2 * C, mask=m_n[:, None], other=0.0)
@@ -134,7 +146,7 @@ def _sparse_mla_prefill_kernel(
         b_scale = tl.where(has_key, tl.exp(b_lse - tl.where(has_key, b_tot, 0.0)) / b_l_safe, 0.0)
         b_lse = b_tot
     row_o = pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H]
-    p_o = o_ptr + row_o[:, None] + o_c[None, :]
+    p_o = tl.multiple_of(o_ptr + row_o, 16)[:, None] + o_c[None, :]
     ty = o_ptr.dtype.element_ty
     tl.store(p_o, (b_a0 * b_scale[:, None]).to(ty), mask=m_h[:, None])
     tl.store(p_o + C, (b_a1 * b_scale[:, None]).to(ty), mask=m_h[:, None])
@@ -144,29 +156,38 @@ def _sparse_mla_prefill_kernel(
 
 
 # Launch configs per head-group size (BLOCK_H), as plain data. CANDIDATES: every config the
-# benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80/86/90 and
+# benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80 and sm_86 and
 # within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
-# the one the launcher runs (first entry: the pick before measurement; see the README notes).
-# PREFETCH: the manual register pipeline (num_stages 1); else Triton's pipeliner, which on
-# triton 3.6 prefetches only the index rows, not the gathered key rows (read from the TTGIR).
-# Probed and rejected (AOT, sm_80): BLOCK_H 64 spills at every config (a [64, 512] fp32
-# accumulator is 128 registers a thread at 8 warps; 272-23872 B), BLOCK_H 32 at 4 warps
-# (926 B), BLOCK_H 16 x 32 keys at 4 warps with prefetch (11.8 KB), BLOCK_H 32 x 64 keys
-# (172 B, 115 KB smem). So H = 64 runs as two 32-row groups and H = 128 as four.
+# the one the launcher runs (the pick before measurement; see benchmarks/results/sparse_prefill.md).
+# Registers (sm_80, triton 3.8 AOT): bh16 x bn32 w4 128, bn16 w4 128, bn64 w4 184, bn16 w4 pf 208,
+# bn32 w8 pf 172; bh32 x bn16 w8 150, bn32 w8 170, bn16 w4 224, bn16 w8 pf 234; bh64 x bn16 w8 241.
+# Probed and rejected: bh64 with PREFETCH (1468 B spilled), bh64 at 16 warps (32 B), bh64 x bn32
+# and bh32 x bn64 (102.5 KB of shared memory > sm_86's 99 KB). Without the 16-byte alignment hints
+# (multiple_of) every load was a 2-byte ld.global and nothing but the indices was pipelined.
 # The kernel holds no fp8: both variants share these.
 CANDIDATES = {
-    16: ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFETCH": True},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "PREFETCH": False}),
-    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True},
+    16: ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFETCH": True},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True}),
+    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
          {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True}),
+    64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
          {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "PREFETCH": False}),
 }
-PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0]}
-MAX_BLOCK_H = 32
+PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0], 64: CANDIDATES[64][0]}
+# The head group each H runs with: the smallest listed BLOCK_H >= H, else the last (H = 128 is
+# two 64-row groups).
+BLOCK_H_STEPS = (16, 32, 64)
+MAX_BLOCK_H = BLOCK_H_STEPS[-1]
 
 
 def block_h_for(H: int) -> int:
-    """Rows of a head group: H padded to a power of two >= 16, at most MAX_BLOCK_H."""
-    return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(max(int(H), 1))))
+    """Rows of a head group for H heads (BLOCK_H_STEPS)."""
+    for bh in BLOCK_H_STEPS:
+        if int(H) <= bh:
+            return bh
+    return MAX_BLOCK_H

@@ -5,10 +5,12 @@ One program per (query, head group), no split, out and lse written in the epilog
 (csrc_triton.sparse_mla_prefill). Same semantics and arguments as
 ``dsv4_ops.attention.sparse_mla_decode`` (reference: ``dsv4_ops.reference.ref_sparse_mla_decode``).
 
-Dispatch (static shapes only, no host sync):
-  - T x G >= the device's SM count (G = cdiv(H, BLOCK_H) head groups) and int32 indices:
-    the prefill kernel, config ``PREFILL_CONFIG[block_h_for(H)]``;
-  - otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices):
+Dispatch (static shapes and alignment only, no host sync):
+  - T x G >= the device's SM count (G = cdiv(H, BLOCK_H) head groups), int32 indices, and
+    q / kv / out 16-byte aligned with row strides a multiple of 8 elements (the kernel's
+    vector-load hints assume it; vLLM's buffers always are): the prefill kernel, config
+    ``PREFILL_CONFIG[block_h_for(H)]``;
+  - otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices; odd views):
     ``dsv4_ops.attention.sparse_mla_decode`` (split-KV decode kernels + merge).
 ``config=`` (benchmarks, tests) forces one entry of ``CANDIDATES`` and always runs the kernel.
 
@@ -54,6 +56,15 @@ def uses_prefill_kernel(T: int, H: int, index_dtype: torch.dtype, sms: int) -> b
     SMs at least once and the indices are int32."""
     groups = -(-int(H) // _pk.block_h_for(H))
     return index_dtype == torch.int32 and int(T) * groups >= sms
+
+
+def aligned(q: torch.Tensor, kv: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
+    """16-byte aligned bases and row strides a multiple of 8 elements (what the kernel's
+    tl.multiple_of hints promise)."""
+    for t in (q, kv) if out is None else (q, kv, out):
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _checked(q, kv, indices, topk_length, sink, out):
@@ -154,7 +165,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         q, kv, indices, topk_length, sink = _checked(q, kv, indices, topk_length, sink, out)
     T, H = q.shape[0], q.shape[1]
     if config is None:
-        if not uses_prefill_kernel(T, H, indices.dtype, num_sms_of(q)):
+        if not (uses_prefill_kernel(T, H, indices.dtype, num_sms_of(q)) and aligned(q, kv, out)):
             from .attention import sparse_mla_decode
 
             return sparse_mla_decode(q, kv, indices, topk_length, sink, sm_scale, 0, out=out)
@@ -165,8 +176,9 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         if block_h not in _pk.CANDIDATES or not 0 <= i < len(_pk.CANDIDATES[block_h]):
             raise ValueError(f"config: expected (block_h, i) with block_h in {sorted(_pk.CANDIDATES)} and i an "
                              f"index of CANDIDATES[block_h], got {config!r}")
-        if indices.dtype != torch.int32:
-            raise ValueError("config: a forced prefill config takes int32 indices")
+        if indices.dtype != torch.int32 or not aligned(q, kv, out):
+            raise ValueError("config: a forced prefill config takes int32 indices and 16-byte aligned q / kv / out "
+                             "with row strides a multiple of 8")
         cfg = _pk.CANDIDATES[block_h][i]
     if out is None:
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
