@@ -103,6 +103,21 @@ def invariant_rows(quick: bool, emit=lambda rows: None):
                 dsv4_decode_attention(q, cache, topk, cache, win, sink, 512 ** -0.5, bs, bs, workspace=ws, out=out)
 
             row = {"T": T, "H": H}
+            # Written before measuring. Floor of the invariant (workspace) step: the gather reads
+            # each of the T * 640 records (584 B) and writes its bf16 row (1024 B), the heads kernel
+            # reads the row once per head group, at 4 TB/s, plus three in-graph launches (gather,
+            # heads, merge) of ~0.9 us. Prediction: decode_plan's own heads + merge cost model
+            # (heads_time_us) for the invariant split count, plus the gather at the floor's bytes.
+            from dsv4_ops.csrc_triton import sparse_mla_heads as hk
+
+            groups = -(-H // hk.block_h_for(H))
+            gather_us = T * 640 * (584 + 1024) / decode_plan.BANDWIDTH_BPS * 1e6
+            row["floor_us"] = round(gather_us + T * 640 * 1024 * groups / decode_plan.BANDWIDTH_BPS * 1e6 + 3 * 0.9, 2)
+            os.environ[decode_plan.BATCH_INVARIANT_ENV] = "1"
+            inv = decode_plan.plan(T, H, 640, decode_plan.num_sms(0), decode_plan.mode())
+            os.environ.pop(decode_plan.BATCH_INVARIANT_ENV, None)
+            row["predicted_invariant_us"] = round(gather_us + 0.9 + decode_plan.heads_time_us(
+                T, H, 640, decode_plan.num_sms(0), inv.splits), 2)
             for label, flag in (("default_us", "0"), ("invariant_us", "1")):
                 os.environ[decode_plan.BATCH_INVARIANT_ENV] = flag
                 row[label] = time_graph_us(step)
@@ -152,9 +167,12 @@ STARTUP_NOTES = ("Seconds per worker (fresh process each, portable, the served s
                  "TRITON_CACHE_DIR; warm_cache: again on the cache the cold run filled (a restart); *_compiles: "
                  "Triton's post-compile hook during the warmup; sweep_compiles: during the mixed-batch sweep after "
                  "it, both runs (tests/test_warm_set.py; must be 0).")
-INVARIANT_COLUMNS = ["T", "H", "default_plan", "default_us", "invariant_plan", "invariant_us", "ratio"]
+INVARIANT_COLUMNS = ["T", "H", "floor_us", "predicted_invariant_us", "default_plan", "default_us", "invariant_plan",
+                     "invariant_us", "ratio"]
 INVARIANT_NOTES = ("dsv4_decode_attention in a CUDA graph (20 calls, median), K = 512 top-k + 128 window, portable, "
-                   "same process; invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K).")
+                   "same process; invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K). "
+                   "floor_us: the invariant step's bytes at 4 TB/s + 3 launches; predicted_invariant_us: written "
+                   "before the run, decode_plan.heads_time_us + the gather at the floor (bench_startup.py).")
 
 
 def write_all(out_dir, startup, invariant):
