@@ -362,6 +362,22 @@ def test_prefill_kernel_small_and_auto_cache(interpret, form):
         assert torch.equal(out2.view(torch.int16), out.view(torch.int16))
 
 
+# ---- AOT sm_80 / sm_86 (the session's one compile, conftest fixture aot_results) ----
+
+
+def test_aot_every_v32_specialization_compiles_spill_free(aot_results):
+    from dsv4_ops import aot
+
+    want = sorted(s.label for s in v32.aot_specs() if s.variant == "portable")
+    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2  # (insert, gather) x fmt x slots; attn form x fmt x bh x len x epi
+    rows = [r for r in aot_results if r.label.startswith("v32_")]
+    for arch in aot.AMPERE_ARCHS:
+        assert sorted(r.label for r in rows if r.arch == arch) == want, f"sm_{arch}"
+    bad = [f"sm_{r.arch} {r.label}: ok={r.ok} spills={r.spill_bytes} smem={r.shared_bytes} {r.error}"
+           for r in rows if not r.ok or r.spill_bytes != 0]
+    assert not bad, "\n".join(bad)
+
+
 # ---- opcheck (the same samples are meant for tests/test_opcheck.py's SAMPLES) ----
 
 
