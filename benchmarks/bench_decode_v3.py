@@ -173,7 +173,8 @@ def main():
     sms = decode_plan.num_sms(torch.cuda.current_device())
     cc, cw = make_cache(1), make_cache(2)
     rows = []
-    cols = (["T", "H", "K", "step_us", "auto_us", "step/auto", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs] + [f"{c}_S" for c in configs]
+    cols = (["T", "H", "K", "step_us", "auto_us", "step/auto", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs]
+            + [f"{c}_S" for c in configs]
             + ["best_v3_us", "best_cfg", "best_S", "step/v3", "floor_us", "err_pipe"] + [f"err_{c}" for c in configs]
             + ["error"])
     shapes = [(T, H, 512) for T in TS for H in HS] + [(T, H, 128) for T, H in DRAFT]

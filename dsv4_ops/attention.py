@@ -17,7 +17,7 @@ Partial layout (between the two kernels)
   nb = cdiv(min(topk_length[t], K), 16) (see csrc_triton.sparse_mla).
 
 Launchers never sync the host and allocate only their outputs, so they capture into CUDA
-graphs; the split count comes from static shapes (dsv4_ops.split_heuristic).
+graphs; the split count comes from static shapes (dsv4_ops.decode_plan).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .csrc_triton import sparse_mla_heads as _hk
 from .csrc_triton import sparse_mla_paged as _pk
 from .csrc_triton import sparse_mla_v3 as _vk
 from . import decode_plan as _dp
-from .split_heuristic import num_splits as _heuristic_splits
+from .decode_plan import tile_splits as _heuristic_splits
 from .dispatch import variant_for
 
 HEAD_DIM = _sk.HEAD_DIM
@@ -60,7 +60,7 @@ _v3_kernel = fast(_vk._dsv4_decode_v3_kernel)
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_splits(T: int, H: int, K: int) -> int:
-    """dsv4_ops.split_heuristic.num_splits, memoised (static shapes repeat every step)."""
+    """dsv4_ops.decode_plan.tile_splits, memoised (static shapes repeat every step)."""
     return _heuristic_splits(T, H, K)
 
 

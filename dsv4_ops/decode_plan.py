@@ -1,9 +1,20 @@
 """Which sparse-MLA decode kernel runs, with how many splits: static shapes only, no host sync.
 
-    DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads | fused   (read at each call; default auto)
+The one home of the decode plan (issue 17): every kernel choice and split count of a decode
+step is decided here, from (T, H, K, SMs) alone, and each choice is pinned by a test:
+
+    kernel  chosen by                               splits by                     tests
+    tiles   auto below AUTO_HEADS_MIN_T             tile_splits (pinned table)    test_split_heuristic.py
+    heads   auto from AUTO_HEADS_MIN_T              auto_heads_splits (measured)  test_decode_v2/heads.py
+    v1      auto_is_fused (AUTO_FUSED_WINDOWS)      fused_splits                  test_decode_fused.py
+    v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (~1 program an SM)  test_decode_v3.py
+
+(the composite asks auto_is_v3, then auto_is_fused; the fused op's form is fused_form).
+
+    DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads | fused | v3   (read at each call; default auto)
       tiles  the split-KV tile kernel (csrc_triton.sparse_mla: 16-head tiles x 16-key
              blocks, every key re-read cdiv(H, 16) times) + the merge; splits from
-             dsv4_ops.split_heuristic
+             ``tile_splits`` below
       heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
              BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
              the final out + lse in its epilogue (no merge launch)
@@ -15,7 +26,9 @@
              sparse_mla_decode call treats it as auto
       auto   tiles below T = 64, heads from T = 64 with measured split counts
              (``AUTO_HEADS_MIN_T``, ``auto_heads_splits``: benchmarks/results/decode_kernels.md);
-             in the composite, fused where ``auto_is_fused`` (measured) says so
+             in the composite, v3 where ``auto_is_v3`` says so (H <= 16 and a few more
+             shapes, benchmarks/results/decode_v3.md; 16-byte aligned pages), else v1
+             fused where ``auto_is_fused`` (measured) says so
 
 The heads split count minimises a cost model (constants: H200 guesses, NOT measured; refit
 from bench_decode_kernels.py):
@@ -39,7 +52,7 @@ import os
 
 from .csrc_triton import sparse_mla_heads as _hk
 from .csrc_triton.sparse_mla import MAX_SPLITS, PARTITION_N
-from .split_heuristic import num_splits as _tile_splits
+from .csrc_triton.sparse_mla import SPLIT_CONFIG as _SPLIT_CONFIG
 
 ENV_VAR = "DSV4_AMPERE_DECODE_KERNEL"
 MODES = ("auto", "tiles", "heads", "fused", "v3")
@@ -89,6 +102,45 @@ class DecodePlan:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+# ---- the tiles kernel's split count (was dsv4_ops.split_heuristic; that module re-exports) ----
+# programs    W  = T * cdiv(H, BLOCK_H)                (BLOCK_H = 16 heads a program holds)
+# key blocks  nb = cdiv(K, PARTITION_N)                (16 keys a block)
+# target      C  = 128 if W <= 8, 256 if W <= 32, else 512   (programs in all)
+# blocks/split b = ceil(nb * W / C)   -> splits = cdiv(nb, b), at most MAX_SPLITS
+# Balanced rounding: a split count is only worth what its longest split costs (ceil(nb / S)
+# key blocks), so the smallest S with that longest split is taken: at nb = 40, S = 40, 20, 14,
+# 10, 8, 7, 6, 5, 4, 3, 2, 1 are the only counts returned. The target grows with W because at
+# small W the merge and the per-program q load dominate, and at large W more programs hide
+# the gather latency. Fitted to the H200 sweep of the portable kernel
+# (benchmarks/results/attention_split_sweep.md): the 14 pinned shapes of
+# tests/test_split_heuristic.py land within 5% of the best count measured there. Not tuned
+# on an A100 (108 SMs instead of 132): the pinned table is the thing to re-measure there.
+TILE_BLOCK_H = _SPLIT_CONFIG["portable"]["BLOCK_H"]
+TARGET_STEPS = ((8, 128), (32, 256))  # (largest W, programs in all) steps of the target
+TARGET_LARGE = 512
+
+
+def tile_max_splits(K: int) -> int:
+    """The largest tiles split count worth launching for K key positions (>= 1)."""
+    return max(1, min(_cdiv(int(K), PARTITION_N), MAX_SPLITS))
+
+
+def target_programs(programs: int) -> int:
+    """Programs in all the tiles split kernel should launch, for W = T * cdiv(H, 16)."""
+    for bound, target in TARGET_STEPS:
+        if programs <= bound:
+            return target
+    return TARGET_LARGE
+
+
+def tile_splits(T: int, H: int, K: int) -> int:
+    """Tiles splits for T tokens, H query heads and K key positions a token (static shapes)."""
+    w = max(1, int(T)) * _cdiv(max(1, int(H)), TILE_BLOCK_H)
+    nb = _cdiv(max(1, int(K)), PARTITION_N)
+    per_split = max(1, _cdiv(nb * w, target_programs(w)))  # key blocks of the longest split
+    return max(1, min(_cdiv(nb, per_split), tile_max_splits(K)))
+
 
 
 def mode() -> str:
@@ -150,7 +202,7 @@ def heads_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 
 
 def tiles_plan(T: int, H: int, K: int, splits: int = 0) -> DecodePlan:
-    s = splits or _tile_splits(T, H, K)
+    s = splits or tile_splits(T, H, K)
     return DecodePlan("tiles", s, 16, PARTITION_N, _cdiv(H, 16), False)
 
 
@@ -257,19 +309,22 @@ def auto_is_fused(T: int, H: int, K: int) -> bool:
     return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_FUSED_WINDOWS)
 
 
-# Where auto runs the v3 kernel (the fused op's other form): measured windows (T_lo, T_hi,
-# H_max, K), benchmarks/results/decode_v3.md (H200, portable, in-graph, same-run ratio against
+# Where auto runs the v3 kernel (the fused op's other form): measured windows,
+# benchmarks/results/decode_v3.md (H200, portable, in-graph, same-run ratio against
 # the step before it): H <= 16, K = 640 at every T measured (1, 4, 16, 64, 128, 256): 1.11-1.36x
 # (T = 128, H = 8: 62.2 vs 81.4 us); the draft's K = 256 at T = 1 and 16: 1.27 / 1.45x; T = 1,
 # H = 64: 1.15x (T = 1, H = 128: 1.02x, left out). From H = 64 at T >= 4 the step stays
-# (v3 0.66-0.98x there). Between the measured T the ratio held at every point, so the window
-# spans them; T > 256 (prefill-sized) keeps the step.
-AUTO_V3_WINDOWS = ((1, 256, 16, 640), (1, 16, 16, 256), (1, 1, 64, 640))
+# (v3 0.66-0.98x there), except the draft's K = 256 at T = 64, H = 64: 44.6-45.0 vs 48.8-49.0
+# us in both H200 calls (1.09x). Between the measured T the ratio held at every point, so the
+# window spans them; T > 256 (prefill-sized) keeps the step.
+# Windows (T_lo, T_hi, H_lo, H_hi, K).
+AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640), (64, 64, 64, 64, 256))
 
 
 def auto_is_v3(T: int, H: int, K: int) -> bool:
     """Whether auto runs the v3 kernel in the composite (a measured window holds T, H, K)."""
-    return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in AUTO_V3_WINDOWS)
+    return any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
+               for t_lo, t_hi, h_lo, h_hi, k in AUTO_V3_WINDOWS)
 
 
 def fused_form(T: int, H: int, K: int) -> str:

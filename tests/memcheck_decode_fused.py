@@ -5,8 +5,10 @@
 Each tensor gets its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and pages are sized
 exactly (no slack after the last record), so a read past a cache is an error the sanitizer
 reports. Slots: out of range, negative, int32 / int64 extremes, repeated; lengths negative
-and past K; an empty window cache. Both variants (native on sm_89+), three forms (v1 default,
-v1 PIPELINE, v3: csrc_triton.sparse_mla_v3; the caches here are 16-byte aligned), direct and split; exits non-zero when a result differs from the float64 reference.
+and past K; an empty window cache. Both variants (native on sm_89+; MEMCHECK_VARIANTS=portable
+for one), three forms (v1 default, v1 PIPELINE, v3: csrc_triton.sparse_mla_v3; the caches here
+are 16-byte aligned), direct and split; exits non-zero when a result differs from the float64
+reference.
 """
 
 import os

@@ -241,8 +241,10 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
 
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, True), (256, 16, 640, True), (1, 64, 640, True),
                                         (4, 64, 640, False), (1, 128, 640, False), (64, 64, 640, False),
-                                        (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False)])
+                                        (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False),
+                                        (64, 64, 256, True), (128, 128, 256, False)])
 def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
-    """decode_v3.md (H200, portable): v3 won at H <= 16 (every T, K 640; T <= 16 at K 256) and
-    T = 1, H = 64; the step stays at H >= 64 from T = 4, T = 1 H = 128, and unmeasured T > 256."""
+    """decode_v3.md (H200, portable): v3 won at H <= 16 (every T, K 640; T <= 16 at K 256),
+    T = 1, H = 64 and T = 64, H = 64, K = 256; the step stays at H >= 64 from T = 4 (K 640),
+    T = 1 H = 128, and unmeasured T > 256."""
     assert decode_plan.auto_is_v3(T, H, K) is want
