@@ -215,6 +215,12 @@ def form_for(aligned: bool, form: Optional[str] = None) -> str:
 AUTO_FORM = "w64"  # until benchmarks/bench_v32.py has measured both forms on a GPU
 
 
+# Programs aimed at per SM when T * groups alone do not fill the SMs: 1, what the DSv4 v3 decode
+# (the same structure over 584-byte records) measured best at every T on the H200
+# (dsv4_ops.decode_plan.V3_PROGRAMS_PER_SM); bench_v32.py sweeps the split count beside it.
+PROGRAMS_PER_SM = 1
+
+
 def _config(form: str, bh: int) -> dict:
     return (_ak.V32_W128_CONFIG if form == "w128" else _ak.V32_ATTN_CONFIG)[bh]
 
@@ -222,14 +228,14 @@ def _config(form: str, bh: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def num_splits_for(T: int, H: int, K: int, sms: int, form: str = "w64") -> int:
     """Split count from static shapes: 1 when T * groups programs fill the SMs, else enough
-    splits for about two programs an SM, at most one key block a split and MAX_SPLITS."""
+    splits for PROGRAMS_PER_SM programs an SM, at most one key block a split and MAX_SPLITS."""
     bh = _ak.block_h_for(H)
     groups = -(-H // bh)
     nb = max(1, -(-K // _config(form, bh)["BLOCK_N"]))
     base = max(1, T * groups)
     if base >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, nb, -(-2 * sms // base)))
+    return max(1, min(MAX_SPLITS, nb, -(-PROGRAMS_PER_SM * sms // base)))
 
 
 def _sms(t: torch.Tensor) -> int:
