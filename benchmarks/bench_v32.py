@@ -172,10 +172,13 @@ def main():
     sms = num_sms(torch.cuda.current_device())
     print(f"copy {gbs:.0f} GB/s, bf16 mm {tfl:.0f} TFLOP/s, {sms} SMs", flush=True)
     cache = make_cache(1)
-    rows = [decode_row(cache, T, H, gbs, tfl, replays, not args.quick, sms) for T in TS for H in HS]
-    notes = (f"Same run: copy {gbs:.0f} GB/s, bf16 matmul {tfl:.0f} TFLOP/s (8192^3), {sms} SMs. "
-             f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}. Wall {time.time() - t0:.0f} s.")
-    write_results("v32_decode", args.out, rows, DECODE_COLUMNS, notes)
+    rows = []
+    for T in TS:  # the tables are rewritten after every shape: a timeout keeps what was measured
+        for H in HS:
+            rows.append(decode_row(cache, T, H, gbs, tfl, replays, not args.quick, sms))
+            notes = (f"Same run: copy {gbs:.0f} GB/s, bf16 matmul {tfl:.0f} TFLOP/s (8192^3), {sms} SMs. "
+                     f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}. Wall {time.time() - t0:.0f} s.")
+            write_results("v32_decode", args.out, rows, DECODE_COLUMNS, notes)
     prows = prefill_rows(cache, gbs, tfl, replays)
     write_results("v32_prefill", args.out, prows,
                   ["T", "H", "K", "N", "w64_us", "w128_us", "floor_us", "floor/us", "TFLOP/s", "gather_us",

@@ -3,7 +3,7 @@
 # GPU tests of tests/test_v32_ops.py (portable variant: what sm_8x runs), bench_v32.py, then
 # compute-sanitizer memcheck of tests/memcheck_v32.py with whatever time is left.
 # Everything is written straight into $OUT (8 files at most), so a timeout still returns logs.
-#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT1 (35), TEST_TIMEOUT2 (40), BENCH_TIMEOUT (45), MEMCHECK_TIMEOUT (15)
+#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT1 (35), TEST_TIMEOUT2 (40), BENCH_TIMEOUT (50), MEMCHECK_TIMEOUT (12)
 set -u -o pipefail
 OUT="${OUT:-/tmp/v32_out}"
 mkdir -p "$OUT/results"
@@ -24,11 +24,11 @@ timeout "${TEST_TIMEOUT2:-40}" python3 -m pytest tests/test_v32_ops.py -v --tb=s
   -k "not native and test_gpu_flashmla_cases" >> "$OUT/pytest.log" 2>&1
 echo "pytest(2) rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
 
-timeout "${BENCH_TIMEOUT:-45}" python3 benchmarks/bench_v32.py --out "$OUT/results" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_TIMEOUT:-50}" python3 benchmarks/bench_v32.py --out "$OUT/results" > "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(el)" >> "$S"
 
 if command -v compute-sanitizer > /dev/null; then
-  timeout "${MEMCHECK_TIMEOUT:-15}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_v32.py \
+  timeout "${MEMCHECK_TIMEOUT:-12}" compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_v32.py \
     > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|memcheck_v32' "$OUT/memcheck.log" | tail -2 | tr '\n' ' ') $(el)" >> "$S"
 else
