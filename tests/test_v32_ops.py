@@ -152,12 +152,14 @@ def test_cache_pages_accepts_vllm_views_and_rejects_the_rest():
             L.v32_cache_pages(b)
 
 
-def test_exponent_rule_matches_vllm_float_formula_for_every_bf16_amax():
-    """ceil(log2(max(amax / 448, 1e-4))) in fp32 (vLLM's formula, via torch) == the exact
-    integer rule of the insert kernel, max(E - 8 + (mant > 1.75), -13), for all bf16 amax."""
-    bits = torch.arange(0, 0x7F80, dtype=torch.int32)  # +0 .. largest finite bf16
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_exponent_rule_matches_vllm_float_formula_for_every_bf16_amax(device):
+    """ceil(log2(max(amax / 448, 1e-4))) in fp32 (vLLM's formula, via torch; on CUDA torch's
+    log2 is libdevice log2f, the function vLLM's writer calls) == the exact integer rule of
+    the insert kernel, max(E - 8 + (mant > 1.75), -13), for all bf16 amax."""
+    bits = torch.arange(0, 0x7F80, dtype=torch.int32, device=device)  # +0 .. largest finite bf16
     amax = bits.to(torch.int16).view(torch.bfloat16).float()
-    s = torch.clamp_min(amax / torch.tensor(448.0), 1e-4)
+    s = torch.clamp_min(amax / torch.tensor(448.0, device=device), 1e-4)
     e_float = torch.ceil(torch.log2(s)).to(torch.int32)
     fb = amax.view(torch.int32)
     e_int = ((fb >> 23) & 0xFF) - 127 - 8 + ((fb & 0x7FFFFF) > 0x600000).to(torch.int32)
