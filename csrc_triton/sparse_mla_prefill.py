@@ -158,7 +158,7 @@ def _sparse_mla_prefill_kernel(
 # Launch configs per head-group size (BLOCK_H), as plain data. CANDIDATES: every config the
 # benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80 and sm_86 and
 # within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
-# the one the launcher runs (the pick before measurement; see benchmarks/results/sparse_prefill.md).
+# the one the launcher runs (measured, below).
 # Registers (sm_80, triton 3.8 AOT): bh16 x bn32 w4 128, bn16 w4 128, bn64 w4 184, bn16 w4 pf 208,
 # bn32 w8 pf 172; bh32 x bn16 w8 150, bn32 w8 170, bn16 w4 224, bn16 w8 pf 234; bh64 x bn16 w8 241.
 # Probed and rejected: bh64 with PREFETCH (1468 B spilled), bh64 at 16 warps (32 B), bh64 x bn32
@@ -178,10 +178,15 @@ CANDIDATES = {
     64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
          {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "PREFETCH": False}),
 }
-PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0], 64: CANDIDATES[64][0]}
-# The head group each H runs with: the smallest listed BLOCK_H >= H, else the last (H = 128 is
-# two 64-row groups).
-BLOCK_H_STEPS = (16, 32, 64)
+# Measured (H200, portable, DISABLE_MMA_V3=1 so every dot is mma.sync as on sm_80; s_q 4096,
+# K 640; benchmarks/results/sparse_prefill.md): the fastest per head group, bh16 #2 (553 us at
+# H = 8 vs 686 for #0) and bh32 #2 (3358 us at H = 64 vs 3813 for #1). The 64-row groups lose
+# to two 32-row groups under mma.sync (5116-5253 us at H = 64), so H > 32 runs 32-row groups;
+# they win only with Hopper's wgmma (2922 us, sparse_prefill_wgmma.md), which sm_8x lacks.
+PREFILL_CONFIG = {16: CANDIDATES[16][2], 32: CANDIDATES[32][2]}
+# The head group each H runs with: the smallest listed BLOCK_H >= H, else the last (H = 64 is
+# two 32-row groups, H = 128 four).
+BLOCK_H_STEPS = (16, 32)
 MAX_BLOCK_H = BLOCK_H_STEPS[-1]
 
 

@@ -6,7 +6,9 @@ One program per (query, head group), no split, out and lse written in the epilog
 ``dsv4_ops.attention.sparse_mla_decode`` (reference: ``dsv4_ops.reference.ref_sparse_mla_decode``).
 
 Dispatch (static shapes and alignment only, no host sync):
-  - T x G >= the device's SM count (G = cdiv(H, BLOCK_H) head groups), int32 indices, and
+  - T x G >= PREFILL_MIN_WAVES x the device's SM count (G = cdiv(H, BLOCK_H) head groups;
+    4 waves: below that the split-KV path balances better; a guess, NOT measured between
+    T = 4 and T = 4096, where the prefill kernel won 1.07-1.2x), int32 indices, and
     q / kv / out 16-byte aligned with row strides a multiple of 8 elements (the kernel's
     vector-load hints assume it; vLLM's buffers always are): the prefill kernel, config
     ``PREFILL_CONFIG[block_h_for(H)]``;
@@ -37,6 +39,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _kernel = fast(_pk._sparse_mla_prefill_kernel)
+PREFILL_MIN_WAVES = 4  # programs (T x G) per SM at which the prefill kernel takes over (module doc)
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,10 +55,10 @@ def num_sms_of(t: torch.Tensor) -> int:
 
 
 def uses_prefill_kernel(T: int, H: int, index_dtype: torch.dtype, sms: int) -> bool:
-    """The dispatch rule of the module doc: the prefill kernel when its T x G programs fill the
-    SMs at least once and the indices are int32."""
+    """The dispatch rule of the module doc: the prefill kernel when its T x G programs are at
+    least PREFILL_MIN_WAVES per SM and the indices are int32."""
     groups = -(-int(H) // _pk.block_h_for(H))
-    return index_dtype == torch.int32 and int(T) * groups >= sms
+    return index_dtype == torch.int32 and int(T) * groups >= PREFILL_MIN_WAVES * sms
 
 
 def aligned(q: torch.Tensor, kv: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
@@ -195,7 +198,7 @@ def aot_specs():
     specs = []
     for bh, cands in sorted(_pk.CANDIDATES.items()):
         for i, cfg in enumerate(cands):
-            dispatched = cfg is _pk.PREFILL_CONFIG[bh]
+            dispatched = cfg is _pk.PREFILL_CONFIG.get(bh)
             for has_len in ((False, True) if dispatched else (True,)):
                 for has_sink in ((False, True) if dispatched else (True,)):
                     sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "indices_ptr": "*i32", "topk_length_ptr": None,

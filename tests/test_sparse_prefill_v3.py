@@ -165,25 +165,27 @@ def test_bad_arguments_name_the_argument(interpret):
 # ------------------------------------------------------------------------------------------
 
 def test_block_h_and_configs():
-    assert [pk.block_h_for(h) for h in (1, 8, 16, 17, 32, 33, 64, 128)] == [16, 16, 16, 32, 32, 64, 64, 64]
+    assert [pk.block_h_for(h) for h in (1, 8, 16, 17, 32, 33, 64, 128)] == [16, 16, 16, 32, 32, 32, 32, 32]
     assert {pk.block_h_for(h) for h in range(1, 257)} <= set(pk.PREFILL_CONFIG) <= set(pk.CANDIDATES)
     for bh, cfg in pk.PREFILL_CONFIG.items():
         assert any(cfg is c for c in pk.CANDIDATES[bh])
 
 
-@pytest.mark.parametrize("T,H,sms,want", [(4096, 8, 132, True), (4096, 128, 108, True), (131, 8, 132, False),
-                                          (66, 128, 132, True), (65, 128, 132, False), (1, 128, 108, False)])
+@pytest.mark.parametrize("T,H,sms,want", [(4096, 8, 132, True), (4096, 128, 108, True), (527, 8, 132, False),
+                                          (528, 8, 132, True), (132, 128, 132, True), (131, 128, 132, False),
+                                          (1, 128, 108, False)])
 def test_dispatch_rule(T, H, sms, want):
+    assert sp.PREFILL_MIN_WAVES == 4  # the cases below are written for 4 waves
     assert sp.uses_prefill_kernel(T, H, torch.int32, sms) is want
     assert sp.uses_prefill_kernel(T, H, torch.int64, sms) is False  # int64: the decode kernels
 
 
 def test_dispatch_launches_the_prefill_kernel_only_when_the_programs_fill_the_sms(interpret, monkeypatch):
-    """With 4 SMs: T x G = 4 runs the prefill kernel, 2 the decode path, and so does a q view
-    whose rows are not 16-byte aligned; all match the reference."""
+    """With 4 SMs (16 programs for 4 waves): T x G = 16 runs the prefill kernel, 12 the decode
+    path, and so does a q view whose rows are not 16-byte aligned; all match the reference."""
     monkeypatch.setattr(sp, "num_sms_of", lambda t: 4)
     dev = interpret
-    for T, want, shift in ((2, True, 0), (1, False, 0), (2, False, 4)):  # H = 128: two groups of 64
+    for T, want, shift in ((4, True, 0), (3, False, 0), (4, False, 4)):  # H = 128: four groups of 32
         q, kv, idx, tl = make_case(T, 128, 20, seed=T, device=dev)
         if shift:  # the same values at a storage offset of 4 elements (8 bytes)
             q = torch.empty(q.numel() + shift, dtype=q.dtype, device=dev)[shift:].view(q.shape).copy_(q)
@@ -269,7 +271,7 @@ def test_aot_lists_every_dispatched_specialization_and_every_candidate():
     for bh, cands in pk.CANDIDATES.items():
         for i, cfg in enumerate(cands):
             combos = [("len", "sink")]
-            if cfg is pk.PREFILL_CONFIG[bh]:
+            if cfg is pk.PREFILL_CONFIG.get(bh):
                 combos = [(a, b) for a in ("len", "nolen") for b in ("sink", "nosink")]
             for ln, sk in combos:
                 want = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
@@ -326,7 +328,7 @@ def test_gpu_every_config_matches_reference(monkeypatch, config, H):
     T, K = 192, 640
     q, kv, idx, tl = make_case(T, H, K, dtype=torch.bfloat16, device="cuda", seed=H + config[1], N=4096)
     cases = [("mixed", tl)]
-    if pk.CANDIDATES[config[0]][config[1]] is pk.PREFILL_CONFIG[config[0]]:
+    if pk.CANDIDATES[config[0]][config[1]] is pk.PREFILL_CONFIG.get(config[0]):
         cases.append((None, None))  # the other specialization the launcher picks (one compile each)
     for sink_kind, lens in cases:
         sink = make_sink(sink_kind, H, "cuda")
@@ -343,7 +345,7 @@ def test_gpu_vllm_prefill_layout_through_the_entry_point(variant, H):
     (T x G fills the SMs) and matches the reference."""
     from dsv4_ops.vllm import attention as va
 
-    T = 512
+    T = 640  # >= 4 waves of programs at H = 8 on 132 SMs
     q, kv, idx, tl = vllm_prefill_case(T, H, seed=H)
     sink = make_sink("finite", H, "cuda")
     out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda"))
@@ -368,7 +370,7 @@ def test_gpu_small_t_takes_the_decode_path_and_matches(variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [8, 64], ids=lambda h: f"H{h}")
 def test_gpu_cuda_graph_replay_on_new_inputs(variant, H):
-    T, K = 384, 640
+    T, K = 640, 640  # the prefill kernel at both H (>= 4 waves on 132 SMs)
     static = list(make_case(T, H, K, dtype=torch.bfloat16, device="cuda", seed=51, N=2048))
     static.append(make_sink("finite", H, "cuda"))
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda")
@@ -391,7 +393,7 @@ def test_gpu_cuda_graph_replay_on_new_inputs(variant, H):
 
 @pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph(variant):
-    T, H, K = 256, 64, 640
+    T, H, K = 320, 64, 640  # 640 programs: the prefill kernel
     q, kv, idx, tl = make_case(T, H, K, dtype=torch.bfloat16, device="cuda", seed=61, N=2048)
     sink = make_sink("finite", H, "cuda")
 
