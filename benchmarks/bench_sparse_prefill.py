@@ -135,7 +135,7 @@ def main() -> int:
                 if isinstance(cfg, tuple):
                     c = pk.CANDIDATES[cfg[0]][cfg[1]]
                     row["config"] = (f"bh{cfg[0]} bn{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
-                                     f"{' pf' if c['PREFETCH'] else ''}")
+                                     f"{' ia' if c.get('IDX_AHEAD') else ''}")
                 try:
                     if cfg is None:
                         def fn():

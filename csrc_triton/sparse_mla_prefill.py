@@ -8,11 +8,13 @@ the SMs, so out and lse (sink folded in) are written in the epilogue, no partial
 The 512-d latent is handled as 4 chunks of 128 dims (``C = 128``): q as 4 [BLOCK_H, 128]
 operands, 4 fp32 accumulators [BLOCK_H, 128], and each key block as 4 [BLOCK_N, 128] tiles
 loaded once and used twice (scores q_c k_c^T summed over c, then p @ v_c). Key rows are
-gathered by index, so triton's pipeliner (3.8, read from the TTGIR here) prefetches only the index rows, never the
-gathered rows (they stay plain loads in the TTGIR); PREFETCH = True pipelines by hand, in
-registers: the key rows of block b + 1 and the index block b + 2 are loaded before block b is
-computed, so their latency overlaps its MMAs. PREFETCH = False leaves it to
-``tl.range(num_stages=NUM_STAGES)``.
+gathered by index. The key-block loop is ``tl.range(num_stages=NUM_STAGES)``: with 16-byte
+alignment hints (tl.multiple_of) the gathered rows become cp.async copies into shared memory.
+IDX_AHEAD = False loads a block's indices in its own iteration, which makes the gather an
+indirect load and leaves the pipeliner one key buffer (load, then wait, then compute);
+IDX_AHEAD = True carries the next index block across iterations so NUM_STAGES - 1 key blocks
+are in flight. (A register prefetch of the next block's key rows was measured 1.8-2.3x slower
+than the pipeliner on the H200 and removed: benchmarks/results/sparse_prefill.md, "pf" rows.)
 
 Semantics (= dsv4_ops.reference.ref_sparse_mla_decode): positions j < min(topk_length[t], K)
 with 0 <= indices[t, j] < N are the valid keys; scores (q . k) * sm_scale with fp32
@@ -36,7 +38,7 @@ def _sparse_mla_prefill_kernel(
     q_ptr, kv_ptr, indices_ptr, topk_length_ptr, sink_ptr, o_ptr, lse_ptr,
     H, K, N, G, sm_scale,
     stride_q_t, stride_q_h, stride_kv_n, stride_indices_t, stride_o_t, stride_o_h,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_AHEAD: tl.constexpr,
     HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Grid (T * G,): program pid runs head group g = pid % G of query t = pid // G (the
@@ -79,41 +81,26 @@ def _sparse_mla_prefill_kernel(
     b_a3 = tl.zeros([BLOCK_H, C], dtype=tl.float32)
     p_idx = indices_ptr + pid_t * stride_indices_t
     o_b = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    if PREFETCH:
-        # Manual software pipeline, in registers: the index block two ahead and the key rows one
-        # ahead are loaded before the current block is computed, so their latency overlaps it.
+    if IDX_AHEAD:
         b_idx_n = tl.load(p_idx + o_b, mask=o_b < k_len, other=-1)
-        m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
-        p_row = tl.multiple_of(kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64) * stride_kv_n, 16)
-        p_kv = p_row[:, None] + o_c[None, :]
-        b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
-        b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
-        b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
-        b_k3n = tl.load(p_kv + 3 * C, mask=m_n_n[:, None], other=0.0)
-        b_idx_n = tl.load(p_idx + BLOCK_N + o_b, mask=BLOCK_N + o_b < k_len, other=-1)
     for blk in tl.range(0, n_blocks, num_stages=NUM_STAGES):
-        if PREFETCH:
-            m_n = m_n_n
-            b_k0, b_k1, b_k2, b_k3 = b_k0n, b_k1n, b_k2n, b_k3n
-            m_n_n = (b_idx_n >= 0) & (b_idx_n < N)
-            p_row = tl.multiple_of(kv_ptr + tl.where(m_n_n, b_idx_n, 0).to(tl.int64) * stride_kv_n, 16)
-            p_kv = p_row[:, None] + o_c[None, :]
-            b_k0n = tl.load(p_kv, mask=m_n_n[:, None], other=0.0)
-            b_k1n = tl.load(p_kv + C, mask=m_n_n[:, None], other=0.0)
-            b_k2n = tl.load(p_kv + 2 * C, mask=m_n_n[:, None], other=0.0)
-            b_k3n = tl.load(p_kv + 3 * C, mask=m_n_n[:, None], other=0.0)
-            o_n2 = (blk + 2) * BLOCK_N + o_b
-            b_idx_n = tl.load(p_idx + o_n2, mask=o_n2 < k_len, other=-1)
+        if IDX_AHEAD:
+            # The index block is loop-carried (loaded one iteration ahead), so the key-row gather
+            # is no indirect load of this iteration and the pipeliner keeps NUM_STAGES - 1 key
+            # blocks in flight (TTGIR: 2 buffers at NUM_STAGES 3, against 1 without).
+            b_idx = b_idx_n
+            o_n1 = (blk + 1) * BLOCK_N + o_b
+            b_idx_n = tl.load(p_idx + o_n1, mask=o_n1 < k_len, other=-1)
         else:
             o_n = blk * BLOCK_N + o_b
             b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
-            m_n = (b_idx >= 0) & (b_idx < N)
-            p_row = tl.multiple_of(kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64) * stride_kv_n, 16)
-            p_kv = p_row[:, None] + o_c[None, :]
-            b_k0 = tl.load(p_kv, mask=m_n[:, None], other=0.0)  # [BLOCK_N, C] each: once for all heads
-            b_k1 = tl.load(p_kv + C, mask=m_n[:, None], other=0.0)
-            b_k2 = tl.load(p_kv + 2 * C, mask=m_n[:, None], other=0.0)
-            b_k3 = tl.load(p_kv + 3 * C, mask=m_n[:, None], other=0.0)
+        m_n = (b_idx >= 0) & (b_idx < N)
+        p_row = tl.multiple_of(kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64) * stride_kv_n, 16)
+        p_kv = p_row[:, None] + o_c[None, :]
+        b_k0 = tl.load(p_kv, mask=m_n[:, None], other=0.0)  # [BLOCK_N, C] each: once for all heads
+        b_k1 = tl.load(p_kv + C, mask=m_n[:, None], other=0.0)
+        b_k2 = tl.load(p_kv + 2 * C, mask=m_n[:, None], other=0.0)
+        b_k3 = tl.load(p_kv + 3 * C, mask=m_n[:, None], other=0.0)
         b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
         b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
         b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
@@ -159,24 +146,30 @@ def _sparse_mla_prefill_kernel(
 # benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80 and sm_86 and
 # within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
 # the one the launcher runs (measured, below).
-# Registers (sm_80, triton 3.8 AOT): bh16 x bn32 w4 128, bn16 w4 128, bn64 w4 184, bn16 w4 pf 208,
-# bn32 w8 pf 172; bh32 x bn16 w8 150, bn32 w8 170, bn16 w4 224, bn16 w8 pf 234; bh64 x bn16 w8 241.
-# Probed and rejected: bh64 with PREFETCH (1468 B spilled), bh64 at 16 warps (32 B), bh64 x bn32
-# and bh32 x bn64 (102.5 KB of shared memory > sm_86's 99 KB). Without the 16-byte alignment hints
+# Registers (sm_80, triton 3.8 AOT): bh16 x bn32 w4 128, bn16 w4 128, bn64 w4 184, bn16 w4 s3 ia
+# 148, bn32 w4 s3 ia 185, bn32 w8 s3 ia 128; bh32 x bn16 w8 150, bn32 w8 170, bn16 w4 224, bn16 w4
+# s3/s4 ia 226, bn16 w8 s4 ia 150; bh64 x bn16 w8 241, bn16 w8 s3 ia 239 (100352 B of smem).
+# The IDX_AHEAD ("ia") configs are NOT measured yet (added after the H200 run); the first three
+# of each group were. Probed and rejected: bh64 at 16 warps (32 B spilled), bh64 x bn32 and bh32
+# x bn64 (102.5 KB of shared memory > sm_86's 99 KB). Without the 16-byte alignment hints
 # (multiple_of) every load was a 2-byte ld.global and nothing but the indices was pipelined.
 # The kernel holds no fp8: both variants share these.
 CANDIDATES = {
-    16: ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "PREFETCH": True},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "PREFETCH": True}),
-    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "PREFETCH": True}),
-    64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "PREFETCH": False}),
+    16: ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True}),
+    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 4, "IDX_AHEAD": True}),
+    64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True}),
 }
 # Measured (H200, portable, DISABLE_MMA_V3=1 so every dot is mma.sync as on sm_80; s_q 4096,
 # K 640; benchmarks/results/sparse_prefill.md): the fastest per head group, bh16 #2 (553 us at

@@ -143,7 +143,7 @@ def _launch(q, kv, indices, topk_length, sink, sm_scale, out, block_h, cfg) -> t
             (q, kv, indices, topk_length, sink, out, lse,
              H, indices.shape[1], kv.shape[0], groups, float(sm_scale),
              q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1)),
-            (block_h, cfg["BLOCK_N"], cfg["num_stages"], cfg["PREFETCH"], topk_length is not None,
+            (block_h, cfg["BLOCK_N"], cfg["num_stages"], cfg.get("IDX_AHEAD", False), topk_length is not None,
              sink is not None),
             cfg["num_warps"], cfg["num_stages"])
     return lse
@@ -207,13 +207,14 @@ def aot_specs():
                            "stride_q_t": "i32", "stride_q_h": "i32", "stride_kv_n": "i32",
                            "stride_indices_t": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr",
-                           "PREFETCH": "constexpr", "HAS_TOPK_LENGTH": "constexpr", "HAS_SINK": "constexpr"}
+                           "IDX_AHEAD": "constexpr", "HAS_TOPK_LENGTH": "constexpr", "HAS_SINK": "constexpr"}
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NUM_STAGES": cfg["num_stages"],
-                              "PREFETCH": cfg["PREFETCH"], "HAS_TOPK_LENGTH": has_len, "HAS_SINK": has_sink}
+                              "IDX_AHEAD": cfg.get("IDX_AHEAD", False), "HAS_TOPK_LENGTH": has_len,
+                              "HAS_SINK": has_sink}
                     optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
                     label = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
-                             f"{',pf' if cfg['PREFETCH'] else ''},{'len' if has_len else 'nolen'},"
+                             f"{',ia' if cfg.get('IDX_AHEAD') else ''},{'len' if has_len else 'nolen'},"
                              f"{'sink' if has_sink else 'nosink'}]")
                     specs.append(KernelSpec("sparse_mla_prefill", label, _pk._sparse_mla_prefill_kernel, sig, consts,
                                             "portable", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))

@@ -22,7 +22,7 @@ ALL_CONFIGS = [(bh, i) for bh, cands in sorted(pk.CANDIDATES.items()) for i in r
 def cfg_id(c):
     bh, i = c
     cfg = pk.CANDIDATES[bh][i]
-    return f"bh{bh}-{i}-bn{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}{'pf' if cfg['PREFETCH'] else ''}"
+    return f"bh{bh}-{i}-bn{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}{'ia' if cfg.get('IDX_AHEAD') else ''}"
 
 
 def make_case(T, H, K, *, N=None, dtype=torch.float16, seed=0, device="cpu"):
@@ -275,7 +275,7 @@ def test_aot_lists_every_dispatched_specialization_and_every_candidate():
                 combos = [(a, b) for a in ("len", "nolen") for b in ("sink", "nosink")]
             for ln, sk in combos:
                 want = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
-                        f"{',pf' if cfg['PREFETCH'] else ''},{ln},{sk}]")
+                        f"{',ia' if cfg.get('IDX_AHEAD') else ''},{ln},{sk}]")
                 assert want in labels, want
 
 
