@@ -222,8 +222,8 @@ def test_every_aot_kernel_is_warm_or_named_off_the_serve_path():
             for tp in (1, 8):
                 warm |= {k.kernel.rsplit(":", 1)[-1] for k in ws.build(make(tp=tp), 512, sms=108, mode=mode).keys}
     assert not (warm & set(ws.NOT_SERVED)), "NOT_SERVED lists a kernel the serve path launches"
-    missing = sorted(aot_kernels - warm - set(ws.NOT_SERVED))
-    assert not missing, f"AOT kernels neither warm nor in warm_set.NOT_SERVED: {missing}"
+    missing = sorted(aot_kernels - warm - set(ws.NOT_SERVED) - set(ws.SELECTABLE))
+    assert not missing, f"AOT kernels neither warm nor in warm_set.NOT_SERVED / SELECTABLE: {missing}"
 
 
 def test_sm_count_sources_are_known():
@@ -274,6 +274,29 @@ def test_the_trace_reaches_the_plugins_entry_points(monkeypatch):
     assert called == [(3, 8, 512)]
     (gather,) = [k for k in keys if "decode_gather" in k.kernel]
     assert dict((a[0], a[1:]) for a in gather.args)["stride_topk_t"] == ("i32", "D")  # 128, the window
+
+
+def test_the_set_on_disk_is_the_set_built(tmp_path, monkeypatch):
+    """cached_build returns the set build() makes (first a miss that writes it, then a hit
+    that reads it), keyed by the arguments and every DSV4_AMPERE_* setting; an unreadable
+    file is rebuilt."""
+    shapes = ws.v41_flash(tp=8)
+    fresh = ws.build(shapes, 256, sms=108, mode="auto")
+    first = ws.build(shapes, 256, sms=108, mode="auto", cache_dir=str(tmp_path))
+    (path,) = tmp_path.glob("*.pkl")
+    second = ws.build(shapes, 256, sms=108, mode="auto", cache_dir=str(tmp_path))
+    assert first.keys == second.keys == fresh.keys and second.classes == fresh.classes
+    key = ws.cache_key(shapes, 256, 108, "portable", "auto")
+    assert path.name == key + ".pkl"
+    assert key != ws.cache_key(shapes, 512, 108, "portable", "auto") != ws.cache_key(shapes, 256, 132, "portable",
+                                                                                      "auto")
+    monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
+    assert ws.cache_key(shapes, 256, 108, "portable", "auto") != key
+    monkeypatch.delenv(decode_plan.BATCH_INVARIANT_ENV)
+    path.write_bytes(b"not a pickle")
+    assert ws.build(shapes, 256, sms=108, mode="auto", cache_dir=str(tmp_path)).keys == fresh.keys
+    monkeypatch.setenv(ws.CACHE_ENV, "0")
+    assert ws.default_cache_dir() is None
 
 
 # ---------------------------------------------------------------------------- vLLM wiring

@@ -52,6 +52,13 @@ NOT_SERVED = {
     "_v32_kv_gather_kernel": "DeepSeek-V3.2's cache gather (no V3.2 warm set yet)",
     "_v32_kv_insert_kernel": "DeepSeek-V3.2's cache writer (no V3.2 warm set yet)",
     "_v32_sparse_mla_kernel": "DeepSeek-V3.2's sparse attention (no V3.2 warm set yet)",
+    "_v32_sparse_mla_w128_kernel": "DeepSeek-V3.2's sparse attention, 128-wide form (no V3.2 warm set yet)",
+}
+# AOT kernels a launcher keeps selectable by an explicit config (benchmarks, overrides) while
+# its shipped config may run another kernel: warm or not, both are fine.
+SELECTABLE = {
+    "_mqa_logits_v2_kernel": "the prefill indexer's v2 kernel: a MQA_CANDIDATES row once MQA_COMPRESSED_CONFIG "
+                             "runs v3 (issue 18), the shipped kernel before",
 }
 # Engram table rows of a shard and hash columns: stand-ins (they only reach kernel ints, whose
 # classes the real values may differ in: unverified against a V4.1 checkpoint).
@@ -540,19 +547,102 @@ def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, 
 
 
 def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "portable",
-          mode: Optional[str] = None) -> WarmSet:
+          mode: Optional[str] = None, cache_dir: Optional[str] = None) -> WarmSet:
     """The warm set of one model / TP for batches up to ``max_tokens`` tokens on a device of
-    ``sms`` SMs. mode: the decode kernel mode (None: DSV4_AMPERE_DECODE_KERNEL)."""
+    ``sms`` SMs. mode: the decode kernel mode (None: DSV4_AMPERE_DECODE_KERNEL). cache_dir:
+    reuse a set built before from the same sources and arguments (``cached_build``)."""
     from .. import decode_plan
     from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
 
     mode = decode_plan.mode() if mode is None else mode
+    if cache_dir is not None:
+        return cached_build(cache_dir, shapes, max_tokens, sms, variant, mode)
     H = shapes.heads_per_rank
     widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
                           | set(shapes.prefill_index_widths())))
     classes = batch_classes(max_tokens, H, widths, sms, mode, FUSED_GATHER_MAX_ROWS, _other_t_ints(shapes, sms))
     keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms, variant)
     return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
+
+
+# ----------------------------------------------------------------------------- the set on disk
+
+CACHE_ENV = "DSV4_AMPERE_WARM_SET_CACHE"
+
+
+def default_cache_dir() -> Optional[str]:
+    """Where the vLLM warmup keeps built warm sets: $DSV4_AMPERE_WARM_SET_CACHE (0 / off: no
+    cache), else ~/.cache/dsv4_ops/warm_sets."""
+    import os
+
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in ("0", "off", "false"):
+        return None
+    return value or os.path.join(os.path.expanduser("~"), ".cache", "dsv4_ops", "warm_sets")
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """sha256 of every .py file of the package, its kernels and its op registrations (what the
+    set is traced from), with the torch and triton versions."""
+    import hashlib
+    import os
+
+    import torch
+    import triton
+
+    import dsv4_ops as pkg
+
+    from .. import csrc_triton, registration
+
+    h = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
+    for root in list(pkg.__path__) + list(csrc_triton.__path__) + list(registration.__path__):
+        for dirpath, dirnames, files in sorted(os.walk(root)):
+            dirnames.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()
+
+
+def cache_key(shapes: ModelShapes, max_tokens: int, sms: int, variant: str, mode: str) -> str:
+    """The file name of one set: the sources, the arguments and every DSV4_AMPERE_* setting."""
+    import hashlib
+    import os
+
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("DSV4_AMPERE_") and k != CACHE_ENV)
+    text = repr((source_fingerprint(), dataclasses.astuple(shapes), max_tokens, sms, variant, mode, env))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cached_build(cache_dir: str, shapes: ModelShapes, max_tokens: int, sms: int, variant: str,
+                 mode: str) -> WarmSet:
+    """build(), read from ``cache_dir`` when a set of the same key was written there (any
+    unreadable file is rebuilt and rewritten, atomically)."""
+    import os
+    import pickle
+    import tempfile
+
+    path = os.path.join(cache_dir, cache_key(shapes, max_tokens, sms, variant, mode) + ".pkl")
+    try:
+        with open(path, "rb") as f:
+            keys, classes = pickle.load(f)
+        return WarmSet(shapes, max_tokens, sms, variant, frozenset(keys), tuple(classes))
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, ImportError):
+        pass
+    warm = build(shapes, max_tokens, sms, variant, mode)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((sorted(warm.keys, key=warm_keys.LaunchKey.label), warm.classes), f)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - a cache that cannot be written only costs the next start
+        pass
+    return warm
 
 
 def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:

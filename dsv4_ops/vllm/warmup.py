@@ -19,8 +19,13 @@ are the warm set (``dsv4_ops.vllm.warm_set.build``: every Triton specialization 
 can pick for the served model, its per-rank heads, the KV-cache block sizes and every batch
 class up to ``max_num_batched_tokens``). So they compile during vLLM's "JIT kernel warmup"
 (its log line reports the seconds), in parallel (``VLLM_TRITON_JIT_WARMUP_NUM_THREADS``),
-and a compile failure aborts startup. ``DSV4_AMPERE_WARMUP=0`` skips it (kernels then compile
-at their first launch); vLLM's ``enable_jit_warmup=False`` skips every JIT warmup, ours too.
+and a compile failure aborts startup. Each key is compiled by replaying its launch through
+Triton's own ``JITFunction.warmup`` (``dsv4_ops.warm_keys.compile_jit``), so it lands under the
+key the real launch looks up. The enumerated set itself is kept on disk per sources and
+arguments (``warm_set.cached_build``, ``DSV4_AMPERE_WARM_SET_CACHE``; 0 = off), so a restart
+skips the enumeration as Triton's cache skips the compiles. ``DSV4_AMPERE_WARMUP=0`` skips it
+(kernels then compile at their first launch); vLLM's ``enable_jit_warmup=False`` skips every
+JIT warmup, ours too.
 """
 
 from __future__ import annotations
@@ -199,7 +204,7 @@ def build_warm_set(vllm_config):
     import torch
 
     from .. import decode_plan, dispatch
-    from .warm_set import build, shapes_from_vllm_config
+    from .warm_set import build, default_cache_dir, shapes_from_vllm_config
 
     shapes = shapes_from_vllm_config(vllm_config)
     if shapes is None:
@@ -207,9 +212,11 @@ def build_warm_set(vllm_config):
     device = torch.cuda.current_device()
     variant = dispatch.kernel_variant(dispatch.device_capability(device))
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-    ws = build(shapes, max_tokens, sms=decode_plan.num_sms(device), variant=variant)
+    start = time.perf_counter()
+    ws = build(shapes, max_tokens, sms=decode_plan.num_sms(device), variant=variant, cache_dir=default_cache_dir())
     logger.info("dsv4_ops: warm set of %s at TP=%d, <= %d tokens a batch: %d Triton specializations "
-                "(%d batch classes, %s)", shapes.name, shapes.tp, max_tokens, len(ws), len(ws.classes), variant)
+                "(%d batch classes, %s), enumerated in %.1f s", shapes.name, shapes.tp, max_tokens, len(ws),
+                len(ws.classes), variant, time.perf_counter() - start)
     return ws
 
 
