@@ -173,7 +173,7 @@ def main():
     print(f"copy {gbs:.0f} GB/s, bf16 mm {tfl:.0f} TFLOP/s, {sms} SMs", flush=True)
     cache = make_cache(1)
     notes = (f"Same run: copy {gbs:.0f} GB/s, bf16 matmul {tfl:.0f} TFLOP/s (8192^3), {sms} SMs. "
-             f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}.")
+             f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '-')}.")
     prows = prefill_rows(cache, gbs, tfl, replays)
     write_results("v32_prefill", args.out, prows,
                   ["T", "H", "K", "N", "w64_us", "w128_us", "floor_us", "floor/us", "TFLOP/s", "gather_us",
@@ -183,7 +183,8 @@ def main():
         for H in HS:
             rows.append(decode_row(cache, T, H, gbs, tfl, replays, not args.quick, sms))
             notes = (f"Same run: copy {gbs:.0f} GB/s, bf16 matmul {tfl:.0f} TFLOP/s (8192^3), {sms} SMs. "
-                     f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}. Wall {time.time() - t0:.0f} s.")
+                     f"DSV4_AMPERE_IMPL={os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '-')}. "
+                     f"Wall {time.time() - t0:.0f} s.")
             write_results("v32_decode", args.out, rows, DECODE_COLUMNS, notes)
 
 

@@ -7,7 +7,8 @@
 set -u -o pipefail
 OUT="${OUT:-/tmp/v32_out}"
 mkdir -p "$OUT/results"
-export PYTHONUNBUFFERED=1 DSV4_AMPERE_IMPL=portable
+# DISABLE_MMA_V3=1: every tl.dot as mma.sync, as on sm_80 (no wgmma on the H200 either)
+export PYTHONUNBUFFERED=1 DSV4_AMPERE_IMPL=portable DISABLE_MMA_V3=1
 S="$OUT/summary.txt"
 t0=$(date +%s)
 el() { echo "$(( $(date +%s) - t0 ))s"; }
