@@ -110,11 +110,22 @@ def short(cfg) -> str:
     return " ".join(f"{t}{cfg[k]}" for k, t in zip(keys, tags) if k in cfg)
 
 
+# The decode / compressed-prefill configs shipped before issue 18: the same-run baseline.
+V2_PAGED = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2, "TARGET_PROGRAMS": 864,
+            "MAX_TILES_PER_PROGRAM": 64}
+V2_MQA = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+
+
+def _frozen(cfg):
+    return tuple(sorted(cfg.items()))
+
+
 def bench_candidates(rows, copy_gbs):
-    """Issue 18: the shipped decode / prefill configs and the new (v3, one-wave) candidates,
-    portable, same run, same inputs; 'x shipped' = candidate us / shipped us (< 1: faster);
-    'max rel diff' = max |candidate - shipped| / max |shipped| over finite logits (the GPU tests
-    check every candidate against the float64 reference)."""
+    """Issue 18: the pre-issue-18 v2 decode / prefill configs (first row of each case, the
+    baseline), the shipped ones ('shipped') and the new (v3, one-wave) candidates, portable,
+    same run, same inputs; 'x v2' = us / the v2 baseline's us (< 1: faster); 'max rel
+    diff' = max |candidate - v2| / max |v2| over finite logits (the GPU tests check every
+    candidate against the float64 reference)."""
     from dsv4_ops.csrc_triton import indexer as K
 
     def diff(a, b):
@@ -137,7 +148,9 @@ def bench_candidates(rows, copy_gbs):
             flops = 2.0 * B * H * D * CTX
             floor = max(nbytes / copy_gbs / 1e3, flops / gemm_rate_tflops(flops) / 1e6)
             base_us, base_out = None, None
-            for cfg in [K.PAGED_CONFIG] + K.NEW_PAGED_CANDIDATES:
+            shipped = indexer.paged_config(H)
+            cands = [V2_PAGED] + [c for c in [shipped] + K.NEW_PAGED_CANDIDATES if c != V2_PAGED]
+            for cfg in [dict(c) for c in dict.fromkeys(map(_frozen, cands))]:
                 def fn(cfg=cfg):
                     return indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS, variant="portable",
                                                     config=cfg)
@@ -149,15 +162,16 @@ def bench_candidates(rows, copy_gbs):
                     continue
                 if base_us is None:
                     base_us, base_out = us, out
-                rows.append({"case": "decode", "config": ("shipped " if cfg is K.PAGED_CONFIG else "") + short(cfg),
+                rows.append({"case": "decode", "config": ("shipped " if cfg == shipped else "") + short(cfg),
                              "B": B, "H": H, "graph us": us, "floor us": floor, "x floor": us / floor,
-                             "x shipped": us / base_us, "max rel diff": diff(out, base_out)})
+                             "x v2": us / base_us, "max rel diff": diff(out, base_out)})
             del cache
     for H in (64, 32):
         q, w, k, ksc, ks, ke, flops = prefill_inputs(H)
         floor = flops / gemm_rate_tflops(flops) / 1e6
         base_us, base_out = None, None
-        for cfg in [K.MQA_COMPRESSED_CONFIG] + K.NEW_MQA_CANDIDATES:
+        cands = [V2_MQA] + [c for c in [K.MQA_COMPRESSED_CONFIG] + K.NEW_MQA_CANDIDATES if c != V2_MQA]
+        for cfg in [dict(c) for c in dict.fromkeys(map(_frozen, cands))]:
             def fn(cfg=cfg):
                 return indexer.mqa_logits(q, w, k, ksc, ks, ke, PREFILL_N, variant="portable", config=cfg)
             try:
@@ -170,9 +184,9 @@ def bench_candidates(rows, copy_gbs):
             if base_us is None:
                 base_us, base_out = us, out
             rows.append({"case": "prefill compressed",
-                         "config": ("shipped " if cfg is K.MQA_COMPRESSED_CONFIG else "") + short(cfg),
+                         "config": ("shipped " if cfg == K.MQA_COMPRESSED_CONFIG else "") + short(cfg),
                          "B": PREFILL_M, "H": H, "us": us, "TFLOP/s": flops / us / 1e6, "floor us": floor,
-                         "x floor": us / floor, "x shipped": us / base_us, "max rel diff": diff(out, base_out)})
+                         "x floor": us / floor, "x v2": us / base_us, "max rel diff": diff(out, base_out)})
 
 
 def bench_quant_insert(rows, variants, copy_gbs):
@@ -225,10 +239,11 @@ def main() -> None:
         traceback.print_exc()
         cand_rows.append({"case": "candidates", "error": "FAILED"})
     write_results("indexer_candidates", args.out, cand_rows,
-                  ["case", "config", "B", "H", "us", "graph us", "TFLOP/s", "floor us", "x floor", "x shipped",
+                  ["case", "config", "B", "H", "us", "graph us", "TFLOP/s", "floor us", "x floor", "x v2",
                    "max rel diff", "error"],
-                  f"Issue 18: shipped configs vs the new candidates (csrc_triton/indexer.py NEW_*_CANDIDATES), "
-                  f"portable, same run and inputs; decode in-graph (20 calls a graph), prefill by do_bench; floors "
+                  f"Issue 18: the pre-issue-18 v2 configs (first row of each case; 'x v2' is against it), the "
+                  f"shipped ones and the new candidates (csrc_triton/indexer.py NEW_*_CANDIDATES), portable, "
+                  f"same run and inputs; decode in-graph (20 calls a graph), prefill by do_bench; floors "
                   f"as in indexer.md (copy {copy_gbs:.0f} GB/s, same-run cuBLAS bf16). v = kernel, M/N = "
                   "BLOCK_M/BLOCK_N, dotN = rows x H_BLOCK a dot, w = warps, tp = TARGET_PROGRAMS, pps = "
                   "PROGRAMS_PER_SM x the SM count (one resident wave).")

@@ -700,20 +700,34 @@ def _mqa_store_rows(out_ptr, m64, b_l, o_n, m_n, r_ks, r_ke, m_rows, n0, out_col
 
 # Launch configs as plain data (same on every capability; no run-time autotune).
 # "KERNEL" picks the kernel variant: 1 = the first kernels above, 2 = the v2 kernels
-# (q quant: 2 = the pairs kernel). benchmarks/sweep_indexer.py times every row of
+# (q quant: 2 = the pairs kernel), 3 = the v3 kernels (decode, prefill; issue 18). benchmarks/sweep_indexer.py times every row of
 # *_CANDIDATES on the GPU and prints the dict to ship; every candidate row AOT-compiles for
 # sm_80 and sm_86 without spills (`python -m dsv4_ops.aot --candidates`).
 # Shipped: the best of the H200 sweep (portable, in-graph; benchmarks/results/sweep_indexer.md):
 # k insert 1.51x the byte floor (was 2.16x), q quant 1.86x (3.0x), prefill 2.7-2.8x the flop
-# floor (4.6x), decode B=64 H=32 2.06x (3.87x), H=64 3.76x (4.40x).
+# floor (4.6x), decode B=64 H=32 2.06x (3.87x), H=64 3.76x (4.40x). Issue 18 (same-run,
+# benchmarks/results/indexer_candidates.md): decode H=64 2.46x (PAGED_CONFIG_WIDE), compressed
+# prefill 2.67x at H=64, 3.03x at H=32 (v3).
 K_INSERT_CONFIG = {"TOKENS": 32, "num_warps": 4}
 Q_QUANT_CONFIG = {"KERNEL": 2, "HEADS": 32, "num_warps": 4}
 MQA_CONFIG = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}  # full [M, N] output
 # compressed [M, max_seqlen_k] output (what vLLM's prefill uses)
-MQA_COMPRESSED_CONFIG = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+# Issue 18 (H200, portable, same run; benchmarks/results/indexer_candidates.md): v3 with 2 rows
+# a dot at H = 64 / 4 at H = 32: 0.99x / 0.92x the time of v2 {"KERNEL": 2, "BLOCK_M": 32,
+# "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}, which stays selectable.
+MQA_COMPRESSED_CONFIG = {"KERNEL": 3, "BLOCK_M": 32, "BLOCK_N": 64, "DOT_N": 128, "num_warps": 4, "num_stages": 2}
+# decode, H_BLOCK <= 32 (V4.1's 32 heads): v2, 64 keys x 2 warps (the v3 candidates were
+# 0.99-1.19x its time at B = 8 / 64 there)
 PAGED_CONFIG = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2,
                 "TARGET_PROGRAMS": 864,  # ~8 programs an SM on an A100 (108 SMs)
                 "MAX_TILES_PER_PROGRAM": 64}
+# decode, H_BLOCK >= 64 (V4's 64 heads), issue 18: v3 (page ids two tiles ahead), 128 keys x 4
+# warps, 2 programs an SM x the SM count: 0.75 / 0.70 / 0.66x the time of PAGED_CONFIG at
+# B = 1 / 8 / 64 on the H200 (258 -> 170 us at B = 64, 32K keys). Caveat: 4 warps lower
+# tl.dot to wgmma on the H200 (mma.sync with 2 warps, and always on sm_80), so the A100 gain
+# is not measured; v2 at the same 128 x 4 geometry (also wgmma) was 289 us.
+PAGED_CONFIG_WIDE = {"KERNEL": 3, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "TARGET_PROGRAMS": 432,
+                     "MAX_TILES_PER_PROGRAM": 64, "PROGRAMS_PER_SM": 2}
 
 K_INSERT_CANDIDATES = [
     {"TOKENS": t, "num_warps": w} for t, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
@@ -721,7 +735,8 @@ K_INSERT_CANDIDATES = [
 Q_QUANT_CANDIDATES = [dict(Q_QUANT_CONFIG)] + [
     {"KERNEL": 2, "HEADS": h, "num_warps": w} for h, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
 ]
-MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG)] + [  # (MQA_CONFIG, 64 x 8 warps, spills compressed on sm_86)
+MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG),  # (the v2 row below was the shipped one before issue 18)
+                  {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}] + [  # (MQA_CONFIG, 64 x 8 warps, spills compressed on sm_86)
     {"KERNEL": 2, "BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
     for m, n, w, st in ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 128, 8, 2), (64, 256, 8, 2),
                         (32, 64, 4, 2), (64, 128, 8, 3))
@@ -730,8 +745,8 @@ MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG)] + [  # (MQA_CONFIG, 64 x 8 warps,
     {"KERNEL": 3, "BLOCK_M": m, "BLOCK_N": n, "DOT_N": dn, "num_warps": w, "num_stages": 2}
     for m, n, dn, w in ((32, 64, 128, 4), (32, 128, 128, 8), (32, 128, 64, 4))
 ]
-NEW_MQA_CANDIDATES = MQA_CANDIDATES[-3:]  # timed beside MQA_COMPRESSED_CONFIG by benchmarks/bench_indexer.py
-PAGED_CANDIDATES = [dict(PAGED_CONFIG)] + [
+NEW_MQA_CANDIDATES = MQA_CANDIDATES[-3:]  # timed beside the v2 config by benchmarks/bench_indexer.py
+PAGED_CANDIDATES = [dict(PAGED_CONFIG), dict(PAGED_CONFIG_WIDE)] + [
     {"KERNEL": 2, "BLOCK_N": n, "num_warps": w, "num_stages": st, "TARGET_PROGRAMS": tp,
      "MAX_TILES_PER_PROGRAM": 64}
     # (64 keys x 4 warps spills 24 B on sm_86: not a candidate)
@@ -743,4 +758,4 @@ PAGED_CANDIDATES = [dict(PAGED_CONFIG)] + [
      **({"PROGRAMS_PER_SM": pps} if pps else {})}
     for k, n, w, tp, pps in ((3, 64, 2, 864, 0), (3, 64, 2, 864, 5), (2, 64, 2, 864, 5), (3, 128, 4, 432, 2))
 ]
-NEW_PAGED_CANDIDATES = PAGED_CANDIDATES[-4:]  # timed beside PAGED_CONFIG by benchmarks/bench_indexer.py
+NEW_PAGED_CANDIDATES = PAGED_CANDIDATES[-4:]  # timed beside the v2 PAGED_CONFIG by benchmarks/bench_indexer.py

@@ -286,6 +286,12 @@ def check_paged_args(q, kv_cache, weights, context_lens, block_table, max_contex
     return qc, flat, block_size
 
 
+def paged_config(H: int) -> dict:
+    """The shipped decode config for H heads: PAGED_CONFIG_WIDE from H_BLOCK 64 (V4), else
+    PAGED_CONFIG (V4.1's 32 heads)."""
+    return _k.PAGED_CONFIG_WIDE if max(16, triton.next_power_of_2(H)) >= 64 else _k.PAGED_CONFIG
+
+
 @functools.lru_cache(maxsize=16)
 def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
@@ -317,7 +323,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     or [B, next_n] (row (b, j) sees keys < context_lens[b, j]); block_table int32
     [B, max_blocks]. Returns fp32 [B * next_n, max_context_len]; -inf past each row's
     context and where the page id is outside [0, num_blocks) or past the block table.
-    config: a row of PAGED_CANDIDATES (default PAGED_CONFIG).
+    config: a row of PAGED_CANDIDATES (default ``paged_config(H)``).
     """
     qc, flat, block_size = check_paged_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
                                             block_size)
@@ -327,7 +333,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     if rows == 0 or max_context_len == 0:
         return out
     variant = variant or variant_for(qc)
-    cfg = config or _k.PAGED_CONFIG
+    cfg = config or paged_config(H)
     q3 = qc.reshape(rows, H, D)
     sms = _sm_count(qc.device.index or 0) if "PROGRAMS_PER_SM" in cfg and qc.is_cuda else None
     tpp = paged_tiles_per_program(rows, max_context_len, cfg, sms)
@@ -448,7 +454,7 @@ def aot_specs():
                 specs.append(_mqa_spec(variant, compressed, cfg, h_block))
         for h_block in (32, 64):
             for per_row in (False, True):
-                specs.append(_paged_spec(variant, h_block, per_row, _k.PAGED_CONFIG))
+                specs.append(_paged_spec(variant, h_block, per_row, paged_config(h_block)))
     return specs
 
 
