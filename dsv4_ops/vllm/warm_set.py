@@ -147,30 +147,36 @@ def v41_flash(tp: int = 1, **kw) -> ModelShapes:
 
 # ----------------------------------------------------------------------------- batch classes
 
+@functools.lru_cache(maxsize=1)
+def _choice_fns() -> tuple:
+    """(plan, [(T, H, K, sms) functions], [(T, H, K) functions], sparse prefill's rule or None),
+    the ones this tree has (t_choices)."""
+    import importlib
+
+    from .. import decode_plan as dp
+
+    four = tuple(fn for fn in (getattr(dp, n, None) for n in ("fused_plan", "v3_plan")) if fn is not None)
+    three = tuple(fn for fn in (getattr(dp, n, None) for n in ("auto_is_fused", "auto_is_v3", "fused_form"))
+                  if fn is not None)
+    try:
+        rule = getattr(importlib.import_module("dsv4_ops.sparse_prefill"), "uses_prefill_kernel", None)
+    except ImportError:
+        rule = None
+    return dp, four, three, rule
+
+
 def t_choices(T: int, H: int, K: int, sms: int, mode: str) -> tuple:
     """Every choice the dispatch makes from (T, H, K, SMs) for one key width: the decode plan of
     the mode, the fused and v3 plans, the auto windows and the fused form (decode_plan), and
     whether sparse prefill takes its own kernel (dsv4_ops.sparse_prefill); each where this
     tree has it. Token counts with equal choices at every width launch the same kernels."""
-    import importlib
+    import torch
 
-    from .. import decode_plan as dp
-
+    dp, four, three, rule = _choice_fns()
     out = [dp.plan(T, H, K, sms, mode if mode in dp.MODES else "auto")]
-    for name in ("fused_plan", "v3_plan"):
-        fn = getattr(dp, name, None)
-        out.append(fn(T, H, K, sms) if fn is not None else None)
-    for name in ("auto_is_fused", "auto_is_v3", "fused_form"):
-        fn = getattr(dp, name, None)
-        out.append(fn(T, H, K) if fn is not None else None)
-    try:
-        sp = importlib.import_module("dsv4_ops.sparse_prefill")
-    except ImportError:
-        sp = None
-    rule = getattr(sp, "uses_prefill_kernel", None)
+    out.extend(fn(T, H, K, sms) for fn in four)
+    out.extend(fn(T, H, K) for fn in three)
     if rule is not None:
-        import torch
-
         out.append(rule(T, H, torch.int32, sms))
     return tuple(out)
 
