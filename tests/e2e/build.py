@@ -91,7 +91,9 @@ def make_vllm_config(model_dir: str, device: str, block_size=None, cache_dtype=N
     return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig(device))
 
 
-def build(cfg: dict, device: str, num_blocks: int = 128) -> Built:
+def build(cfg: dict, device: str, num_blocks: int = 128, model_dir: str = None, cache_dtype: str = None) -> Built:
+    """cfg: config.json values (random weights, ``init_weights``), or model_dir: a checkpoint
+    directory read by vLLM's own loader (cfg then only names the architecture)."""
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.platforms.interface import Platform
@@ -110,8 +112,9 @@ def build(cfg: dict, device: str, num_blocks: int = 128) -> Built:
         # The text model of the V4.1 checkpoint (the VL wrapper's language_model), registered
         # under its own class name so the test needs no vision tower.
         ModelRegistry.register_model(cfg["architectures"][0], TEXT_MODELS[cfg["architectures"][0]])
-    model_dir = write_config(cfg)
-    vc = make_vllm_config(model_dir, device)
+    load = model_dir is not None
+    model_dir = model_dir or write_config(cfg)
+    vc = make_vllm_config(model_dir, device, cache_dtype=cache_dtype)
     ctx = set_current_vllm_config(vc)
     ctx.__enter__()
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
@@ -125,7 +128,12 @@ def build(cfg: dict, device: str, num_blocks: int = 128) -> Built:
     model_cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architectures, vc.model_config)
     with set_default_torch_dtype(torch.bfloat16), dev:
         model = model_cls(vllm_config=vc, prefix="")
-    init_weights(model)
+    if load:
+        from vllm.model_executor.model_loader import get_model_loader
+
+        get_model_loader(vc.load_config).load_weights(model, vc.model_config)
+    else:
+        init_weights(model)
     process_weights_after_loading(model, vc.model_config, dev)
     # vLLM's executor resolves the KV block size from the built model's backends (CUDA does not
     # override the Platform rule); this is what a plain `vllm serve` gets.

@@ -51,7 +51,11 @@ class GraphDecode:
         from vllm.forward_context import set_forward_context
 
         b = self.sch.b
-        with torch.no_grad(), set_forward_context(md, b.vllm_config, num_tokens=bt["num_tokens"]):
+        from vllm.v1.worker.gpu import attn_utils
+
+        by_layer = attn_utils.build_slot_mappings_by_layer(bt["slot_mappings"], b.kv_cache_config)
+        with torch.no_grad(), set_forward_context(md, b.vllm_config, num_tokens=bt["num_tokens"],
+                                                  slot_mapping=by_layer):
             hidden = b.model(input_ids=bt["input_ids"], positions=bt["positions"], intermediate_tensors=None)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]

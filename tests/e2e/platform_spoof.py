@@ -50,6 +50,38 @@ def enable_cuda_answers() -> None:
     cls.is_cuda_alike = lambda self: True
 
 
+def cpu_cuda_attention_selector() -> None:
+    """On the CPU run, vLLM's attention-backend selector asks the CUDA platform's rules (the
+    priority lists of ``CudaPlatformBase.get_attn_backend_cls``, which read the spoofed
+    capability): models that pick their backend through the selector (DeepSeek-V3.2's MLA)
+    then get what an A100 gets."""
+    import sys
+    import types
+
+    from vllm.platforms import current_platform
+    # platforms/cuda.py imports the C++ extension at module level (it needs libcuda); only its
+    # pure-Python selection rules are used here
+    sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    from vllm.platforms.cuda import CudaPlatformBase
+
+    cls = type(current_platform)
+    if not hasattr(cls, "device_name"):
+        cls.device_name = "cuda"
+    for name in ("get_attn_backend_cls", "get_valid_backends"):
+        if name in CudaPlatformBase.__dict__:   # the classmethod itself, so cls is the spoofed class
+            setattr(cls, name, CudaPlatformBase.__dict__[name])
+
+
+def cpu_no_pinned_memory() -> None:
+    """vLLM computes ``PIN_MEMORY`` once at import (True under the spoof); pinning needs a CUDA
+    driver, so every module that imported the flag gets False on the CPU run."""
+    import sys
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "PIN_MEMORY", None) is True:
+            mod.PIN_MEMORY = False
+
+
 class _NoStream:
     """CPU stand-in for ``torch.cuda.Stream`` / ``Event``: one stream, so every wait is a no-op
     (the math is unchanged; stream-ordering races cannot be shown on a CPU)."""
@@ -88,6 +120,8 @@ def cpu_streams() -> None:
 
     torch.cuda.Stream = _NoStream
     torch.cuda.Event = _NoStream
+    torch.Event = _NoStream      # device-generic event and stream (V3.2's index group uses them)
+    torch.Stream = _NoStream
     torch.cuda.stream = lambda s=None: _NoStream()
     torch.cuda.current_stream = lambda device=None: _NoStream()
     torch.cuda.is_current_stream_capturing = lambda: False

@@ -111,7 +111,11 @@ class Scheduler:
             seq_lens_cpu_upper_bound=bt["seq_lens"].cpu(), positions=bt["positions"],
             is_prefilling=bt["is_prefilling"], req_idx=bt["req_idx"],
         )
-        with torch.no_grad(), set_forward_context(md, self.b.vllm_config, num_tokens=bt["num_tokens"]):
+        # the per-layer slot mappings, as the V2 runner passes them (model_runner.py: V3.2's MLA
+        # layers read their cache slots from here, not from the metadata)
+        by_layer = attn_utils.build_slot_mappings_by_layer(bt["slot_mappings"], self.b.kv_cache_config)
+        with torch.no_grad(), set_forward_context(md, self.b.vllm_config, num_tokens=bt["num_tokens"],
+                                                  slot_mapping=by_layer):
             if hook is not None:
                 hook(bt)
             hidden = self.b.model(input_ids=bt["input_ids"], positions=bt["positions"],

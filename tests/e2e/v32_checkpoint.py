@@ -1,0 +1,105 @@
+"""A tiny random DeepSeek-V3.2 checkpoint written by transformers (its own config class and
+``save_pretrained``: the original checkpoint's tensor names, per-expert weights), so vLLM reads
+it with its own loader and the float64 oracle is transformers' ``DeepseekV32ForCausalLM`` on
+the very same (bf16-rounded) weights.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+# Geometry: V3.2's attention shape (MLA: kv_lora 512 + rope 64 = the 576-wide key, v = the
+# 512-d latent after absorption) with few heads/layers. index_topk >= every sequence the
+# driver runs, so the sparse path selects every causal key (the indexer's choice cannot
+# differ from the oracle's on near-ties; the choice itself is checked separately).
+V32_CONFIG = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=128, moe_intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=8,
+    kv_lora_rank=512, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+    index_topk=128, index_head_dim=128, index_n_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    # what V3.2's config.json says and transformers' config class does not model (vLLM reads them)
+    topk_method="noaux_tc", scoring_func="sigmoid",
+)
+
+
+def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights at scales that keep activations O(1) (HF's 0.02 init would make every
+    logit ~0 and the comparison vacuous)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            val = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+        elif "norm" in name and name.endswith("weight"):
+            val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            val = 0.1 * torch.randn(p.shape, generator=g)
+        p.data.copy_(val.to(p.dtype))
+
+
+def write(cfg: dict = V32_CONFIG, seed: int = 0, model_type: str = "deepseek_v32") -> str:
+    """Write the checkpoint (bf16 safetensors + config.json); returns its directory."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = DeepseekV32Config(**cfg)
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(config)
+    init_weights(model, seed)
+    model = model.to(torch.bfloat16)
+    d = tempfile.mkdtemp(prefix="dsv4_e2e_v32_")
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def fp8_ds_mla_roundtrip(latent: torch.Tensor) -> torch.Tensor:
+    """What the 656-byte record keeps of a latent row [..., 512]: bf16, then per 128-dim tile a
+    power-of-two scale 2**ceil(log2(max(amax / 448, 1e-4))) and E4M3 codes (RNE, saturating),
+    decoded back (dsv4_ops/layout.py; written here from that description with torch's own E4M3)."""
+    x = latent.to(torch.bfloat16).double()
+    t = x.view(*x.shape[:-1], x.shape[-1] // 128, 128)
+    amax = t.abs().amax(-1, keepdim=True).float()
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448.0, min=1e-4)))).double()
+    codes = (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    return (codes * scale).view_as(x).to(latent.dtype)
+
+
+def oracle(model_dir: str, fp8_latent: bool = False):
+    """transformers' model on the checkpoint's weights, in float64 (eval mode). fp8_latent: the
+    attention's KV latent (kv_a_layernorm's output) goes through the fp8_ds_mla record's
+    rounding, as every key and value vLLM reads from that cache does."""
+    from transformers import DeepseekV32ForCausalLM
+
+    m = DeepseekV32ForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager",
+                                               attn_implementation="eager")
+    m._route_margins = []
+    for layer in m.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.register_forward_hook(lambda mod, inp, out, m=m: m._route_margins.append(route_margin(mod, out[0])))
+    if fp8_latent:
+        for layer in m.model.layers:
+            layer.self_attn.kv_a_layernorm.register_forward_hook(lambda mod, inp, out: fp8_ds_mla_roundtrip(out))
+    return m.eval()
+
+
+def route_margin(gate, router_logits: torch.Tensor) -> torch.Tensor:
+    """Per token, the gap between the last chosen and the first unchosen bias-corrected routing
+    score (sigmoid + e_score_correction_bias, the score noaux_tc selects by; n_group = 1)."""
+    s = router_logits.double().sigmoid().view(-1, router_logits.shape[-1]) + gate.e_score_correction_bias.double()
+    top = s.topk(gate.top_k + 1, dim=-1).values
+    return top[:, gate.top_k - 1] - top[:, gate.top_k]
+
+
+def oracle_logits(model, tokens):
+    """float64 logits [len(tokens), vocab] of one request's full causal forward (no cache), and
+    per position the smallest routing margin over the MoE layers (route_margin)."""
+    model._route_margins.clear()
+    with torch.no_grad():
+        ids = torch.tensor([tokens], dtype=torch.int64)
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    margin = torch.stack(model._route_margins).min(0).values if model._route_margins else \
+        torch.full((len(tokens),), float("inf"), dtype=torch.float64)
+    return logits, margin
