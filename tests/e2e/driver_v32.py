@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROUTE_MARGIN = 0.02
 
 
-def run(device: str, cache_dtype: str) -> dict:
+def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
     import torch
     import build
     import steps
@@ -45,12 +45,13 @@ def run(device: str, cache_dtype: str) -> dict:
         import vllm.model_executor.layers.attention.sparse_mla_attention  # noqa: F401
         platform_spoof.cpu_no_pinned_memory()
         platform_spoof.cpu_vllm_streams()
-    report = dict(model="v32", device=device, cache_dtype=cache_dtype,
+    report = dict(model=family, device=device, cache_dtype=cache_dtype,
                   model_class=v32_pkg.DeepseekV32ForCausalLM.__module__)
-    ckpt = v32_checkpoint.write()
-    cfg = dict(architectures=["DeepseekV32ForCausalLM"])
+    ckpt = v32_checkpoint.write(family)
+    cfg = dict(architectures=[v32_checkpoint.FAMILIES[family][1]])
     b = build.build(cfg, device, model_dir=ckpt, cache_dtype=cache_dtype)
     cc = b.vllm_config.cache_config
+    report["model_type"] = b.vllm_config.model_config.hf_config.model_type
     report["resolved"] = dict(block_size=cc.block_size, cache_dtype=str(cc.cache_dtype),
                               groups=[type(g.kv_cache_spec).__name__ for g in b.kv_cache_config.kv_cache_groups],
                               backends=sorted({type(g.backend).__name__ if hasattr(g, "backend") else str(g)
@@ -60,7 +61,7 @@ def run(device: str, cache_dtype: str) -> dict:
     import checks_v32
     mqa = checks_v32.MqaRecorder()
     mqa.install(type(b.model.model.layers[0].self_attn.impl))
-    oracle = v32_checkpoint.oracle(ckpt, fp8_latent=str(cc.cache_dtype) == "fp8_ds_mla")
+    oracle = v32_checkpoint.oracle(ckpt, fp8_latent=str(cc.cache_dtype) == "fp8_ds_mla", family=family)
     sch = steps.Scheduler(b)
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
@@ -110,12 +111,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cache-dtype", default=None)
+    ap.add_argument("--family", default="v32", choices=("v32", "glm5"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import driver
 
     driver.setup(a.device)
-    report = run(a.device, a.cache_dtype)
+    report = run(a.device, a.cache_dtype, a.family)
     text = json.dumps(report, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

@@ -1,9 +1,11 @@
-"""End to end, DeepSeek-V3.2 (issue 20): vLLM 0.33.0's own ``DeepseekV32ForCausalLM`` (its CUDA
-model class, chosen as on an A100) with the plugin on the CPU: a tiny checkpoint written by
+"""End to end, DeepSeek-V3.2 and GLM-5 (issue 20): vLLM 0.33.0's own ``DeepseekV32ForCausalLM`` (its
+CUDA model class, chosen as on an A100; GLM-5's ``GlmMoeDsaForCausalLM`` is the same class) with the
+plugin on the CPU: a tiny checkpoint written by
 transformers and read by vLLM's loader, vLLM's attention-backend selector answering for sm_80
 (it must pick the plugin's sparse-MLA backend), vLLM's planner/binder/metadata builders, and the
 prefill / mixed / decode steps of tests/e2e/steps.py. Checked in float64:
-- every step's logits against transformers' ``DeepseekV32ForCausalLM`` on the same weights (with
+- every step's logits against transformers' ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM`` on the
+  same weights (with
   the fp8_ds_mla cache, that oracle's KV latent goes through the 656-byte record's rounding);
 - every sparse-MLA call against softmax(scale q.k) v over the keys decoded from the cache bytes.
 index_topk (128) exceeds every sequence, so the indexer selects every causal key and the choice
@@ -31,11 +33,16 @@ LOGITS_BOUNDS = {"auto": (0.9995, 0.03), "fp8_ds_mla": (0.998, 0.08)}
 MQA_COS, MQA_REL = 0.99999, 0.01
 
 
-@pytest.fixture(scope="module", params=["auto", "fp8_ds_mla"])
+MODEL_TYPES = {"v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
+
+
+@pytest.fixture(scope="module", params=[("v32", "auto"), ("v32", "fp8_ds_mla"), ("glm5", "fp8_ds_mla")],
+                ids=lambda p: "-".join(p))
 def report(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e_v32") / f"v32_{request.param}.json"
+    family, cache = request.param
+    out = tmp_path_factory.mktemp("e2e_v32") / f"{family}_{cache}.json"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_v32.py"), "--device", "cpu",
-                           "--cache-dtype", request.param, "--out", str(out)],
+                           "--family", family, "--cache-dtype", cache, "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -45,6 +52,7 @@ def test_vllm_picks_the_plugin_backend_and_cache(report):
     assert report["model_class"] == "vllm.models.deepseek_v32.nvidia.model", report["model_class"]  # the CUDA class
     assert report["impl_classes"] == ["dsv4_ops.vllm.v32_backend.AmpereSparseMLAImpl"], report["impl_classes"]
     assert report["resolved"]["cache_dtype"] == report["cache_dtype"], report["resolved"]
+    assert report["model_type"] == MODEL_TYPES[report["model"]], report["model_type"]
 
 
 def test_logits_match_transformers(report):

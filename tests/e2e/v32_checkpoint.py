@@ -26,6 +26,21 @@ V32_CONFIG = dict(
 )
 
 
+# GLM-5 (``glm_moe_dsa``, served by the same vLLM class): its own head split (q/k nope 192,
+# v 256 before absorption; the cached latent is still 512 + 64), every layer a full indexer.
+GLM5_CONFIG = dict(V32_CONFIG, qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5,
+                   indexer_types=["full", "full"])
+FAMILIES = {"v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", V32_CONFIG),
+            "glm5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", GLM5_CONFIG)}
+
+
+def _classes(family: str):
+    import transformers
+
+    cfg_name, model_name, cfg = FAMILIES[family]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name), cfg
+
+
 def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights at scales that keep activations O(1) (HF's 0.02 init would make every
     logit ~0 and the comparison vacuous)."""
@@ -40,13 +55,12 @@ def init_weights(model: torch.nn.Module, seed: int = 0) -> None:
         p.data.copy_(val.to(p.dtype))
 
 
-def write(cfg: dict = V32_CONFIG, seed: int = 0, model_type: str = "deepseek_v32") -> str:
+def write(family: str = "v32", seed: int = 0) -> str:
     """Write the checkpoint (bf16 safetensors + config.json); returns its directory."""
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
-
-    config = DeepseekV32Config(**cfg)
+    config_cls, model_cls, cfg = _classes(family)
+    config = config_cls(**cfg)
     torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(config)
+    model = model_cls(config)
     init_weights(model, seed)
     model = model.to(torch.bfloat16)
     d = tempfile.mkdtemp(prefix="dsv4_e2e_v32_")
@@ -66,13 +80,12 @@ def fp8_ds_mla_roundtrip(latent: torch.Tensor) -> torch.Tensor:
     return (codes * scale).view_as(x).to(latent.dtype)
 
 
-def oracle(model_dir: str, fp8_latent: bool = False):
+def oracle(model_dir: str, fp8_latent: bool = False, family: str = "v32"):
     """transformers' model on the checkpoint's weights, in float64 (eval mode). fp8_latent: the
     attention's KV latent (kv_a_layernorm's output) goes through the fp8_ds_mla record's
     rounding, as every key and value vLLM reads from that cache does."""
-    from transformers import DeepseekV32ForCausalLM
-
-    m = DeepseekV32ForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager",
+    _, model_cls, _ = _classes(family)
+    m = model_cls.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager",
                                                attn_implementation="eager")
     m._route_margins = []
     for layer in m.model.layers:
