@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     c.add_argument("--skip-aot", action="store_true", help="skip the AOT sm_80/86 compile table")
     c.add_argument("--skip-audit", action="store_true", help="skip the vLLM serve-path audit summary")
     a = sub.add_parser("audit-vllm", help="which kernels of vLLM's DeepSeek-V4/V4.1 serve path run on sm_8x")
-    a.add_argument("--model", choices=("v4", "v41", "both"), default="both")
+    a.add_argument("--model", choices=("v4", "v41", "both", "v32", "glm5"), default="both",
+                   help="both: DeepSeek-V4 and V4.1 (what CI runs); v32: DeepSeek-V3.2; glm5: GLM-5")
     a.add_argument("--arch", type=int, choices=(80, 86), default=80)
     a.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="run the benchmarks (CUDA GPU)")

@@ -29,7 +29,11 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
 VLLM_VERSION_TESTED = "0.33.0"
-MODELS = ("v4", "v41")
+MODELS = ("v4", "v41")  # "both": what CI audits
+# Every model the audit knows: DeepSeek-V3.2 and GLM-5 (issue 20) audit separately (--model v32 / glm5).
+ALL_MODELS = MODELS + ("v32", "glm5")
+MODEL_TITLES = {"v4": "DeepSeek-V4-Flash", "v41": "DeepSeek-V4.1-Flash", "v32": "DeepSeek-V3.2",
+                "glm5": "GLM-5 (GlmMoeDsaForCausalLM)"}
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ def format_table(res: AuditResult, models: Iterable[str] = MODELS, markdown: boo
                       key=lambda r: (r.path != "default", not r.open, r.status == "runs", r.kernel, r.phase))
         if not rows:
             continue
-        out.append(f"\n== DeepSeek-{'V4' if m == 'v4' else 'V4.1'}-Flash, sm_{res.arch}")
+        out.append(f"\n== {MODEL_TITLES.get(m, m)}, sm_{res.arch}")
         head = ("path", "phase", "kernel", "tech", "vLLM location", "status", "plugin", "evidence")
         table = [head] + [(r.path, r.phase, _k(r.kernel), r.tech, r.location,
                            ("OPEN " if r.open else "") + r.status, r.patch.replace("vllm.models.", "") or "-",
@@ -176,5 +180,5 @@ def _k(kernel: str) -> str:
     return kernel.replace("vllm.models.", "").replace("vllm.model_executor.", "me.").replace("vllm.v1.", "v1.")
 
 
-__all__ = ["AuditError", "AuditResult", "MODELS", "Row", "VLLM_VERSION_TESTED", "format_table", "run",
+__all__ = ["ALL_MODELS", "AuditError", "AuditResult", "MODELS", "Row", "VLLM_VERSION_TESTED", "format_table", "run",
            "summary_line", "version_line", "vllm_installed"]

@@ -30,10 +30,28 @@ _HF = {
                 num_nextn_predict_layers=1, num_hidden_layers=40, candidate_topk_blocks=64,
                 candidate_block_size=64, compress_ratios=_V41_RATIOS,
                 kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36]),
+    # DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2 config.json facts, the issue's list; transformers'
+    # DeepseekV32Config defaults agree) and GLM-5 (transformers 5.20 GlmMoeDsaConfig defaults):
+    # MLA with the latent absorbed (q/k 576 = kv_lora 512 + rope 64, v 512), the DSA indexer.
+    "v32": dict(model_type="deepseek_v32", hidden_size=7168, num_attention_heads=128, kv_lora_rank=512,
+                q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_n_heads=64,
+                index_head_dim=128, index_topk=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+                n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, moe_intermediate_size=2048,
+                intermediate_size=18432, n_group=8, topk_group=4, vocab_size=129280, rms_norm_eps=1e-6,
+                max_position_embeddings=163840),
+    "glm5": dict(model_type="glm_moe_dsa", hidden_size=6144, num_attention_heads=64, kv_lora_rank=512,
+                 q_lora_rank=2048, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, index_n_heads=32,
+                 index_head_dim=128, index_topk=2048, num_hidden_layers=78, num_nextn_predict_layers=1,
+                 n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, moe_intermediate_size=2048,
+                 intermediate_size=12288, n_group=1, topk_group=1, vocab_size=154880, rms_norm_eps=1e-5,
+                 max_position_embeddings=202752),
 }
 
 
-BLOCK_SIZE = {"v4": 256, "v41": 128}
+# V3.2 / GLM-5: the MLA + indexer caches take vLLM's 64-token kernel block (indexer backend:
+# get_supported_kernel_block_sizes -> [64] on CUDA); the default `vllm serve` cache is "auto" (bf16).
+BLOCK_SIZE = {"v4": 256, "v41": 128, "v32": 64, "glm5": 64}
+CACHE_DTYPE = {"v4": "fp8_ds_mla", "v41": "fp8_ds_mla", "v32": "auto", "glm5": "auto"}
 
 
 def _attention_config():
@@ -56,7 +74,7 @@ def vllm_config(model: str):
         scheduler_config=NS(max_num_batched_tokens=8192, max_num_seqs=256),
         # the KV block size vLLM resolves for the model's backends on sm_8x (doctor.resolved_block_size:
         # V4 256; V4.1 128, its sparse-MLA and indexer backends take 64 on sm_90 and 128 elsewhere)
-        cache_config=NS(block_size=BLOCK_SIZE[model], cache_dtype="fp8_ds_mla"),
+        cache_config=NS(block_size=BLOCK_SIZE[model], cache_dtype=CACHE_DTYPE[model]),
         parallel_config=NS(tensor_parallel_size=8, pipeline_parallel_size=1, decode_context_parallel_size=1,
                            prefill_context_parallel_size=1,
                            cp_kv_cache_interleave_size=1, pcp_shard_decode_requests=False),

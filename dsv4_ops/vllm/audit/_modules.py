@@ -268,9 +268,11 @@ def _select_mxfp8(arch: int, bmm: Optional[int] = None):
 
 def linear_rows(model: str, arch: int) -> List[dict]:
     out = []
-    probes = ([("fp8 block [128,128] (DeepseekV4FP8Config -> Fp8LinearMethod)", lambda: _select_fp8_block(arch),
+    fp8 = {"v4": "DeepseekV4FP8Config -> Fp8LinearMethod", "v32": "Fp8Config, the checkpoint's block FP8",
+           "glm5": "Fp8Config, GLM-5-FP8's block FP8"}
+    probes = ([(f"fp8 block [128,128] ({fp8[model]})", lambda: _select_fp8_block(arch),
                 "me.kernels.linear:choose_scaled_mm_linear_kernel (_POSSIBLE_FP8_BLOCK_KERNELS)", "")]
-              if model == "v4" else
+              if model in fp8 else
               [("MXFP8 [32,32] UE8M0 (ModelOptLinearMethod)", lambda: _select_mxfp8(arch),
                 "me.kernels.linear:init_mxfp8_linear_kernel (_POSSIBLE_MXFP8_KERNELS)", ""),
                ("MXFP8 wo_a (is_bmm, re-selected in process_weights_after_loading)", lambda: _select_mxfp8(arch, 8),
@@ -337,9 +339,70 @@ def _select_moe(model: str, arch: int):
     return name, notes
 
 
+V32_FAMILY = ("v32", "glm5")
+# DeepseekV2MoE (deepseek_v2.py) as V3.2 / GLM-5 build it: experts, top-k, hidden, n_group/topk_group
+_V32_MOE = {"v32": (256, 8, 7168, 8, 4), "glm5": (256, 8, 6144, 1, 1)}
+
+
+def _select_fp8_moe(model: str, arch: int):
+    """select_fp8_moe_backend's auto path (oracle/fp8.py) for block-FP8 experts
+    (kFp8Static128BlockSym weights, kFp8Dynamic128Sym activations, what Fp8MoEMethod passes for
+    weight_block_size [128, 128]), run by vLLM's own function with the platform answering as
+    sm_<arch>; a FusedMoEConfig as DeepseekV2MoE builds it (DeepSeekV3 grouped routing)."""
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as O
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
+
+    e, k, hidden, _g, _tg = _V32_MOE[model]
+    cfg = FusedMoEConfig(num_experts=e, experts_per_token=k, hidden_dim=hidden, intermediate_size=2048,
+                         num_local_experts=e, num_logical_experts=e, activation=MoEActivation.SILU,
+                         device="cpu", routing_method=RoutingMethodType.DeepSeekV3,
+                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        backend, cls = O.select_fp8_moe_backend(cfg, kFp8Static128BlockSym, kFp8Dynamic128Sym)
+    return f"{backend.name} ({cls.__name__ if cls else None})", []
+
+
+def _v32_moe_rows(model: str, arch: int) -> List[dict]:
+    out = []
+    loc = "me.layers.fused_moe.oracle.fp8:select_fp8_moe_backend"
+    try:
+        with cuda_platform(arch):
+            name, notes = _select_fp8_moe(model, arch)
+        # MarlinExperts with FP8 weights (experts/marlin_moe.py, W8A16) -> marlin_moe_wna16::Marlin<bf16, e4m3, ...>
+        got = (marlin_cubin("_moe_C", "bfloat16", "float8_e4m3fn", "bfloat16", arch) if "MARLIN" in name
+               else (None, f"{name}: no evidence rule"))
+        out.append(_row(model, "forward", f"moe experts: block FP8 -> {name}", "Marlin C++ _moe_C", loc, got,
+                        f"selection (vLLM's select_fp8_moe_backend, sm_{arch}): {name}; "))
+    except Exception as exc:  # noqa: BLE001 - no backend for this arch: the selection raises
+        out.append(_row(model, "forward", "moe experts: block FP8", "selection", loc,
+                        (False, f"selection for sm_{arch} raises {type(exc).__name__}: {str(exc)[:300]}")))
+    # Router (router/grouped_topk_router.py): use_grouped_topk with e_score_correction_bias, n_group <= 32,
+    # top-k <= 32 and VLLM_USE_FUSED_MOE_GROUPED_TOPK (default 1) -> fused_grouped_topk -> ops.grouped_topk
+    # (_moe_C); its grouped and single-group kernels must all be there.
+    _e, _k, _h, g, tg = _V32_MOE[model]
+    out.append(_row(model, "forward", f"router: grouped_topk (sigmoid + bias, n_group {g}, topk_group {tg})",
+                    "C++ _moe_C", "me.layers.fused_moe.router.grouped_topk_router:fused_grouped_topk",
+                    _both(*(cubin("_moe_C", n, arch) for n in (
+                        "grouped_topk_fused_kernel", "grouped_topk_fused_small_expert_count_kernel",
+                        "single_group_topk_warp_kernel", "single_group_topk_block_kernel")))))
+    gate = _gate_tier(arch)
+    out.append(_row(model, "forward", f"gate: GateLinear -> {gate[0]}", "torch/cuBLAS",
+                    "me.layers.fused_moe.router.gate_linear:GateLinear.forward",
+                    _both((gate[1], gate[2]), torch_cuda_arch(arch),
+                          library_cubins(nvidia_lib("cublas", "libcublasLt.so.13"), arch))))
+    return out
+
+
 def moe_rows(model: str, arch: int) -> List[dict]:
     import torch
 
+    if model in V32_FAMILY:
+        return _v32_moe_rows(model, arch)
     out = []
     loc = "me.layers.fused_moe.oracle.mxfp4:select_deepseek_v4_mxfp4_moe_backend"
     try:
@@ -430,8 +493,10 @@ def layer_op_rows(model: str, arch: int) -> List[dict]:
          cubin("_C_stable", "fused_add_rms_norm_kernel", arch)),
         # SiluAndMulWithClamp (shared experts, activation.py:207) -> torch.ops._C.silu_and_mul_with_clamp,
         # the act_and_mul_kernel_with_param template (csrc/activation_kernels.cu)
-        ("activation: SiluAndMulWithClamp (shared experts)", "C++ _C", "me.layers.activation:SiluAndMulWithClamp",
-         cubin("_C_stable", "act_and_mul_kernel_with_param", arch)),
+        (("activation: SiluAndMul (dense MLP, shared experts)", "C++ _C", "me.layers.activation:SiluAndMul",
+          cubin("_C_stable", "act_and_mul_kernel", arch)) if model in V32_FAMILY else
+         ("activation: SiluAndMulWithClamp (shared experts)", "C++ _C", "me.layers.activation:SiluAndMulWithClamp",
+          cubin("_C_stable", "act_and_mul_kernel_with_param", arch))),
         # VocabParallelEmbedding (vocab_parallel_embedding.py:86): F.embedding on the shard (+ mask ops)
         ("embedding: VocabParallelEmbedding (F.embedding)", "torch", "me.layers.vocab_parallel_embedding",
          torch_cuda_arch(arch)),
@@ -500,6 +565,25 @@ def flashinfer_sampling(arch: int, gate: Optional[bool]) -> Tuple[Optional[bool]
 
 # ------------------------------------------------------------------ all-reduce
 
+def _fi_allreduce_budget(arch: int) -> Dict[int, float]:
+    """PassConfig.default_fi_allreduce_fusion_max_size_mb() for sm_<arch>, from source (its module
+    imports vLLM's CUDA extension): FI_ALLREDUCE_FUSION_MAX_SIZE_MB (a literal in
+    compilation/passes/fusion/allreduce_rms_fusion.py) looked up by capability.to_int(), as
+    config/compilation.py does; raises when either source no longer says so."""
+    import ast
+
+    from . import _source
+
+    cfg = open(_source.module_path("vllm.config.compilation")).read()
+    if "return FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(capability.to_int(), {})" not in cfg:
+        raise RuntimeError("default_fi_allreduce_fusion_max_size_mb no longer looks the table up by capability")
+    tree = ast.parse(open(_source.module_path("vllm.compilation.passes.fusion.allreduce_rms_fusion")).read())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "FI_ALLREDUCE_FUSION_MAX_SIZE_MB":
+            return ast.literal_eval(node.value).get(arch, {})
+    raise RuntimeError("FI_ALLREDUCE_FUSION_MAX_SIZE_MB not found")
+
+
 def allreduce_rows(model: str, arch: int) -> List[dict]:
     """CudaCommunicator.all_reduce (distributed/device_communicators/cuda_communicator.py): torch
     symm-mem / FlashInfer when their capability tables name this arch, then vLLM's custom
@@ -526,6 +610,24 @@ def allreduce_rows(model: str, arch: int) -> List[dict]:
                     "distributed.device_communicators.custom_all_reduce:CustomAllreduce",
                     _both(cubin("_C_stable", "cross_device_reduce_1stage", arch),
                           cubin("_C_stable", "cross_device_reduce_2stage", arch))))
+    if model in V32_FAMILY:
+        # DeepseekV32DecoderLayer fuses the MLP's un-reduced output into the next norm:
+        # models/common/ops/fused_allreduce_rms_norm.py takes FlashInfer's TRT-LLM all-reduce + RMSNorm only
+        # when _max_token_num finds a budget in PassConfig.default_fi_allreduce_fusion_max_size_mb() (keyed by
+        # capability), else tensor_model_parallel_all_reduce + RMSNorm (the rows above / below)
+        loc = "models.common.ops.fused_allreduce_rms_norm:fused_allreduce_rms_norm"
+        try:
+            table = _fi_allreduce_budget(arch)
+            row = _row(model, "forward", "all-reduce + RMSNorm: FlashInfer TRT-LLM fusion", "FlashInfer", loc,
+                       (None, f"selection: default_fi_allreduce_fusion_max_size_mb() at sm_{arch} = {table}"))
+            if not table.get(8):
+                row["status"] = "off"
+                row["evidence"] = (f"not reached on sm_8x: selection: default_fi_allreduce_fusion_max_size_mb() at "
+                                   f"sm_{arch} = {table} (no TP-8 budget): the unfused all-reduce + RMSNorm runs")
+            out.append(row)
+        except Exception as exc:  # noqa: BLE001
+            out.append(_row(model, "forward", "all-reduce + RMSNorm: FlashInfer TRT-LLM fusion", "FlashInfer", loc,
+                            (None, f"selection not evaluated: {type(exc).__name__}: {str(exc)[:200]}")))
     out.append(_row(model, "forward", "all-reduce / all-gather: NCCL (pynccl)", "NCCL",
                     "distributed.device_communicators.pynccl:PyNcclCommunicator",
                     library_cubins(nvidia_lib("nccl", "libnccl.so.2"), arch)))
@@ -611,6 +713,14 @@ def weight_load_rows(model: str, arch: int) -> List[dict]:
            _row(model, "weight-load", "wo_a: dequantize to bf16 [G, R, K] before the repack", "torch",
                 "dsv4_ops.vllm.o_proj:install_wo_a_bf16_hook", torch_cuda_arch(arch),
                 patch="dsv4_ops.vllm.o_proj.install_wo_a_bf16_hook")]
+    if model in V32_FAMILY:  # MLA (deepseek_v2-style): no wo_a; W_UK_T / W_UV come from kv_b_proj in torch
+        # get_and_maybe_dequant_weights (quant_utils.py): Fp8LinearMethod with use_marlin (sm_8x) takes the
+        # generic path, the layer's own GEMM (Marlin FP8) applied to an identity matrix, then torch splits
+        out = out[:2] + [_row(model, "weight-load",
+                              "MLA: kv_b_proj -> W_UK_T / W_UV (Marlin FP8 GEMM on an identity, then torch)",
+                              "Marlin C++ _C", "me.layers.attention.mla_attention:MLAAttention.process_weights_after_loading",
+                              _both(marlin_cubin("_C_stable", "bfloat16", "float8_e4m3fn", "bfloat16", arch),
+                                    torch_cuda_arch(arch)))]
     return out
 
 

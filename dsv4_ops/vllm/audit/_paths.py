@@ -20,6 +20,73 @@ SHARED_ROOTS = (
     "vllm.model_executor.layers.indexer_topk",
 )
 
+# DeepSeek-V3.2 / GLM-5 (vllm.models.deepseek_v32; one model class on CUDA) are MLA models whose
+# attention backend vLLM's selector picks (on sm_8x: dsv4_ops.vllm.v32_backend, built on vLLM's
+# sparse-MLA base classes) and whose MoE / MLP / base CausalLM come from deepseek_v2.py: their
+# scope follows those modules too (per model, so the V4/V4.1 scopes are unchanged).
+V32_FAMILY = ("v32", "glm5")
+SHARED_ROOTS_BY_MODEL = {m: (
+    "vllm.model_executor.layers.sparse_attn_indexer",
+    "vllm.v1.attention.backends.mla.indexer",
+    "vllm.model_executor.layers.indexer_topk",
+    "vllm.model_executor.layers.attention.sparse_mla_attention",
+    "vllm.v1.attention.backends.mla.sparse_utils",
+    "vllm.v1.attention.backends.mla.index_group",
+) for m in V32_FAMILY}
+FOLLOW_BY_MODEL = {m: (
+    "vllm.models.deepseek_v32",
+    "vllm.model_executor.models.deepseek_v2",
+    "vllm.model_executor.layers.attention",  # MLAAttention (re-exported by the package), sparse_mla_attention
+    "vllm.v1.attention.backends.mla.sparse_utils",
+    "vllm.v1.attention.backends.mla.index_group",
+    "vllm.model_executor.layers.fused_embed_norm",
+) for m in V32_FAMILY}
+
+# The model being audited (set by the worker while a model's scope and rows are decided), for the
+# per-model lists below.
+CURRENT_MODEL: Optional[str] = None
+
+# Class-graph roots besides the registry class: the sparse-MLA base classes of the backend the
+# selector instantiates by class path on sm_8x (dsv4_ops.vllm.v32_backend subclasses them; the
+# selector's string path is not a name the graph can follow).
+_SMA = "vllm.model_executor.layers.attention.sparse_mla_attention"
+EXTRA_ROOT_NODES = {m: ((_SMA, "SparseMLACommonImpl"), (_SMA, "SparseMLACommonMetadataBuilder"),
+                        (_SMA, "SparseMLACommonMetadata")) for m in V32_FAMILY}
+
+# Classes a reached class names but never builds on this path, each with the source that shows
+# it: (node, module, regexes that must match its source, why). A cut that no longer matches is
+# not applied (the class is followed again).
+_V2 = "vllm.model_executor.models.deepseek_v2"
+_REACH_CUTS = {m: (
+    ((_V2, "DeepseekV2Model"), _V2,
+     (r"class DeepseekV2ForCausalLM\b.*?\n    model_cls = DeepseekV2Model\n",
+      r"self\.model = self\.model_cls\("),
+     "DeepseekV2ForCausalLM builds self.model_cls(...), and DeepseekV32ForCausalLM sets model_cls = "
+     "DeepseekV32Model (deepseek_v32/nvidia/model.py)"),
+    ((_V2, "DeepseekV2DecoderLayer"), _V2,
+     (r"\n            assert isinstance\(layer, DeepseekV2DecoderLayer\)\n",
+      r"lambda prefix: DeepseekV2DecoderLayer\("),
+     "built by DeepseekV2Model only (cut above); DeepseekV2ForCausalLM.set_moe_parameters names it in an isinstance "
+     "assert, and DeepseekV32ForCausalLM overrides set_moe_parameters (keyed on DeepseekV2MoE)"),
+) for m in V32_FAMILY}
+_V32_MODEL_SRC = ("vllm.models.deepseek_v32.nvidia.model", (r"class DeepseekV32ForCausalLM\(DeepseekV2ForCausalLM\):",
+                                                           r"\n    model_cls = DeepseekV32Model\n",
+                                                           r"\n    def set_moe_parameters\(self\):\n"))
+
+
+def reach_cuts(model: str):
+    """The class-graph nodes not entered for ``model`` (their source checks must still hold)."""
+    out = []
+    for node, module, regexes, _why in _REACH_CUTS.get(model, ()):
+        if _source_matches(module, regexes) and _source_matches(*_V32_MODEL_SRC):
+            out.append(node)
+    return out
+
+
+def shared_roots(model: str):
+    return SHARED_ROOTS_BY_MODEL.get(model, SHARED_ROOTS)
+
+
 # Architectures (keys of vLLM's model registry, registry.py) that each audited path serves: their
 # classes are the roots of the class-level reachability graph (``_reach``). V4-Flash ships as
 # DeepseekV4ForCausalLM; V4.1-Flash's only registered class is the vision-language wrapper
@@ -27,10 +94,13 @@ SHARED_ROOTS = (
 ARCHITECTURES = {
     "v4": {"default": ("DeepseekV4ForCausalLM",), "mtp": ("DeepSeekV4MTPModel",), "dspark": ("DSparkDraftModel",)},
     "v41": {"default": ("DeepseekV41ForCausalLM",), "mtp": (), "dspark": ("DSparkV41DraftModel",)},
+    "v32": {"default": ("DeepseekV32ForCausalLM",), "mtp": ("DeepseekV32MTPModel",)},
+    "glm5": {"default": ("GlmMoeDsaForCausalLM",), "mtp": ("DeepseekV32MTPModel",)},
 }
 
 # Reported, not enforced: speculative-decoding heads (module suffix under <model>.nvidia).
-EXTRA_PATHS = {"v4": {"mtp": (".mtp",), "dspark": (".dspark",)}, "v41": {"dspark": (".dspark",), "mtp": (".mtp",)}}
+EXTRA_PATHS = {"v4": {"mtp": (".mtp",), "dspark": (".dspark",)}, "v41": {"dspark": (".dspark",), "mtp": (".mtp",)},
+               "v32": {"mtp": (".mtp",)}, "glm5": {"mtp": (".mtp",)}}
 EXTRA_PATH_PARTS = (".mtp", ".dspark")
 
 # Module name parts never reached on sm_8x by default, and why.
@@ -84,6 +154,42 @@ def _source_matches(module: str, patterns: Tuple[str, ...]) -> bool:
     return all(re.search(p, text, re.S) for p in patterns)
 
 
+# Per model, as _OFF_PATH_CHECKED: (name pattern, ((module, regexes), ...), why).
+_IDX = "vllm.v1.attention.backends.mla.indexer"
+_OFF_PATH_CHECKED_BY_MODEL = {m: (
+    (r"^(_COMPRESSED_SLOT_MAPPING_KERNEL|get_compressed_slot_mapping)$",
+     ((_IDX, (r"self\.compress_ratio = 1\n\s*if isinstance\(self\.kv_cache_spec, MLAAttentionSpec\):\n\s*"
+              r"assert isinstance\(self\.kv_cache_spec\.tokens_per_state, int\)\n\s*"
+              r"self\.compress_ratio = self\.kv_cache_spec\.tokens_per_state",
+              r"if self\.compress_ratio > 1:\n {12}padded_num_tokens = num_tokens\n",
+              r"\n {12}compressed_slot_mapping = get_compressed_slot_mapping\(",
+              r"if self\.compress_ratio > 1:\n\s*get_compressed_slot_mapping\(")),
+      (_V2, (r"return MLAAttentionSpec\(\n {12}block_size=self\.cache_config\.block_size,"
+             r"\n {12}num_kv_heads=1,\n {12}max_tp_shards=1,\n {12}head_size=self\.head_dim,\n {12}dtype=self\.dtype,"
+             r"\n {12}cache_role=SparseCacheRole\.INDEXER,\n {8}\)  # Only has one vector",)),
+      ("vllm.v1.kv_cache_interface", (r"\n    tokens_per_state: int \| Fraction = 1\n",))),
+     "compressed (V4) indexer slot mapping: DeepseekV32IndexerMetadataBuilder calls it only when "
+     "compress_ratio > 1, and compress_ratio = the indexer spec's tokens_per_state, which DeepseekV32IndexerCache "
+     "leaves at its default 1 (v1/attention/backends/mla/indexer.py, deepseek_v2.py, v1/kv_cache_interface.py)"),
+    (r"^(forward_impl|_v_up_proj|forward_mha|_compute_context_mha|_run_masked_mha|_try_build_global_mask|"
+     r"_build_topk_mask|_scatter_topk_kernel|_scatter_topk_single_req_kernel)$",
+     (("dsv4_ops.vllm.v32_backend", (r"\n        supports_dense_mha_prefill = False\n",)),
+      ("vllm.model_executor.layers.attention.mla_attention",
+       (r"if self\.impl\.is_sparse and not \(\n\s*self\.impl\.supports_dense_mha_prefill and "
+        r"self\.supports_dense_mha_prefill\n\s*\):\n(?:[^\n]*\n){0,5}?\s*self\.prefill_backend = None\n",
+        r"def _use_sparse_mha\(self, attn_metadata: \"MLACommonMetadata\"\) -> bool:\n\s*if self\.hisparse_cache is not None:"
+        r"\n\s*return False\n\s*prefill = attn_metadata\.prefill\n\s*if prefill is None:\n\s*return False\n")),
+      (_SMA, (r"layer_prefill_backend\.clone\(\) if layer_prefill_backend is not None else None",
+              r"if num_prefills > 0 and self\._prefill_backend is not None:")),
+      ("vllm.models.deepseek_v32.attention",
+       (r"\n        if self\._use_sparse_mha\(attn_metadata\):\n(?:[^\n]*\n){0,9}?\s*self\.forward_impl\(",))),
+     "dense/masked-MHA prefill (MLAAttention.forward_impl -> impl.forward_mha): dsv4_ops' sm_8x backend sets "
+     "supports_dense_mha_prefill = False, so MLAAttention keeps prefill_backend None, the sparse-MLA builder "
+     "builds no prefill metadata, _use_sparse_mha returns False, and DeepseekV32Attention calls forward_impl "
+     "only under `if self._use_sparse_mha(...)`: every token takes the top-k MQA path"),
+) for m in V32_FAMILY}
+
+
 def off_path(name: str) -> Optional[str]:
     """Why ``name`` is never reached on the default sm_8x serve path, or None."""
     for pattern, why in _OFF_PATH_NAMES:
@@ -91,6 +197,9 @@ def off_path(name: str) -> Optional[str]:
             return why
     for pattern, module, source, why in _OFF_PATH_CHECKED:
         if re.search(pattern, name) and _source_matches(module, source):
+            return why
+    for pattern, checks, why in _OFF_PATH_CHECKED_BY_MODEL.get(CURRENT_MODEL, ()):
+        if re.search(pattern, name) and all(_source_matches(m, rx) for m, rx in checks):
             return why
     return None
 
@@ -111,6 +220,9 @@ LAYER_VALUES = {
                hidden_size=(4096,)),
     "v41": dict(_MHC, head_dim=(512,), compress_ratio=(1, 2), window_size=(128,), block_size=(128,),
                 hidden_size=(5120,)),
+    # V3.2 / GLM-5: 64-token blocks, rows aligned to the block (customize_spec -> align_blocks_to_rows)
+    "v32": dict(block_size=(64,), block_stride_rows=(64,), hidden_size=(7168,)),
+    "glm5": dict(block_size=(64,), block_stride_rows=(64,), hidden_size=(6144,)),
 }
 
 TILELANG_NOTE = ("TileLang: not compiled for sm_8x here (a CPU-side TileLang build for sm_80 was not "

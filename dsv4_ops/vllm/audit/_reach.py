@@ -181,13 +181,16 @@ class Graph:
             self._users = inv
         return self._users.get(node, set())
 
-    def reached(self, roots: Iterable[Node]) -> Dict[Node, Optional[Node]]:
-        """Every node reachable from ``roots``, each with the node it was first reached from."""
+    def reached(self, roots: Iterable[Node], stop: Iterable[Node] = ()) -> Dict[Node, Optional[Node]]:
+        """Every node reachable from ``roots``, each with the node it was first reached from;
+        ``stop``: nodes a reached class names but never constructs (``_paths.REACH_CUTS``, each
+        read from source), not entered."""
         seen: Dict[Node, Optional[Node]] = {}
+        cut = set(stop)
         todo: List[Tuple[Node, Optional[Node]]] = [(r, None) for r in roots]
         while todo:
             node, parent = todo.pop()
-            if node in seen:
+            if node in seen or node in cut:
                 continue
             seen[node] = parent
             todo.extend((e, node) for e in self.edges(node) if e not in seen)
@@ -222,7 +225,8 @@ def registry_roots(package: str, architectures: Iterable[str]) -> List[Node]:
             if isinstance(st, ast.If):
                 test = ast.unparse(st.test)
                 walk(st.body, off or any(p in test for p in platform_only))
-                walk(st.orelse, off)
+                # `if current_platform.is_cuda(): ... else: ...` (deepseek_v32): the else is another platform
+                walk(st.orelse, off or test.endswith("is_cuda()"))
             elif isinstance(st, ast.ImportFrom) and not off:
                 src = _relative(package, True, st.level, st.module) if st.level else st.module
                 for a in st.names:

@@ -233,6 +233,20 @@ RECIPES: Tuple[Recipe, ...] = (
            note="packed_rows / fp8_values / fp8_scales are uint8 (engram.py:1476-1495)"),
 )
 
+# DeepSeek-V3.2 / GLM-5: the fused embedding gather + first input_layernorm (DeepseekV32Model.forward with
+# the full vocab on rank, fused_embed_norm.py:111-147): ids = input_ids (int32 from the V2 runner, int64
+# accepted), the bf16 table, out / normed bf16 [T, H], chain_w = the first layer's RMSNorm weight (bf16),
+# H = hidden size (7168 V3.2, 6144 GLM-5), BLOCK = next_power_of_2(H) = 8192, HAS_NORM True,
+# num_warps = min(32, max(4, BLOCK // 512)) = 16.
+RECIPES = RECIPES + (
+    Recipe("vllm.model_executor.layers.fused_embed_norm._fused_embed_norm_kernel",
+           "vllm/model_executor/layers/fused_embed_norm.py:135", "0bc0d6199336bb40",
+           tuple(_v({"ids_ptr": ids, "table_ptr": "*bf16", "table_stride_0": "i32", "out_ptr": "*bf16",
+                     "normed_ptr": "*bf16", "chain_w_ptr": "*bf16", "eps": "fp32"},
+                    dict(H=h, BLOCK=8192, HAS_NORM=True)) for h in (7168, 6144) for ids in ("*i32", "*i64")),
+           num_warps=16, note="V3.2 hidden 7168 and GLM-5 hidden 6144; only with the full vocab on rank"),
+)
+
 BY_KERNEL = {r.kernel: r for r in RECIPES}
 
 

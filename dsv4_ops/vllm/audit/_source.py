@@ -391,6 +391,15 @@ def _eval_guard(test: ast.expr, vis: _Visitor, depth: int = 0) -> Optional[bool]
             return None
     if isinstance(test, ast.Attribute) and test.attr in GUARD_ATTRS:
         return GUARD_ATTRS[test.attr][0]
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+            and isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None):
+        # `table = _low_latency_table(); if table is None: return`: a selector that returns None on
+        # sm_8x (GUARD_NONE, read from its source)
+        src = vis.local_defs.get(test.left.id, "")
+        fn = src.split("(", 1)[0].rsplit(".", 1)[-1] if src.endswith(")") else ""
+        if fn in GUARD_NONE:
+            return isinstance(test.ops[0], ast.Is)
     if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
             and isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant)):
         # `backend == "cooperative"` with `backend = self.resolve_backend(...)`: a selector whose
@@ -405,6 +414,41 @@ def _eval_guard(test: ast.expr, vis: _Visitor, depth: int = 0) -> Optional[bool]
 
 # selector function -> (results it never returns on sm_8x, why), read from source (init_guards)
 GUARD_RESULTS: Dict[str, Tuple[frozenset, str]] = {}
+# functions that return None on sm_8x -> why, read from source (init_guards)
+GUARD_NONE: Dict[str, str] = {}
+
+
+def _v32_capability_guards(arch: int) -> None:
+    """DeepSeek-V3.2 / GLM-5 sm_90+ fast paths, each read from vLLM's source:
+    ``DeepSeekV2FusedQkvAProjLinear._use_min_latency_gemm`` needs capability 9.0 or the 10.x family
+    (deepseek_v2.py; dsv3_fused_a_gemm), and GLM-5.2's ``_low_latency_table()`` returns None off
+    10.3 / 10.7 (deepseek_v32/nvidia/glm52_low_latency_gemm.py)."""
+    import re
+
+    if arch >= 90:
+        return
+    path = module_path("vllm.model_executor.models.deepseek_v2")
+    text = open(path).read() if path else ""
+    m = re.search(r"self\._use_min_latency_gemm = \(\n(?:[^\n]*\n){0,5}?\s*and current_platform\.is_cuda\(\)\n"
+                  r"\s*and \(\n\s*current_platform\.is_device_capability\(90\)\n"
+                  r"\s*or current_platform\.is_device_capability_family\(100\)\n\s*\)\n\s*\)", text)
+    if m:
+        line = text[: m.start()].count("\n") + 1
+        why = (f"self._use_min_latency_gemm needs current_platform.is_device_capability(90) or "
+               f"is_device_capability_family(100) (vllm/model_executor/models/deepseek_v2.py:{line}): False on sm_8x")
+        GUARD_ATTRS["_use_min_latency_gemm"] = (False, why)
+        GUARD_WHY["_use_min_latency_gemm"] = why
+    path = module_path("vllm.models.deepseek_v32.nvidia.glm52_low_latency_gemm")
+    text = open(path).read() if path else ""
+    m = re.search(r"def _low_latency_table\(\)[^\n]*\n(\s*\"\"\".*\"\"\"\n)?"
+                  r"\s*if current_platform\.is_device_capability\(\(10, 7\)\):\n\s*return \w+\n"
+                  r"\s*if current_platform\.is_device_capability\(\(10, 3\)\):\n\s*return \w+\n\s*return None\n", text)
+    if m:
+        line = text[: m.start()].count("\n") + 1
+        GUARD_NONE["_low_latency_table"] = (
+            f"_low_latency_table() returns None unless the capability is 10.3 or 10.7 "
+            f"(vllm/models/deepseek_v32/nvidia/glm52_low_latency_gemm.py:{line})")
+        GUARD_WHY["_low_latency_table"] = GUARD_NONE["_low_latency_table"]
 
 
 def _cooperative_topk_gate() -> Optional[str]:
@@ -559,6 +603,7 @@ def _mxfp8_fuse_default(arch: int = 80) -> Optional[Tuple[bool, str]]:
 
 
 def init_guards(arch: int = 80) -> None:
+    _v32_capability_guards(arch)
     got = _mega_moe_default()
     if got is not None:
         GUARD_ATTRS["use_native_mega_moe"] = got

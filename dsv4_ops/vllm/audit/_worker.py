@@ -17,7 +17,26 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _paths, _reach, _source
 
-MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41"}
+MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41",
+          # DeepSeek-V3.2 and GLM-5: one package, one model class on CUDA (different configs)
+          "v32": "vllm.models.deepseek_v32", "glm5": "vllm.models.deepseek_v32"}
+
+
+class _follow:
+    """``_source.FOLLOW`` extended with the model's extra packages (``_paths.FOLLOW_BY_MODEL``)
+    while its scope is read and its rows are decided; the V4/V4.1 scopes are unchanged."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.extra = tuple(_paths.FOLLOW_BY_MODEL.get(model, ()))
+
+    def __enter__(self):
+        self.saved, self.saved_model = _source.FOLLOW, _paths.CURRENT_MODEL
+        _source.FOLLOW = self.saved + tuple(x for x in self.extra if x not in self.saved)
+        _paths.CURRENT_MODEL = self.model
+
+    def __exit__(self, *exc):
+        _source.FOLLOW, _paths.CURRENT_MODEL = self.saved, self.saved_model
 # Methods reached by calling the class or an instance, not by name.
 _CLASS_ENTRY = ("__call__", "__init__")
 
@@ -111,9 +130,10 @@ class Audit:
         _source.EXCLUDE_PARTS = saved + tuple(x for x in _paths.EXTRA_PATH_PARTS if x not in extra) + \
             tuple(_paths.OFF_PATH_MODULES)
         try:
-            roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + list(_paths.SHARED_ROOTS) + \
-                [m for m, _ in self.root_classes(model, path)]
-            return _source.closure(roots, self.libs)
+            with _follow(model):
+                roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + \
+                    list(_paths.shared_roots(model)) + [m for m, _ in self.root_classes(model, path)]
+                return _source.closure(roots, self.libs)
         finally:
             _source.EXCLUDE_PARTS = saved
 
@@ -125,8 +145,10 @@ class Audit:
         if not roots:
             return None, {}, f"no registry class found for {model}/{path}"
         graph = _reach.Graph({n: (i.path, os.path.basename(i.path) == "__init__.py") for n, i in mods.items()})
-        return graph, graph.reached(roots), " + ".join(f"{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}:{c}"
-                                                     for m, c in roots)
+        names = " + ".join(f"{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}:{c}" for m, c in roots)
+        # the classes the attention-backend selector instantiates (by class path, not by name)
+        roots = roots + [n for n in _paths.EXTRA_ROOT_NODES.get(model, ()) if n[0] in mods]
+        return graph, graph.reached(roots, _paths.reach_cuts(model)), names
 
     def kernels(self, mods: Dict[str, _source.ModuleIndex]) -> Dict[Tuple[str, str], Any]:
         out = {}
@@ -280,8 +302,13 @@ class Audit:
         users = [u for u in refs.get(short, ()) if u is not f]
         if not users:
             return ""
-        why = [(f"{short} is referenced only {u.gated[short]}" if short in u.gated and short not in u.live
-                else self.unreached(u, refs, gated, unbuilt, depth + 1, seen)) for u in users]
+        # a function registered as a custom op is referenced as torch.ops.vllm.<op name>
+        keys = [short] + sorted(op for op, fn in getattr(self, "_ops", {}).items() if fn == short and op != short)
+
+        def gated_in(u):
+            return next((f"{k} is referenced only {u.gated[k]}" for k in keys if k in u.gated and k not in u.live), "")
+
+        why = [gated_in(u) or self.unreached(u, refs, gated, unbuilt, depth + 1, seen) for u in users]
         return "; ".join(sorted(set(why))) if all(why) else ""
 
     def rows_for(self, model: str, path: str, mods, objs, compiled) -> List[dict]:
@@ -589,12 +616,16 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
         for r in idx.registrations:
             regs.setdefault((r.kernel_module, r.kernel), []).append(r)
     t1 = time.time()
-    compiled = {m: audit.compile_triton(objs, regs, m) for m in models}
+    # each model compiles the kernels of its own scopes (the warmup keys depend on its config)
+    in_model = {m: {k for (mm, _p), s in scopes.items() if mm == m for k in s} for m in models}
+    compiled = {m: audit.compile_triton({k: o for k, o in objs.items() if k[0] in in_model[m]} if not modules
+                                        else objs, regs, m) for m in models}
     t2 = time.time()
     rows = []
     for (m, path), mods in scopes.items():
         local = {k: o for k, o in objs.items() if k[0] in mods}
-        got = audit.rows_for(m, path, mods, local, compiled[m])
+        with _follow(m):
+            got = audit.rows_for(m, path, mods, local, compiled[m])
         if path != "default":
             base = {(r["kernel"], r["phase"], r["location"]) for r in rows if r["model"] == m and r["path"] == "default"}
             got = [r for r in got if (r["kernel"], r["phase"], r["location"]) not in base]
