@@ -19,6 +19,11 @@ LAUNCHES_KERNELS_OF = {
     "sparse_mla_decode": ("sparse_mla_split", "merge_splits"),  # split + merge
     "merge_splits_out": ("merge_splits",),  # the merge kernel, writing into a given out
     "sparse_mla_decode_out": ("sparse_mla_split", "merge_splits"),
+    # the V3.2 launchers: gather into a workspace, split-KV + the V4 merge
+    "v32_kv_gather_into": ("v32_kv_gather",),
+    "v32_sparse_mla_decode": ("v32_sparse_mla_decode", "merge_splits"),
+    "v32_sparse_mla_decode_out": ("v32_sparse_mla_decode", "merge_splits"),
+    "v32_sparse_mla_prefill_out": ("v32_sparse_mla_prefill", "merge_splits"),
 }
 
 

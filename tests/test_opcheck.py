@@ -250,6 +250,24 @@ def _engram_lookup(device) -> Cases:
             ("sorted", _to(device, weight, scales, sorted_ids, out_bf16.clone(), *common, sorted_dst))]
 
 
+def _sparse_mla_prefill(device) -> Cases:
+    """dsv4_ampere::sparse_mla_prefill (writes out, returns lse): with and without
+    topk_length / sink, -1 and >= N indices, an empty batch."""
+    cases = []
+    for T, H, with_len, with_sink in ((3, 8, True, True), (2, 24, False, False), (0, 8, True, True)):
+        g = rng(100 + T + H)
+        n, k = 40, 30
+        q = torch.randn(max(T, 1), H, D, generator=g).to(torch.bfloat16)[:T]
+        kv = torch.randn(n, D, generator=g).to(torch.bfloat16)
+        idx = torch.randint(-1, n + 2, (T, k), generator=g, dtype=torch.int32)
+        lens = torch.randint(0, k + 1, (T,), generator=g, dtype=torch.int32)
+        sink = torch.randn(H, generator=g)
+        args = (q, kv, idx, lens if with_len else None, sink if with_sink else None, SM_SCALE,
+                torch.zeros(T, H, D, dtype=torch.bfloat16))
+        cases.append((f"T{T}-H{H}", _to(device, *args)))
+    return cases
+
+
 SAMPLES: Dict[str, Callable[[str], Cases]] = {
     "e4m3_decode": _e4m3_decode,
     "e4m3_encode": _e4m3_encode,
@@ -269,7 +287,12 @@ SAMPLES: Dict[str, Callable[[str], Cases]] = {
     "mqa_logits": _mqa_logits,
     "paged_mqa_logits": _paged_mqa_logits,
     "engram_lookup": _engram_lookup,
+    "sparse_mla_prefill": _sparse_mla_prefill,
 }
+# the V3.2 / GLM-5 ops' factories live beside their tests (tests/ is on sys.path)
+from test_v32_ops import V32_OPCHECK_SAMPLES  # noqa: E402
+
+SAMPLES.update(V32_OPCHECK_SAMPLES)
 
 
 def test_every_registered_op_has_samples():
