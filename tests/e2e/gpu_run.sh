@@ -3,7 +3,7 @@
 # wheels the image lacks travel in the ignored folder .e2e_bundle/ (built on the CPU machine by
 # tests/e2e/make_bundle.sh; never committed), then the GPU test of tests/e2e/test_e2e.py runs the
 # driver with every tensor on CUDA and the plugin's portable kernels. Writes under $OUT.
-#   usage: bash tests/e2e/gpu_run.sh            (carry .e2e_bundle)
+#   usage: bash tests/e2e/gpu_run.sh            (carry .e2e_bundle; E2E_K: a pytest -k filter, E2E_TIMEOUT)
 set -u -o pipefail
 B=.e2e_bundle
 OUT="${OUT:-/tmp/dsv4_out}"
@@ -13,4 +13,4 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 |
 python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
 export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm PYTHONUNBUFFERED=1
 export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_REPORT_DIR="$OUT"
-timeout "${E2E_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider tests/e2e/test_e2e.py -m gpu 2>&1 | tail -40
+timeout "${E2E_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider tests/e2e/test_e2e.py -m gpu ${E2E_K:+-k "$E2E_K"} 2>&1 | tail -40
