@@ -369,3 +369,16 @@ def test_kv_rows_refuses_a_block_stride_that_is_not_whole_rows():
 
 def test_layout_constants_agree_with_the_backend():
     assert layout.V32_HEAD_DIM_QK == v32_backend.HEAD_SIZE and layout.V32_HEAD_DIM_V == v32_backend.KV_LORA_RANK
+
+
+def test_the_impl_accepts_what_mla_attention_passes_it():
+    """register() checks that the keywords MLAAttention.__init__ passes to impl_cls(...) (read
+    from vLLM's source) bind to the backend's impl; a narrower impl is caught."""
+    impl = v32_backend.AmpereSparseMLAImpl
+    assert v32_backend.impl_call_mismatch(impl) == ""
+
+    class Narrow(impl):
+        def __init__(self, num_heads, head_size, scale, kv_cache_dtype):
+            raise AssertionError
+
+    assert "unexpected keyword" in v32_backend.impl_call_mismatch(Narrow)

@@ -302,6 +302,38 @@ def check_registration(error, cuda: Optional[bool] = None) -> None:
     want = ("self", "q", "kv_cache", "topk_indices", "valid_counts", "layer", "block_size", "is_decode")
     if got != want:
         raise error(f"SparseMLACommonImpl._forward_mqa_kernel has parameters {got}; {BACKEND_NAME} implements {want}")
+    unbound = impl_call_mismatch(impl)
+    if unbound:
+        raise error(f"MLAAttention builds its impl with {unbound}, which {BACKEND_NAME}'s impl (and vLLM's "
+                    "SparseMLACommonImpl under it) does not accept")
+
+
+def impl_call_mismatch(impl) -> str:
+    """'' when the keywords MLAAttention.__init__ passes to ``impl_cls(...)`` (read from its source)
+    bind to ``impl.__init__`` and, minus the ones it consumes, to SparseMLACommonImpl.__init__;
+    else what does not bind."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(MLAAttention.__init__)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "impl_cls"]
+    if len(calls) != 1 or calls[0].args:
+        return f"{len(calls)} impl_cls(...) calls (expected one, keywords only)"
+    names = [k.arg for k in calls[0].keywords if k.arg]
+    extra = [k for k in calls[0].keywords if k.arg is None]  # **extra_impl_args
+    # what **extra_impl_args carries for a sparse layer (mla_attention.py: topk_indices_buffer, index_group_builder)
+    kwargs = dict.fromkeys(names + (["topk_indices_buffer", "index_group_builder"] if extra else []))
+    try:
+        inspect.signature(impl.__init__).bind(None, **kwargs)
+        base = {k: v for k, v in kwargs.items() if k not in ("topk_indices_buffer", "indexer")}
+        inspect.signature(impl.__mro__[1].__init__).bind(None, **base, indexer=None, topk_indices_buffer=None)
+    except TypeError as exc:
+        return f"keywords {sorted(kwargs)} ({exc})"
+    return ""
 
 
 def missing_ops() -> List[str]:
