@@ -47,6 +47,11 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
         platform_spoof.cpu_vllm_streams()
     report = dict(model=family, device=device, cache_dtype=cache_dtype,
                   model_class=v32_pkg.DeepseekV32ForCausalLM.__module__)
+    # dead on sm_80 per the audit of these models (its dead rows), fp8 Triton launches, replaced
+    # originals still bound: raise the moment the run reaches one
+    import tripwire
+    from dsv4_ops.vllm import plugin as _plugin
+    report["tripwire"] = tripwire.install(family, _plugin.STATE.originals, models=("v32", "glm5"))
     ckpt = v32_checkpoint.write(family)
     cfg = dict(architectures=[v32_checkpoint.FAMILIES[family][1]])
     b = build.build(cfg, device, model_dir=ckpt, cache_dtype=cache_dtype)
@@ -100,6 +105,8 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
     report["mqa"] = mqa.results
     report["ops_called"] = dict(counters.OPS)
+    report["tripped"] = list(tripwire.TRIPPED)
+    report["triton_launches"] = dict(tripwire.LAUNCHES)
     import standins
     report["standin_calls"] = dict(standins.CALLS)
     report["impl_classes"] = sorted({type(l.self_attn.impl).__module__ + "." + type(l.self_attn.impl).__name__

@@ -79,3 +79,12 @@ def test_the_plugin_ops_ran(report):
     ops = report["ops_called"]
     for op in ("v32_kv_insert", "v32_sparse_mla_decode", "indexer_k_insert", "mqa_logits", "paged_mqa_logits"):
         assert ops.get(op, 0) > 0, ops
+
+
+def test_no_dead_kernel_ran(report):
+    """The tripwire (tests/e2e/tripwire.py) from `dsv4-ops audit-vllm --model v32 / glm5`'s dead
+    rows was armed for the whole run and nothing tripped it; the kernels vLLM launched ran."""
+    wire = report["tripwire"]
+    assert wire["dead_rows"] > 0 and wire["originals"], wire
+    assert report["tripped"] == [], report["tripped"]
+    assert sum(report["triton_launches"].values()) > 0, report["triton_launches"]

@@ -133,17 +133,19 @@ def install_libraries(dead_rows) -> List[str]:
     return hits
 
 
-def install(model: str, originals: Dict) -> dict:
-    """Install every wire; returns what was wired (for the report)."""
+def install(model: str, originals: Dict, models=None) -> dict:
+    """Install every wire; returns what was wired (for the report). models: the audit run whose
+    rows are read (default audit.MODELS, i.e. V4 + V4.1; V3.2 / GLM-5: ("v32", "glm5"))."""
     import os
 
     from dsv4_ops.vllm import audit
 
+    models = tuple(models or audit.MODELS)
     # the H200 has no vLLM install for the audit's own subprocess: it reads the CPU machine's
     # audit JSON (`dsv4-ops audit-vllm --model both --json`), the same evidence
-    path = os.environ.get("DSV4_E2E_AUDIT_JSON")
-    # both models: the same cache entry as `dsv4-ops audit-vllm --model both` and its CI test
-    res = audit.run(models=audit.MODELS, cache=path) if path else audit.run(models=audit.MODELS)
+    path = os.environ.get("DSV4_E2E_AUDIT_JSON") if models == tuple(audit.MODELS) else None
+    # the same cache entry as `dsv4-ops audit-vllm` for those models and its CI test
+    res = audit.run(models=models, cache=path) if path else audit.run(models=models)
     dead = [r for r in res.rows if r.status == "dead" and r.model == model]
     dead_triton = {r.kernel for r in dead if r.tech == "Triton"}
     install_triton(dead_triton)
