@@ -200,25 +200,33 @@ def v32_kv_gather(kv_cache: torch.Tensor, slots: torch.Tensor, out: Optional[tor
 # ---- sparse attention ----
 
 
-def form_for(aligned: bool, form: Optional[str] = None) -> str:
+def auto_form(fp8: bool, H: int) -> str:
+    """auto's form, from benchmarks/results/v32_{decode,prefill}.md (H200, portable,
+    mma.sync): over fp8 records w128 was faster or equal at every decode shape measured
+    (T = 1: 20.6 vs 27.9 us at H = 128, equal at H = 16; T = 16, H = 128: 314 vs 609 us; T = 64,
+    H = 16: 264 vs 332 us); over bf16 rows (prefill, T = 1024) w64 won at H = 16 (1009 vs 2034 us)
+    and w128 at H = 128 (8753 vs 13154 us)."""
+    return "w128" if fp8 or H > 16 else "w64"
+
+
+def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int = 16) -> str:
     """The kernel form: 'w64' (9 chunks of 64 dims) or 'w128' (4 tiles of 128 + the 64 RoPE
     dims; aligned records only). form / env DSV4_AMPERE_V32_FORM: w64 | w128 | auto (None:
-    the env, default auto). auto: AUTO_FORM when aligned, else w64."""
+    the env, default auto). auto: auto_form(fp8, H) when aligned; unaligned records: w64."""
     f = form or os.environ.get(FORM_ENV, "auto")
     if f not in ("auto",) + _ak.FORMS:
         raise ValueError(f"{FORM_ENV} / form: expected auto, w64 or w128, got {f!r}")
     if f == "auto":
-        f = AUTO_FORM
+        f = auto_form(fp8, H)
     return f if aligned else "w64"
 
 
-AUTO_FORM = "w64"  # until benchmarks/bench_v32.py has measured both forms on a GPU
-
-
-# Programs aimed at per SM when T * groups alone do not fill the SMs: 1, what the DSv4 v3 decode
-# (the same structure over 584-byte records) measured best at every T on the H200
-# (dsv4_ops.decode_plan.V3_PROGRAMS_PER_SM); bench_v32.py sweeps the split count beside it.
-PROGRAMS_PER_SM = 1
+# One wave of programs: every attention config holds 45-65K registers a program (8 warps x
+# 166-255 registers), so one program an SM is resident, and a split count that spills T * G *
+# S past the SM count runs a second wave. Measured (benchmarks/results/v32_decode.md, H200,
+# 132 SMs): the fastest split count of the sweep was floor(SMs / (T * G)) at all 5 shapes that
+# split (64, 32~33, 8, 2, 2); the ceil that the first heuristic took was up to 1.9x slower
+# (T = 16, H = 16: 9 splits 82-94 us, 8 splits 44-48 us).
 
 
 def _config(form: str, bh: int) -> dict:
@@ -227,15 +235,16 @@ def _config(form: str, bh: int) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def num_splits_for(T: int, H: int, K: int, sms: int, form: str = "w64") -> int:
-    """Split count from static shapes: 1 when T * groups programs fill the SMs, else enough
-    splits for PROGRAMS_PER_SM programs an SM, at most one key block a split and MAX_SPLITS."""
+    """Split count from static shapes: 1 when T * groups programs fill the SMs, else the most
+    splits that still fit one wave (floor(sms / (T * groups))), at most one key block a split
+    and MAX_SPLITS."""
     bh = _ak.block_h_for(H)
     groups = -(-H // bh)
     nb = max(1, -(-K // _config(form, bh)["BLOCK_N"]))
     base = max(1, T * groups)
     if base >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, nb, -(-PROGRAMS_PER_SM * sms // base)))
+    return max(1, min(MAX_SPLITS, nb, sms // base))
 
 
 def _sms(t: torch.Tensor) -> int:
@@ -321,7 +330,7 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
     bs, s_blk, s_rec, cap = geom
     indices, topk_length = _norm_idx(indices, topk_length, cap, K)
     variant = variant or variant_for(q)
-    form = form_for(_aligned(src, fp8, s_blk, s_rec), form)
+    form = form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H)
     bh = _ak.block_h_for(H)
     cfg = _config(form, bh)
     G = -(-H // bh)

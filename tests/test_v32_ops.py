@@ -127,6 +127,13 @@ def gpu_case(*args):
 # ---- layout ----
 
 
+def test_split_count_fits_one_wave():
+    for T, H, want in ((1, 16, 64), (1, 128, 33), (16, 16, 8), (16, 128, 2), (64, 16, 2), (64, 128, 1), (128, 16, 1)):
+        s = v32.num_splits_for(T, H, 2048, 132)
+        assert s == want, (T, H, s)
+        assert T * -(-H // (16 if H <= 16 else 32)) * s <= 132 or s == 1
+
+
 def test_layout_constants():
     assert L.V32_RECORD_BYTES == 512 + 4 * 4 + 2 * 64 == 656
     assert (L.V32_SCALE_OFFSET, L.V32_ROPE_OFFSET) == (512, 528)
@@ -339,7 +346,9 @@ def test_decode_int64_indices_out_of_range_never_wrap(interpret):
 
 def test_form_choice_and_unaligned_records_fall_back_to_w64(interpret, monkeypatch):
     assert v32.form_for(True, "w128") == "w128" and v32.form_for(False, "w128") == "w64"
-    assert v32.form_for(True, "w64") == "w64" and v32.form_for(True, "auto") == v32.AUTO_FORM
+    assert v32.form_for(True, "w64") == "w64"
+    assert v32.form_for(True, "auto", True, 16) == "w128" and v32.form_for(True, "auto", False, 16) == "w64"
+    assert v32.form_for(True, "auto", False, 128) == "w128" and v32.form_for(False, "auto", True, 128) == "w64"
     monkeypatch.setenv(v32.FORM_ENV, "w128")
     assert v32.form_for(True) == "w128"
     monkeypatch.setenv(v32.FORM_ENV, "w256")
