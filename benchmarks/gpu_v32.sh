@@ -3,7 +3,10 @@
 # GPU tests of tests/test_v32_ops.py (portable variant: what sm_8x runs), bench_v32.py, then
 # compute-sanitizer memcheck of tests/memcheck_v32.py with whatever time is left.
 # Everything is written straight into $OUT (8 files at most), so a timeout still returns logs.
-#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT1 (35), TEST_TIMEOUT2 (40), BENCH_TIMEOUT (50), MEMCHECK_TIMEOUT (12)
+# Measured (H200, 2026-12-01): install 12 s; in 150 s the first run got through 17 GPU tests and
+# 5 of 8 decode shapes. A complete run needs ~6 min: pass a larger limit, or PYTEST_ARGS="-n 4"
+# (pytest-xdist is installed there) to compile in parallel.
+#   usage: bash benchmarks/gpu_v32.sh       env: TEST_TIMEOUT1 (35), TEST_TIMEOUT2 (40), BENCH_TIMEOUT (50), MEMCHECK_TIMEOUT (12), PYTEST_ARGS
 set -u -o pipefail
 OUT="${OUT:-/tmp/v32_out}"
 mkdir -p "$OUT/results"
@@ -18,10 +21,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 echo "install done $(el)" >> "$S"
 
 # the cheap, broad checks first (insert, graphs, compile, opcheck, corner cases), then FlashMLA's cases
-timeout "${TEST_TIMEOUT1:-35}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider \
+timeout "${TEST_TIMEOUT1:-35}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
   -k "not native and not test_gpu_flashmla_cases" > "$OUT/pytest.log" 2>&1
 echo "pytest(1) rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
-timeout "${TEST_TIMEOUT2:-40}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider \
+timeout "${TEST_TIMEOUT2:-40}" python3 -m pytest tests/test_v32_ops.py -v --tb=short -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
   -k "not native and test_gpu_flashmla_cases" >> "$OUT/pytest.log" 2>&1
 echo "pytest(2) rc=$? $(tail -1 "$OUT/pytest.log") $(el)" >> "$S"
 
