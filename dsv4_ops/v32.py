@@ -10,7 +10,7 @@ Ops (``torch.ops.dsv4_ampere.*``, registered by registration/v32_ops.py):
   v32_sparse_mla_prefill(q, kv, indices, topk_length, sm_scale) -> (out, lse)
   v32_sparse_mla_prefill_out(..., out) -> lse
 
-Layouts: dsv4_ops.layout (V3.2 section). References: dsv4_ops.v32_reference (the oracle of
+Layouts: dsv4_ops.layout (V3.2 section). References: dsv4_ops.reference, V3.2 section (the oracle of
 every test). Shapes: T tokens, H heads, K key positions a token, N rows.
 
 Agreement with vLLM 0.33.0's writer (``concat_and_cache_mla(..., "fp8_ds_mla", scale)`` ->

@@ -2,13 +2,13 @@
 bf16 auto cache; sparse MLA with d_qk 576, d_v 512, no sink).
 
 CUDA runs the Triton launchers (dsv4_ops.v32); the CPU runs the pure-PyTorch references
-(dsv4_ops.v32_reference) after the launchers' argument checks; the fakes allocate exactly
+(dsv4_ops.reference) after the launchers' argument checks; the fakes allocate exactly
 what the launchers return.
 """
 
 import torch
 
-from dsv4_ops import layout, v32, v32_reference as ref
+from dsv4_ops import layout, reference as ref, v32
 from .library import OpDef
 
 QK = layout.V32_HEAD_DIM_QK

@@ -22,7 +22,7 @@ if DEV == "cpu":
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import v32  # noqa: E402
-from dsv4_ops import v32_reference as R  # noqa: E402
+from dsv4_ops import reference as R  # noqa: E402
 
 QK = 576
 QDT = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 tl.dot is wrong

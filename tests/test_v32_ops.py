@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 / GLM-5 MLA ops (dsv4_ops.v32): the 656-byte fp8_ds_mla cache (+ bf16 auto)
 and sparse MLA with d_qk 576, d_v 512, no sink.
 
-- The references (dsv4_ops.v32_reference) against independent formulations (a per-row
+- The references (dsv4_ops.reference, V3.2 section) against independent formulations (a per-row
   float64 loop; the exponent rule over every bf16 amax).
 - Insert / gather kernels bit for bit against the vLLM-semantics torch writer (CPU through
   the Triton interpreter, which is faithful for integer bit work and fp8 decode; GPU).
@@ -21,7 +21,7 @@ import torch
 
 from dsv4_ops import layout as L
 from dsv4_ops import v32
-from dsv4_ops import v32_reference as R
+from dsv4_ops import reference as R
 from dsv4_ops.testing import HAS_GPU, assert_attention_close, poison_like, rng
 
 QK, DV = L.V32_HEAD_DIM_QK, L.V32_HEAD_DIM_V

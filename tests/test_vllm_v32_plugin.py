@@ -5,7 +5,7 @@ The selector tests run vLLM 0.33.0's ``CudaPlatform.get_attn_backend_cls`` with 
 answering as sm_80 (no GPU here): without the override it finds no valid backend, with it our
 class. The numerics compare the replacements with vLLM's own torch RoPE
 (``RotaryEmbedding.forward_static``) and with float64 formulations, and the backend's kernel
-step with part B's V3.2 references (``dsv4_ops.v32_reference``) or its ops when registered.
+step with part B's V3.2 references (``dsv4_ops.reference``) or its ops when registered.
 """
 
 import sys
@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="needs vllm==0.33.0")
 sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
 
 from dsv4_ops import layout  # noqa: E402
-from dsv4_ops import v32_reference as R  # noqa: E402
+from dsv4_ops import reference as R  # noqa: E402
 from dsv4_ops.registration import op_exists  # noqa: E402
 from dsv4_ops.vllm import plugin as vp  # noqa: E402
 from dsv4_ops.vllm import table, v32_backend, v32_model  # noqa: E402
