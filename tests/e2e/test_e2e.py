@@ -94,6 +94,7 @@ REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activation
 
 def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
     tag = "_private_graphs" if env.get("DSV4_AMPERE_DECODE_GRAPHS") == "1" else ""
+    tag += f"_{env['DSV4_AMPERE_DECODE_KERNEL']}" if env.get("DSV4_AMPERE_DECODE_KERNEL") else ""
     out = tmp_path / f"e2e_{model}_{device}{tag}.json"
     if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
         import pathlib
@@ -213,6 +214,19 @@ REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_ma
                  test_indexer_choice_is_the_oracles, test_every_moe_matches_the_oracle,
                  test_first_layer_mhc_matches_the_oracle, test_logits_match_the_oracle,
                  test_every_plugin_row_on_the_path_ran, test_no_dead_kernel_ran_and_the_tripwire_fires)
+
+
+def test_decode_v3_inside_vllms_forward(tmp_path):
+    """The fused v3 decode (records read by slot in the attention kernel) is what auto picks at
+    H <= 16 and K = 640; the tiny model's K (24) keeps auto on the workspace step, so this run
+    forces it (DSV4_AMPERE_DECODE_KERNEL=v3) through vLLM's own V4.1 forward: every attention
+    row must still match the oracle, and no decode may have taken the workspace gather."""
+    proc, rep = run_driver(tmp_path, model="v41", DSV4_AMPERE_DECODE_KERNEL="v3")
+    assert proc.returncode == 0 and rep is not None, proc.stderr[-6000:]
+    assert rep["ops_called"].get("dsv4_decode_fused_out", 0) > 0, rep["ops_called"]
+    assert "dsv4_decode_gather" not in rep["ops_called"], rep["ops_called"]
+    test_every_attention_layer_matches_the_oracle(rep)
+    test_logits_match_the_oracle(rep)
 
 
 @pytest.mark.gpu
