@@ -13,8 +13,10 @@ alignment hints (tl.multiple_of) the gathered rows become cp.async copies into s
 IDX_AHEAD = False loads a block's indices in its own iteration, which makes the gather an
 indirect load and leaves the pipeliner one key buffer (load, then wait, then compute);
 IDX_AHEAD = True carries the next index block across iterations so NUM_STAGES - 1 key blocks
-are in flight. (A register prefetch of the next block's key rows was measured 1.8-2.3x slower
-than the pipeliner on the H200 and removed: benchmarks/results/sparse_prefill.md, "pf" rows.)
+are in flight. ``_sparse_mla_prefill_splitd_kernel`` is the same attention with the chunks
+on the leading axis of 3-D dots, one chunk a warp (its comment block says why). (A register
+prefetch of the next block's key rows was measured 1.8-2.3x slower than the pipeliner on the
+H200 and removed: benchmarks/results/sparse_prefill.md of commit 338b453, "pf" rows.)
 
 Semantics (= dsv4_ops.reference.ref_sparse_mla_decode): positions j < min(topk_length[t], K)
 with 0 <= indices[t, j] < N are the valid keys; scores (q . k) * sm_scale with fp32
@@ -142,41 +144,144 @@ def _sparse_mla_prefill_kernel(
     tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
 
 
+# The split-d variant: the same arithmetic with the 512 latent dims as SPLIT chunks on a
+# leading batch axis of 3-D tl.dots. Triton's mma layout for a batched dot puts the warps on
+# the batch axis (TTGIR: warpsPerCTA [num_warps, 1, 1]), so with num_warps == SPLIT each warp
+# owns one d-chunk of q, of the key block and of the accumulator: the partial scores of its
+# chunk (q_c k_c^T, no MMA recomputed or replicated), one cross-warp sum (tl.sum over the
+# chunk axis, through shared memory) to the full scores, softmax on every warp, then p @ v_c
+# into its own chunk of the output. The 2-D kernel above instead spreads the key columns of
+# every dot over the warps (warpsPerCTA [1, num_warps]), so every warp reads all of q from
+# shared memory each block, and a block narrower than 8 x num_warps keys runs each score MMA
+# on 2-4 warps at once.
+
+@triton.jit(do_not_specialize=["H", "K", "N", "G"])
+def _sparse_mla_prefill_splitd_kernel(
+    q_ptr, kv_ptr, indices_ptr, topk_length_ptr, sink_ptr, o_ptr, lse_ptr,
+    H, K, N, G, sm_scale,
+    stride_q_t, stride_q_h, stride_kv_n, stride_indices_t, stride_o_t, stride_o_h,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_AHEAD: tl.constexpr,
+    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """_sparse_mla_prefill_kernel's arguments and semantics, the latent as SPLIT chunks of
+    512 // SPLIT dims (launched with num_warps == SPLIT: one chunk a warp)."""
+    C: tl.constexpr = 512 // SPLIT
+    stride_q_t = tl.multiple_of(stride_q_t, 8)
+    stride_q_h = tl.multiple_of(stride_q_h, 8)
+    stride_kv_n = tl.multiple_of(stride_kv_n, 8)
+    stride_o_t = tl.multiple_of(stride_o_t, 8)
+    stride_o_h = tl.multiple_of(stride_o_h, 8)
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_t = (pid // G).to(tl.int64)
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_s = tl.arange(0, SPLIT)
+    o_c = tl.arange(0, C)
+    p_q = (tl.multiple_of(q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h, 16)[None, :, None]
+           + (o_s * C)[:, None, None] + o_c[None, None, :])
+    b_q = tl.load(p_q, mask=m_h[None, :, None], other=0.0)  # [SPLIT, BLOCK_H, C]
+
+    k_len = K
+    if HAS_TOPK_LENGTH:
+        k_len = tl.minimum(tl.maximum(tl.load(topk_length_ptr + pid_t), 0), K)
+    n_blocks = (k_len + BLOCK_N - 1) // BLOCK_N
+
+    qk_scale = sm_scale * 1.4426950408889634
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([SPLIT, BLOCK_H, C], dtype=tl.float32)  # chunk-major accumulator
+    p_idx = indices_ptr + pid_t * stride_indices_t
+    o_b = tl.arange(0, BLOCK_N)
+    if IDX_AHEAD:
+        b_idx_n = tl.load(p_idx + o_b, mask=o_b < k_len, other=-1)
+    for blk in tl.range(0, n_blocks, num_stages=NUM_STAGES):
+        if IDX_AHEAD:
+            b_idx = b_idx_n
+            o_n1 = (blk + 1) * BLOCK_N + o_b
+            b_idx_n = tl.load(p_idx + o_n1, mask=o_n1 < k_len, other=-1)
+        else:
+            o_n = blk * BLOCK_N + o_b
+            b_idx = tl.load(p_idx + o_n, mask=o_n < k_len, other=-1)
+        m_n = (b_idx >= 0) & (b_idx < N)
+        p_row = tl.multiple_of(kv_ptr + tl.where(m_n, b_idx, 0).to(tl.int64) * stride_kv_n, 16)
+        p_kv = p_row[None, :, None] + (o_s * C)[:, None, None] + o_c[None, None, :]
+        b_k = tl.load(p_kv, mask=m_n[None, :, None], other=0.0)  # [SPLIT, BLOCK_N, C]
+        b_sp = tl.dot(b_q, tl.trans(b_k, (0, 2, 1)))  # [SPLIT, BLOCK_H, BLOCK_N] partial scores
+        b_s = tl.sum(b_sp, 0)  # [BLOCK_H, BLOCK_N]: the cross-warp sum over the chunks
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        # every chunk's p @ v_c takes the same p (broadcast on the chunk axis, no copy in memory)
+        b_p3 = tl.broadcast_to(b_p.to(b_k.dtype)[None, :, :], (SPLIT, BLOCK_H, BLOCK_N))
+        b_acc = tl.dot(b_p3, b_k, b_acc * b_alpha[None, :, None])
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe
+    if HAS_SINK:
+        b_sink = tl.load(sink_ptr + o_h, mask=m_h, other=float("-inf")).to(tl.float32)
+        b_sink = tl.where(b_sink == b_sink, b_sink, float("-inf"))
+        b_max = tl.maximum(b_lse, b_sink)
+        b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_den = tl.exp(b_lse - b_max_safe) + tl.exp(b_sink - b_max_safe)
+        b_tot = tl.where(b_den > 0.0, b_max_safe + tl.log(tl.where(b_den > 0.0, b_den, 1.0)), float("-inf"))
+        b_scale = tl.where(has_key, tl.exp(b_lse - tl.where(has_key, b_tot, 0.0)) / b_l_safe, 0.0)
+        b_lse = b_tot
+    row_o = pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h
+    p_o = tl.multiple_of(o_ptr + row_o, 16)[None, :, None] + (o_s * C)[:, None, None] + o_c[None, None, :]
+    ty = o_ptr.dtype.element_ty
+    tl.store(p_o, (b_acc * b_scale[None, :, None]).to(ty), mask=m_h[None, :, None])
+    tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+
 # Launch configs per head-group size (BLOCK_H), as plain data. CANDIDATES: every config the
 # benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80 and sm_86 and
 # within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
-# the one the launcher runs (measured, below).
-# Registers (sm_80, triton 3.8 AOT): bh16 x bn32 w4 128, bn16 w4 128, bn64 w4 184, bn16 w4 s3 ia
-# 148, bn32 w4 s3 ia 185, bn32 w8 s3 ia 128; bh32 x bn16 w8 150, bn32 w8 170, bn16 w4 224, bn16 w4
-# s3/s4 ia 226, bn16 w8 s4 ia 150; bh64 x bn16 w8 241, bn16 w8 s3 ia 239 (100352 B of smem).
-# The IDX_AHEAD ("ia") configs are NOT measured yet (added after the H200 run); the first three
-# of each group were. Probed and rejected: bh64 at 16 warps (32 B spilled), bh64 x bn32 and bh32
-# x bn64 (102.5 KB of shared memory > sm_86's 99 KB). Without the 16-byte alignment hints
-# (multiple_of) every load was a 2-byte ld.global and nothing but the indices was pipelined.
-# The kernel holds no fp8: both variants share these.
+# the one the launcher runs (measured, below). "IDX_AHEAD": the index block loop-carried (the
+# kernel doc); "SPLIT": the split-d kernel with that many chunks (num_warps == SPLIT).
+# Registers / shared memory (sm_80, triton 3.8 AOT, topk_length and sink):
+#   bh16: bn64 w4 s2 184 / 84 KB; bn64 w4 s2 ia 190; bn32 w4 s3 ia 185 / 81 KB;
+#         split4 bn32 w4 s3 ia 226 / 82 KB; split4 bn16 w4 s4 ia 168 / 66 KB
+#   bh32: bn16 w4 s2 224 / 49 KB; bn16 w4 s4 ia 226 / 81 KB; bn32 w4 s2 255 / 66 KB;
+#         bn32 w4 s3 ia 255 / 98 KB; split4 bn16 w4 s3 ia 250 / 66 KB; split4 bn16 w4 s4 ia 250 / 82 KB;
+#         split8 bn32 w8 s3 ia 214 / 96 KB
+#   bh64: bn16 w8 s3 ia 239 / 98 KB; split8 bn16 w8 s3 ia 252 / 96 KB
+# Probed and rejected (AOT): bh64 at 16 warps (spills), bh64 x bn32 / bn64 and bh32 x bn64 (over
+# sm_86's 99 KB), split4 bh32 x bn32 and bh16 x bn64 (224 / 600 B spilled), 2-D bh16 bn64 w8
+# (8 B spilled). 2-D blocks narrower than 8 x num_warps keys (bh32 bn16 w4, bh64 bn16 w8)
+# replicate the score MMAs over 2-4 warps (warpsPerCTA [1, num_warps]); kept as the measured
+# baselines. Without the 16-byte alignment hints (multiple_of) every load was a 2-byte
+# ld.global and nothing but the indices was pipelined. The kernels hold no fp8: both variants
+# share these.
 CANDIDATES = {
-    16: ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
-         {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+    16: ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "IDX_AHEAD": True},
          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True}),
-    32: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 4},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4}),
+    32: ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
          {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 4, "IDX_AHEAD": True}),
-    64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3},
-         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True}),
+         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 4},
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4},
+         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
+    64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True},
+         {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
 }
 # Measured (H200, portable, DISABLE_MMA_V3=1 so every dot is mma.sync as on sm_80; s_q 4096,
-# K 640; benchmarks/results/sparse_prefill.md): the fastest per head group, bh16 #2 (553 us at
-# H = 8 vs 686 for #0) and bh32 #2 (3358 us at H = 64 vs 3813 for #1). The 64-row groups lose
-# to two 32-row groups under mma.sync (5116-5253 us at H = 64), so H > 32 runs 32-row groups;
-# they win only with Hopper's wgmma (2922 us, sparse_prefill_wgmma.md), which sm_8x lacks.
-PREFILL_CONFIG = {16: CANDIDATES[16][2], 32: CANDIDATES[32][2]}
+# K 640; benchmarks/results/sparse_prefill.md, commit 5c4472f): the fastest per head group of
+# that run, bh16 bn64 w4 s2 (553 us at H = 8) and bh32 bn16 w4 s2 (3358 us at H = 64, two
+# 32-row groups); 64-row groups lost under mma.sync (5116-5253 us) and won only with Hopper's
+# wgmma (2922 us, sparse_prefill_wgmma.md), which sm_8x lacks. The IDX_AHEAD and split-d
+# configs are not measured yet.
+PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0]}
 # The head group each H runs with: the smallest listed BLOCK_H >= H, else the last (H = 64 is
 # two 32-row groups, H = 128 four).
 BLOCK_H_STEPS = (16, 32)
@@ -189,3 +294,14 @@ def block_h_for(H: int) -> int:
         if int(H) <= bh:
             return bh
     return MAX_BLOCK_H
+
+
+def kernel_for(cfg):
+    """The jit function a config launches: the split-d kernel when it names a SPLIT."""
+    return _sparse_mla_prefill_splitd_kernel if cfg.get("SPLIT") else _sparse_mla_prefill_kernel
+
+
+def config_label(block_h: int, cfg) -> str:
+    """Short name of a config (benchmark tables, AOT labels): bh32 bn16 w4 s3 ia split4."""
+    return (f"bh{block_h} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            f"{' ia' if cfg.get('IDX_AHEAD') else ''}{' split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}")

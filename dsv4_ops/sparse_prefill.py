@@ -14,7 +14,8 @@ Dispatch (static shapes and alignment only, no host sync):
     ``PREFILL_CONFIG[block_h_for(H)]``;
   - otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices; odd views):
     ``dsv4_ops.attention.sparse_mla_decode`` (split-KV decode kernels + merge).
-``config=`` (benchmarks, tests) forces one entry of ``CANDIDATES`` and always runs the kernel.
+``config=`` (benchmarks, tests) forces one entry of ``CANDIDATES`` and always runs the kernel
+(a config with "SPLIT" runs the split-d kernel, ``_sparse_mla_prefill_splitd_kernel``).
 
 Launchers never sync the host and allocate only their outputs (out when not given, lse), so
 they capture into CUDA graphs.
@@ -39,6 +40,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _kernel = fast(_pk._sparse_mla_prefill_kernel)
+_splitd_kernel = fast(_pk._sparse_mla_prefill_splitd_kernel)
 PREFILL_MIN_WAVES = 4  # programs (T x G) per SM at which the prefill kernel takes over (module doc)
 
 
@@ -138,14 +140,17 @@ def _launch(q, kv, indices, topk_length, sink, sm_scale, out, block_h, cfg) -> t
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T and H:
         groups = -(-H // block_h)
-        _kernel(
+        consts = (block_h, cfg["BLOCK_N"], cfg["num_stages"], cfg.get("IDX_AHEAD", False), topk_length is not None,
+                  sink is not None)
+        kernel = _kernel
+        if cfg.get("SPLIT"):
+            kernel, consts = _splitd_kernel, consts + (cfg["SPLIT"],)
+        kernel(
             (T * groups,),
             (q, kv, indices, topk_length, sink, out, lse,
              H, indices.shape[1], kv.shape[0], groups, float(sm_scale),
              q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1)),
-            (block_h, cfg["BLOCK_N"], cfg["num_stages"], cfg.get("IDX_AHEAD", False), topk_length is not None,
-             sink is not None),
-            cfg["num_warps"], cfg["num_stages"])
+            consts, cfg["num_warps"], cfg["num_stages"])
     return lse
 
 
@@ -211,11 +216,15 @@ def aot_specs():
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NUM_STAGES": cfg["num_stages"],
                               "IDX_AHEAD": cfg.get("IDX_AHEAD", False), "HAS_TOPK_LENGTH": has_len,
                               "HAS_SINK": has_sink}
+                    if cfg.get("SPLIT"):
+                        sig["SPLIT"] = "constexpr"
+                        consts["SPLIT"] = cfg["SPLIT"]
                     optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
                     label = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
-                             f"{',ia' if cfg.get('IDX_AHEAD') else ''},{'len' if has_len else 'nolen'},"
+                             f"{',ia' if cfg.get('IDX_AHEAD') else ''}"
+                             f"{',split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''},{'len' if has_len else 'nolen'},"
                              f"{'sink' if has_sink else 'nosink'}]")
-                    specs.append(KernelSpec("sparse_mla_prefill", label, _pk._sparse_mla_prefill_kernel, sig, consts,
+                    specs.append(KernelSpec("sparse_mla_prefill", label, _pk.kernel_for(cfg), sig, consts,
                                             "portable", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return specs

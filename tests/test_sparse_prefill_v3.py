@@ -22,7 +22,8 @@ ALL_CONFIGS = [(bh, i) for bh, cands in sorted(pk.CANDIDATES.items()) for i in r
 def cfg_id(c):
     bh, i = c
     cfg = pk.CANDIDATES[bh][i]
-    return f"bh{bh}-{i}-bn{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}{'ia' if cfg.get('IDX_AHEAD') else ''}"
+    return (f"bh{bh}-{i}-bn{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}{'ia' if cfg.get('IDX_AHEAD') else ''}"
+            f"{'sp' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}")
 
 
 def make_case(T, H, K, *, N=None, dtype=torch.float16, seed=0, device="cpu"):
@@ -91,7 +92,7 @@ def test_kernel_fp16_matches_reference(interpret, H, config):
     assert len(_check_empty_rows(out, lse, sink, idx, tl, kv.shape[0])) == 2
 
 
-@pytest.mark.parametrize("config", [(16, 0), (32, 0), (64, 0)], ids=cfg_id)
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=cfg_id)
 def test_kernel_without_sink_or_topk_length_allocates_out(interpret, config):
     T, H, K = 3, 8, 40
     q, kv, idx, _ = make_case(T, H, K, seed=5)
@@ -169,6 +170,22 @@ def test_block_h_and_configs():
     assert {pk.block_h_for(h) for h in range(1, 257)} <= set(pk.PREFILL_CONFIG) <= set(pk.CANDIDATES)
     for bh, cfg in pk.PREFILL_CONFIG.items():
         assert any(cfg is c for c in pk.CANDIDATES[bh])
+
+
+def test_split_configs_launch_the_split_kernel_with_one_chunk_a_warp():
+    """A config with SPLIT runs the split-d kernel with num_warps == SPLIT (its layout gives
+    each warp one chunk of 512 // SPLIT dims); the others the 2-D kernel."""
+    n_split = 0
+    for bh, cands in pk.CANDIDATES.items():
+        for cfg in cands:
+            if cfg.get("SPLIT"):
+                n_split += 1
+                assert pk.kernel_for(cfg) is pk._sparse_mla_prefill_splitd_kernel
+                assert cfg["num_warps"] == cfg["SPLIT"] and 512 % cfg["SPLIT"] == 0
+                assert "split" in pk.config_label(bh, cfg)
+            else:
+                assert pk.kernel_for(cfg) is pk._sparse_mla_prefill_kernel
+    assert n_split > 0
 
 
 @pytest.mark.parametrize("T,H,sms,want", [(4096, 8, 132, True), (4096, 128, 108, True), (527, 8, 132, False),
@@ -275,7 +292,8 @@ def test_aot_lists_every_dispatched_specialization_and_every_candidate():
                 combos = [(a, b) for a in ("len", "nolen") for b in ("sink", "nosink")]
             for ln, sk in combos:
                 want = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
-                        f"{',ia' if cfg.get('IDX_AHEAD') else ''},{ln},{sk}]")
+                        f"{',ia' if cfg.get('IDX_AHEAD') else ''}{',split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}"
+                        f",{ln},{sk}]")
                 assert want in labels, want
 
 
