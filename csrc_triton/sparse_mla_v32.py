@@ -360,10 +360,212 @@ V32_W128_CONFIG = {
     16: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     32: {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
 }
-FORMS = ("w64", "w128")
+FORMS = ("w64", "w128", "f16")
 MAX_SPLITS = 64  # what csrc_triton.merge / dsv4_ops.attention.merge_splits accept
 
 
 def block_h_for(H: int) -> int:
     """Rows of a head group: 16 for H <= 16 (TP8: one group), else 32."""
     return 16 if H <= 16 else 32
+
+
+# ---- the f16 form: E4M3 codes as fp16 operands, the scales applied to the score / P tiles ----
+
+
+@triton.jit
+def _codes_f16(b_codes, NATIVE: tl.constexpr, BITS: tl.constexpr):
+    """uint8 E4M3 codes -> fp16, exact: value * 2**-8 (portable: the code's bits moved into
+    fp16's, bias 7 vs 15; subnormals too) or the value itself (NATIVE, cvt from fp8e4nv).
+    Portable on the GPU is the fp8e4b15 -> fp16 cast (a byte shuffle, no cvt); BITS spells
+    the same bit move out (the interpreter's fp8e4b15 -> fp16 cast flushes subnormals)."""
+    if NATIVE:
+        b_val = b_codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif BITS:
+        b_c = b_codes.to(tl.uint16)
+        b_val = (((b_c & 0x7F) << 7) | ((b_c & 0x80) << 8)).to(tl.float16, bitcast=True)
+    else:
+        b_val = b_codes.to(tl.float8e4b15, bitcast=True).to(tl.float16)
+    return b_val
+
+
+@triton.jit
+def _pow2_floor(b_x):
+    """(2**floor(log2 x), 2**-floor(log2 x)) of x >= 0 fp32, by exponent bits: exact powers of
+    two (0 and fp32 subnormals give (0, 2**127): a product with the inverse stays finite)."""
+    b_e = b_x.to(tl.uint32, bitcast=True) & 0x7F800000
+    b_inv = (tl.maximum(254 - (b_e >> 23).to(tl.int32), 1).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return b_e.to(tl.float32, bitcast=True), b_inv
+
+
+@triton.jit
+def _q_prescale(b_q0, b_q1, b_q2, b_q3):
+    """Per row a power of two f with max |q_nope row| * f in [2**14, 2**15) (clamped to the fp32
+    normal range): the row times f is exact in fp16 (bf16's 8 mantissa bits fit; values under
+    2**-28 of the row max round into fp16 subnormals). Returns (f, 1 / f), [BLOCK_H] fp32."""
+    b_am = tl.maximum(tl.maximum(tl.max(tl.abs(b_q0.to(tl.float32)), 1), tl.max(tl.abs(b_q1.to(tl.float32)), 1)),
+                      tl.maximum(tl.max(tl.abs(b_q2.to(tl.float32)), 1), tl.max(tl.abs(b_q3.to(tl.float32)), 1)))
+    b_e = (b_am.to(tl.uint32, bitcast=True) >> 23).to(tl.int32)  # biased exponent of the row max
+    b_fe = tl.minimum(tl.maximum(268 - b_e, 1), 253)  # f = 2**(141 - e): the max lands in [2**14, 2**15)
+    b_f = (b_fe.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    b_inv = ((254 - b_fe).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return b_f, b_inv
+
+
+@triton.jit
+def _pv_group(b_a, b_p, b_sc, b_c16, b_alpha, UNSCALE: tl.constexpr):
+    """acc * alpha + sum_n p[h, n] * scale[n] * value(code[n, :]) for one 128-dim scale group:
+    the weights w = p * scale (fp32) divided by a per-row power of two m <= max_n w (so the
+    row's largest weight lands in [1, 2): fp16 keeps 11 bits, what the row drops is < 2**-24
+    of its largest term), one fp16 dot with the fp16 codes, times m (and UNSCALE, the codes'
+    2**8) into the fp32 accumulator."""
+    b_w = b_p * b_sc[None, :]  # [BLOCK_H, BLOCK_N] fp32
+    b_m, b_minv = _pow2_floor(tl.max(b_w, 1))
+    b_pw = (b_w * b_minv[:, None]).to(tl.float16)
+    return b_a * b_alpha + tl.dot(b_pw, b_c16) * (b_m * UNSCALE)[:, None]
+
+
+@triton.jit
+def _load_idx_block(p_idx, blk, k_len, capacity, BLOCK_N: tl.constexpr):
+    """(valid mask, clamped int64 rows) of key block blk: rows past k_len, < 0 or >= capacity are
+    invalid (and clamped to a loadable row)."""
+    o_j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_r = tl.load(p_idx + o_j, mask=o_j < k_len, other=-1).to(tl.int64)
+    m_n = (b_r >= 0) & (b_r < capacity)
+    return m_n, tl.minimum(tl.maximum(b_r, 0), capacity - 1)
+
+
+@triton.jit
+def _v32_sparse_mla_f16_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, o_ptr, lse_ptr,
+    H, K, S, G, sm_scale,
+    stride_q_t, stride_q_h, stride_idx_t, stride_o_t, stride_o_h,
+    block_size, stride_blk, stride_rec, capacity,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+    HAS_LEN: tl.constexpr, DIRECT: tl.constexpr, ALIGN: tl.constexpr, BITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """_v32_sparse_mla_kernel's contract and grid over fp8_ds_mla records only, with the E4M3
+    codes as fp16 dot operands (no per-code scale multiply, no cvt to fp32 and back):
+
+    - scores: per 128-dim scale group g one fp16 dot q16_g . code16_g into its own fp32 tile
+      (4 independent chains instead of one serial one), summed as sum_g s_g * scale_g[key]
+      after the dots, times the row's q prescale (q16 = q * f exactly, f a power of two per
+      row: _q_prescale), plus the RoPE dot (bf16 q . bf16 k_pe, unscaled).
+    - P.V: per group (p * scale_g) / m_row in fp16 dotted with the fp16 codes, times m_row,
+      into the group's fp32 accumulator (_pv_group).
+    PREFETCH: the next block's slots are loaded one iteration ahead (loop-carried)."""
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_s = (pid // G) % S
+    pid_t = (pid // (G * S)).to(tl.int64)
+    if NATIVE:
+        UNSCALE: tl.constexpr = 1.0
+    else:
+        UNSCALE: tl.constexpr = 256.0
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    p_qrow = q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h  # [BLOCK_H]
+    b_q0 = _q_tile(p_qrow, m_h, 0)  # [BLOCK_H, 128] each, q's dtype
+    b_q1 = _q_tile(p_qrow, m_h, 1)
+    b_q2 = _q_tile(p_qrow, m_h, 2)
+    b_q3 = _q_tile(p_qrow, m_h, 3)
+    b_qr = _q_chunk(p_qrow, m_h, 8)  # [BLOCK_H, 64]: dims 512..575
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    b_f, b_finv = _q_prescale(b_q0, b_q1, b_q2, b_q3)
+    b_q0 = (b_q0.to(tl.float32) * b_f[:, None]).to(tl.float16)
+    b_q1 = (b_q1.to(tl.float32) * b_f[:, None]).to(tl.float16)
+    b_q2 = (b_q2.to(tl.float32) * b_f[:, None]).to(tl.float16)
+    b_q3 = (b_q3.to(tl.float32) * b_f[:, None]).to(tl.float16)
+
+    k_len = K
+    if HAS_LEN:
+        k_len = tl.minimum(tl.maximum(tl.load(len_ptr + pid_t), 0), K)
+    nb = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * nb) // S
+    blk_hi = ((pid_s + 1) * nb) // S
+    p_idx = idx_ptr + pid_t * stride_idx_t
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_nope_scale = b_finv * (qk_scale * UNSCALE)  # [BLOCK_H]: undoes q's prescale and the codes' 2**-8
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_a0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_a1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_a2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_a3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    o_e = tl.arange(0, 128)
+    o_r = tl.arange(0, 64)
+    if PREFETCH:
+        n_m, n_r = _load_idx_block(p_idx, blk_lo, k_len, capacity, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        if PREFETCH:
+            m_n, b_r = n_m, n_r
+            n_m, n_r = _load_idx_block(p_idx, blk + 1, k_len, capacity, BLOCK_N)
+        else:
+            m_n, b_r = _load_idx_block(p_idx, blk, k_len, capacity, BLOCK_N)
+        b_blk = b_r // block_size
+        o_rec = b_blk * stride_blk + (b_r - b_blk * block_size) * stride_rec  # [BLOCK_N] int64
+        p_rec = _rec_ptrs(kv_ptr, o_rec, True, ALIGN)  # [BLOCK_N]
+        m_2 = m_n[:, None]
+        p_sc = (p_rec + _SCALE_OFF).to(tl.pointer_type(tl.float32), bitcast=True)
+        b_sc0 = tl.load(p_sc, mask=m_n, other=0.0)  # [BLOCK_N] fp32 each
+        b_sc1 = tl.load(p_sc + 1, mask=m_n, other=0.0)
+        b_sc2 = tl.load(p_sc + 2, mask=m_n, other=0.0)
+        b_sc3 = tl.load(p_sc + 3, mask=m_n, other=0.0)
+        b_c0 = _codes_f16(tl.load(p_rec[:, None] + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c1 = _codes_f16(tl.load(p_rec[:, None] + 128 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c2 = _codes_f16(tl.load(p_rec[:, None] + 256 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c3 = _codes_f16(tl.load(p_rec[:, None] + 384 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        p_pe = (p_rec + _ROPE_OFF).to(tl.pointer_type(tl.uint16), bitcast=True)
+        b_kr = tl.load(p_pe[:, None] + o_r[None, :], mask=m_2, other=0).to(tl.bfloat16, bitcast=True).to(DTYPE)
+
+        b_s0 = tl.dot(b_q0, tl.trans(b_c0))  # [BLOCK_H, BLOCK_N] fp32, 4 independent chains
+        b_s1 = tl.dot(b_q1, tl.trans(b_c1))
+        b_s2 = tl.dot(b_q2, tl.trans(b_c2))
+        b_s3 = tl.dot(b_q3, tl.trans(b_c3))
+        b_sr = tl.dot(b_qr, tl.trans(b_kr))
+        b_s = (b_s0 * b_sc0[None, :] + b_s1 * b_sc1[None, :] + b_s2 * b_sc2[None, :] + b_s3 * b_sc3[None, :])
+        b_s = b_s * b_nope_scale[:, None] + b_sr * qk_scale
+
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)[:, None]
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]
+        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
+        b_a0 = _pv_group(b_a0, b_p, b_sc0, b_c0, b_alpha, UNSCALE)
+        b_a1 = _pv_group(b_a1, b_p, b_sc1, b_c1, b_alpha, UNSCALE)
+        b_a2 = _pv_group(b_a2, b_p, b_sc2, b_c2, b_alpha, UNSCALE)
+        b_a3 = _pv_group(b_a3, b_p, b_sc3, b_c3, b_alpha, UNSCALE)
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe  # rows without a key have acc 0: out 0
+    if DIRECT:
+        p_o = o_ptr + pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H] rows
+        tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+    else:
+        row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
+        p_o = o_ptr + row * 512
+        tl.store(lse_ptr + row, b_lse, mask=m_h)
+    _store_tile(p_o, b_a0, b_scale, m_h, 0)
+    _store_tile(p_o, b_a1, b_scale, m_h, 1)
+    _store_tile(p_o, b_a2, b_scale, m_h, 2)
+    _store_tile(p_o, b_a3, b_scale, m_h, 3)
+
+
+# The f16 form's configs: F16_CONFIG per head-group size is what the launcher dispatches;
+# F16_CANDIDATES are reachable by form "f16:<name>" (benchmarks).
+# PER_SM: programs an SM holds at once (registers: 4 warps x 249-255 regs = 2 of the 64K; 8 warps
+# x 229-255 = 1; sm_80 AOT, triton 3.8), which num_splits_for sizes one wave with.
+F16_CANDIDATES = {
+    "h16n32w4": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": False, "PER_SM": 2},
+    "h16n32w4x": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": True, "PER_SM": 2},
+    "h16n32w8": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
+    "h32n32w8": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
+    "h16n16w4": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False, "PER_SM": 2},
+}
+F16_CONFIG = {16: F16_CANDIDATES["h16n32w4"], 32: F16_CANDIDATES["h32n32w8"]}

@@ -60,7 +60,8 @@ _insert_kernel = fast(_ck._v32_kv_insert_kernel)
 _gather_kernel = fast(_ck._v32_kv_gather_kernel)
 _attn_kernel = fast(_ak._v32_sparse_mla_kernel)
 _w128_kernel = fast(_ak._v32_sparse_mla_w128_kernel)
-FORM_ENV = "DSV4_AMPERE_V32_FORM"  # w64 | w128 | auto (default)
+_f16_kernel = fast(_ak._v32_sparse_mla_f16_kernel)
+FORM_ENV = "DSV4_AMPERE_V32_FORM"  # w64 | w128 | f16 | auto (default); f16:<candidate> too
 
 _CACHE_OK = {}
 
@@ -209,15 +210,27 @@ def auto_form(fp8: bool, H: int) -> str:
     return "w128" if fp8 or H > 16 else "w64"
 
 
+def _interpreting() -> bool:
+    """Under the Triton interpreter the f16 form spells its fp16 decode out as a bit move (BITS)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int = 16) -> str:
-    """The kernel form: 'w64' (9 chunks of 64 dims) or 'w128' (4 tiles of 128 + the 64 RoPE
-    dims; aligned records only). form / env DSV4_AMPERE_V32_FORM: w64 | w128 | auto (None:
-    the env, default auto). auto: auto_form(fp8, H) when aligned; unaligned records: w64."""
+    """The kernel form: 'w64' (9 chunks of 64 dims), 'w128' (4 tiles of 128 + the 64 RoPE
+    dims; aligned records only) or 'f16' (w128's tiles with the E4M3 codes as fp16 dot
+    operands; aligned fp8_ds_mla records only; 'f16:<name>' picks a config of
+    csrc_triton.sparse_mla_v32.F16_CANDIDATES). form / env DSV4_AMPERE_V32_FORM: w64 | w128 |
+    f16[:name] | auto (None: the env, default auto). auto: auto_form(fp8, H) when aligned;
+    f16 over bf16 rows runs auto's bf16 form; unaligned records: w64."""
     f = form or os.environ.get(FORM_ENV, "auto")
-    if f not in ("auto",) + _ak.FORMS:
-        raise ValueError(f"{FORM_ENV} / form: expected auto, w64 or w128, got {f!r}")
-    if f == "auto":
+    base, _, cand = f.partition(":")
+    if base not in ("auto",) + _ak.FORMS or (cand and (base != "f16" or cand not in _ak.F16_CANDIDATES)):
+        raise ValueError(f"{FORM_ENV} / form: expected auto, w64, w128, f16 or f16:<one of "
+                         f"{sorted(_ak.F16_CANDIDATES)}>, got {f!r}")
+    if base == "auto":
         f = auto_form(fp8, H)
+    if f.startswith("f16") and not fp8:
+        f = auto_form(False, H)
     return f if aligned else "w64"
 
 
@@ -230,7 +243,16 @@ def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int
 
 
 def _config(form: str, bh: int) -> dict:
+    if form.startswith("f16"):
+        _, _, cand = form.partition(":")
+        return _ak.F16_CANDIDATES[cand] if cand else _ak.F16_CONFIG[bh]
     return (_ak.V32_W128_CONFIG if form == "w128" else _ak.V32_ATTN_CONFIG)[bh]
+
+
+def _block_h(form: str, H: int) -> int:
+    """Rows of a head group: block_h_for(H), or an f16 candidate's own BLOCK_H."""
+    cfg = _config(form, _ak.block_h_for(H))
+    return cfg.get("BLOCK_H", _ak.block_h_for(H))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,13 +260,15 @@ def num_splits_for(T: int, H: int, K: int, sms: int, form: str = "w64") -> int:
     """Split count from static shapes: 1 when T * groups programs fill the SMs, else the most
     splits that still fit one wave (floor(sms / (T * groups))), at most one key block a split
     and MAX_SPLITS."""
-    bh = _ak.block_h_for(H)
+    bh = _block_h(form, H)
+    cfg = _config(form, _ak.block_h_for(H))
     groups = -(-H // bh)
-    nb = max(1, -(-K // _config(form, bh)["BLOCK_N"]))
+    nb = max(1, -(-K // cfg["BLOCK_N"]))
     base = max(1, T * groups)
-    if base >= sms:
+    slots = sms * cfg.get("PER_SM", 1)  # programs resident at once
+    if base >= slots:
         return 1
-    return max(1, min(MAX_SPLITS, nb, sms // base))
+    return max(1, min(MAX_SPLITS, nb, slots // base))
 
 
 def _sms(t: torch.Tensor) -> int:
@@ -331,14 +355,18 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
     indices, topk_length = _norm_idx(indices, topk_length, cap, K)
     variant = variant or variant_for(q)
     form = form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H)
-    bh = _ak.block_h_for(H)
-    cfg = _config(form, bh)
+    bh = _block_h(form, H)
+    cfg = _config(form, _ak.block_h_for(H))
     G = -(-H // bh)
     S = num_splits or num_splits_for(T, H, K, _sms(q), form)
     if out is None:
         out = torch.empty((T, H, DV), dtype=torch.bfloat16, device=q.device)
-    consts = (bh, cfg["BLOCK_N"], fp8, variant == "native", topk_length is not None)
-    kernel, extra = (_w128_kernel, (True,)) if form == "w128" else (_attn_kernel, ())
+    if form.startswith("f16"):  # fp8 records only (form_for)
+        consts = (bh, cfg["BLOCK_N"], variant == "native", topk_length is not None)
+        kernel, extra = _f16_kernel, (True, _interpreting(), cfg["PREFETCH"])
+    else:
+        consts = (bh, cfg["BLOCK_N"], fp8, variant == "native", topk_length is not None)
+        kernel, extra = (_w128_kernel, (True,)) if form == "w128" else (_attn_kernel, ())
     tail = (bs, s_blk, s_rec, cap)
     if S == 1:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
@@ -405,6 +433,27 @@ def v32_sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 # ---- AOT ----
 
 
+def f16_spec(variant: str, cfg: dict, has_len: bool, direct: bool, name: str = ""):
+    """The AOT KernelSpec of one f16-form specialization (config cfg; name: a candidate's)."""
+    from .aot import KernelSpec, optional_pointer
+
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "len_ptr": None,
+           "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32",
+           "H": "i32", "K": "i32", "S": "i32", "G": "i32", "sm_scale": "fp32",
+           "stride_q_t": "i32", "stride_q_h": "i32", "stride_idx_t": "i32",
+           "stride_o_t": "i32", "stride_o_h": "i32", "block_size": "i32",
+           "stride_blk": "i32", "stride_rec": "i32", "capacity": "i32",
+           "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr", "HAS_LEN": "constexpr",
+           "DIRECT": "constexpr", "ALIGN": "constexpr", "BITS": "constexpr", "PREFETCH": "constexpr"}
+    consts = {"BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
+              "HAS_LEN": has_len, "DIRECT": direct, "ALIGN": True, "BITS": False, "PREFETCH": cfg["PREFETCH"]}
+    optional_pointer(sig, consts, "len_ptr", "*i32", has_len)
+    label = (f"v32_attn_f16[{variant},bh{cfg['BLOCK_H']}{',' + name if name else ''},"
+             f"{'len' if has_len else 'nolen'},{'direct' if direct else 'part'}]")
+    return KernelSpec("v32_sparse_mla_decode", label, _ak._v32_sparse_mla_f16_kernel, sig, consts, variant,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def aot_specs():
     """Every V3.2 kernel specialization a launcher can pick (see dsv4_ops.aot)."""
     from .aot import KernelSpec, optional_pointer
@@ -459,4 +508,6 @@ def aot_specs():
                                 f"{'direct' if direct else 'part'}]",
                             _ak._v32_sparse_mla_w128_kernel, wsig, wconsts, variant,
                             num_warps=wcfg["num_warps"], num_stages=wcfg["num_stages"]))
+                        if fp8:  # the f16 form: fp8_ds_mla records only
+                            specs.append(f16_spec(variant, _ak.F16_CONFIG[bh], has_len, direct))
     return specs

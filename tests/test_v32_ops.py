@@ -18,8 +18,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4_ops import layout as L
+from dsv4_ops.csrc_triton import sparse_mla_v32 as _ak
 from dsv4_ops import v32
 from dsv4_ops import reference as R
 from dsv4_ops.testing import HAS_GPU, assert_attention_close, poison_like, rng
@@ -132,6 +135,12 @@ def test_split_count_fits_one_wave():
         s = v32.num_splits_for(T, H, 2048, 132)
         assert s == want, (T, H, s)
         assert T * -(-H // (16 if H <= 16 else 32)) * s <= 132 or s == 1
+    for T, H in ((1, 16), (1, 128), (16, 16), (64, 16), (128, 128)):  # f16: PER_SM programs an SM
+        cfg = v32._config("f16", 16 if H <= 16 else 32)
+        s = v32.num_splits_for(T, H, 2048, 132, "f16")
+        slots = 132 * cfg.get("PER_SM", 1)
+        base = T * -(-H // cfg["BLOCK_H"])
+        assert (base * s <= slots and (s == 64 or base * (s + 1) > slots)) or (s == 1 and base >= slots), (T, H, s)
 
 
 def test_layout_constants():
@@ -318,7 +327,7 @@ def test_bad_arguments_raise_value_error_naming_them():
 # ---- attention kernels on the interpreter (small) ----
 
 
-@pytest.mark.parametrize("form", ["w64", "w128"])
+@pytest.mark.parametrize("form", ["w64", "w128", "f16"])
 @pytest.mark.parametrize("H", [16, 20])
 @pytest.mark.parametrize("splits", [1, 3, 0])
 def test_decode_kernel_small_against_float64_reference(interpret, form, H, splits):
@@ -331,6 +340,76 @@ def test_decode_kernel_small_against_float64_reference(interpret, form, H, split
     out, lse = v32.v32_sparse_mla_decode(q, cache, idx, tlen, V32_SCALE, num_splits=splits, form=form)
     check_attention(out, lse, q, cache, idx, tlen, V32_SCALE)
     assert torch.all(lse[3] == float("-inf")) and int(out[3].view(torch.int16).count_nonzero()) == 0
+
+
+@triton.jit
+def _codes_f16_probe(c_ptr, o_ptr, BITS: tl.constexpr):
+    o = tl.arange(0, 256)
+    b = _ak._codes_f16(tl.load(c_ptr + o), False, BITS)
+    tl.store(o_ptr + o, b.to(tl.uint16, bitcast=True))
+
+
+def _e4m3_values():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.float64)
+    nan = torch.isnan(want)
+    return codes, torch.where(nan, torch.where(codes >= 128, -480.0, 480.0).double(), want), nan
+
+
+@pytest.mark.parametrize("bits", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_f16_code_move_is_value_times_2_to_the_minus_8_for_all_256_codes(interpret, bits):
+    """The f16 form's decode: every E4M3 code (normals, subnormals, +-0) moved into fp16 bits is
+    exactly its value * 2**-8; the NaN codes 0x7F / 0xFF give +-480 * 2**-8 (what the fp32
+    portable decode gives, e4b15 has no NaN). BITS (the interpreter's spelling) everywhere; the
+    fp8e4b15 -> fp16 cast on the GPU."""
+    codes, want, nan = _e4m3_values()
+    # the bit formula itself, in torch
+    c16 = codes.to(torch.int32)
+    moved = (((c16 & 0x7F) << 7) | ((c16 & 0x80) << 8)).to(torch.int16).view(torch.float16).double()
+    assert torch.equal(moved * 256.0, want)
+    assert int((~nan & (want != 0) & (want.abs() < 2.0 ** -6)).sum()) == 14  # the subnormals are covered
+    out = torch.full((256,), 0x7E00, dtype=torch.int16, device=interpret)  # poison: fp16 NaN
+    _codes_f16_probe[(1,)](codes.to(interpret), out, BITS=bits)
+    got = out.cpu().view(torch.float16).double()
+    assert torch.equal(got * 256.0, want), torch.nonzero(got * 256.0 != want)[:5].tolist()
+
+
+def test_f16_form_accuracy_with_tile_scales_spanning_2_to_the_30(interpret):
+    """The f16 form scales P by a per-row power of two before fp16: keys whose tile scales differ
+    by 2**30 inside one block (make_kv spread) and q rows from 1e-2 to 1 (scores up to ~1e3: fp32 score rounding stays under the LSE tolerance) stay within the
+    attention tolerance of the float64 reference, at BLOCK_N 16 and 32 and with splits."""
+    dev = interpret
+    nb, bs = 4, 16
+    cap = nb * bs
+    c = make_cache("fp8_ds_mla", nb, bs, 5, dev)
+    kv_c, k_pe = make_kv(cap, 6, dev, spread=True)
+    R.ref_v32_kv_insert(kv_c, k_pe, c, torch.arange(cap, device=dev))
+    g = rng(7)
+    q = torch.randn(3, 16, QK, generator=g) * torch.logspace(-2, 0, 16)[None, :, None]
+    q = q.to(torch.float16 if dev == "cpu" else torch.bfloat16).to(dev)
+    idx = torch.randint(-1, cap, (3, 40), generator=g).to(torch.int32).to(dev)
+    ref = R.ref_v32_sparse_mla_decode(q, c, idx, None, V32_SCALE, torch.float64, torch.float64)
+    # keys of two kinds in every block: A (values ~1e-5: tile scales at the writer's 1e-4 floor,
+    # 2**-13) and B (the same, but tile 3 ~1e7: scale 2**15; weights ~e**-50 from the RoPE dims;
+    # q's tile 3 is 0, so B's scores stay small): tile 3's scales differ by 2**28, so a P scaled
+    # by the block's largest tile scale (not the row's largest weight) flushes A to fp16 zero
+    kv2, pe2 = (torch.randn(cap, 512, generator=g) * 1e-5, torch.zeros(cap, 64))
+    kv2[1::2, 384:] *= 1e12
+    pe2[1::2] = -8.0
+    c2 = make_cache("fp8_ds_mla", nb, bs, 8, dev)
+    R.ref_v32_kv_insert(kv2.to(torch.bfloat16).to(dev), pe2.to(torch.bfloat16).to(dev), c2,
+                        torch.arange(cap, device=dev))
+    q2 = torch.cat([torch.randn(2, 16, 384, generator=g) * 1e-3, torch.zeros(2, 16, 128), torch.ones(2, 16, 64)],
+                   -1).to(q.dtype).to(dev)
+    idx2 = torch.stack([torch.randperm(cap, generator=g)[:48] for _ in range(2)]).to(torch.int32).to(dev)
+    ref2 = R.ref_v32_sparse_mla_decode(q2, c2, idx2, None, V32_SCALE, torch.float64, torch.float64)
+    assert float(ref2[0].abs().max()) < 1e-3 and float(ref2[0][..., 384:].abs().max()) > 1e-6  # A's
+    for form in ("f16", "f16:h16n16w4", "f16:h32n32w8"):
+        for splits in (1, 2):
+            out, lse = v32.v32_sparse_mla_decode(q, c, idx, None, V32_SCALE, num_splits=splits, form=form)
+            check_attention(out, lse, q, c, idx, None, V32_SCALE, ref)
+            out, lse = v32.v32_sparse_mla_decode(q2, c2, idx2, None, V32_SCALE, num_splits=splits, form=form)
+            check_attention(out, lse, q2, c2, idx2, None, V32_SCALE, ref2)
 
 
 def test_decode_int64_indices_out_of_range_never_wrap(interpret):
@@ -349,6 +428,13 @@ def test_form_choice_and_unaligned_records_fall_back_to_w64(interpret, monkeypat
     assert v32.form_for(True, "w64") == "w64"
     assert v32.form_for(True, "auto", True, 16) == "w128" and v32.form_for(True, "auto", False, 16) == "w64"
     assert v32.form_for(True, "auto", False, 128) == "w128" and v32.form_for(False, "auto", True, 128) == "w64"
+    assert v32.form_for(True, "f16") == "f16" and v32.form_for(True, "f16:h16n16w4") == "f16:h16n16w4"
+    assert v32.form_for(True, "f16", False, 16) == "w64" and v32.form_for(True, "f16", False, 128) == "w128"
+    assert v32.form_for(False, "f16") == "w64"
+    with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
+        v32.form_for(True, "f16:h99")
+    with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
+        v32.form_for(True, "w128:h16n16w4")
     monkeypatch.setenv(v32.FORM_ENV, "w128")
     assert v32.form_for(True) == "w128"
     monkeypatch.setenv(v32.FORM_ENV, "w256")
@@ -395,7 +481,8 @@ def test_aot_every_v32_specialization_compiles_spill_free(aot_results):
     from dsv4_ops import aot
 
     want = sorted(s.label for s in v32.aot_specs() if s.variant == "portable")
-    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2  # (insert, gather) x fmt x slots; attn form x fmt x bh x len x epi
+    # (insert, gather) x fmt x slots; attn (w64, w128) x fmt x bh x len x epi; f16 (fp8 only) x bh x len x epi
+    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2
     rows = [r for r in aot_results if r.label.startswith("v32_")]
     for arch in aot.AMPERE_ARCHS:
         assert sorted(r.label for r in rows if r.arch == arch) == want, f"sm_{arch}"
@@ -528,7 +615,7 @@ GPU_CASES = [(c, h, bq) for c in FLASHMLA_CASES for h in (16, 128) for bq in ((4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["w64", "w128"])
+@pytest.mark.parametrize("form", ["w64", "w128", "f16"])
 @pytest.mark.parametrize("case,h,bq", GPU_CASES)
 def test_gpu_flashmla_cases(variant, form, case, h, bq):
     (s_k, topk, bs), (b, s_q) = case, bq
@@ -544,7 +631,7 @@ def test_gpu_flashmla_cases(variant, form, case, h, bq):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["w64", "w128"])
+@pytest.mark.parametrize("form", ["w64", "w128", "f16"])
 @pytest.mark.parametrize("all_invalid,zero_seqlen", [(True, False), (False, True)])
 @pytest.mark.parametrize("h", [16, 128])
 def test_gpu_flashmla_corner_cases(variant, form, all_invalid, zero_seqlen, h):
