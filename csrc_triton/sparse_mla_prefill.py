@@ -249,9 +249,12 @@ def _sparse_mla_prefill_splitd_kernel(
 #   bh16: bn64 w4 s2 184 / 84 KB; bn64 w4 s2 ia 190; bn32 w4 s3 ia 185 / 81 KB;
 #         split4 bn32 w4 s3 ia 226 / 82 KB; split4 bn16 w4 s4 ia 168 / 66 KB
 #   bh32: bn16 w4 s2 224 / 49 KB; bn16 w4 s4 ia 226 / 81 KB; bn32 w4 s2 255 / 66 KB;
-#         bn32 w4 s3 ia 255 / 98 KB; split4 bn16 w4 s3 ia 250 / 66 KB; split4 bn16 w4 s4 ia 250 / 82 KB;
-#         split8 bn32 w8 s3 ia 214 / 96 KB
+#         bn32 w4 s3 ia 255 / 98 KB; split4 bn16 w4 s3 ia 250 / 66 KB; split4 bn16 w4 s4 ia 250 / 82 KB
 #   bh64: bn16 w8 s3 ia 239 / 98 KB; split8 bn16 w8 s3 ia 252 / 96 KB
+# split8 (64-dim chunks): the TTGIR (3.8) has NO cp.async and no multi-buffering for its key
+# rows (the score and PV operands get different shared layouts for 128-byte chunk rows, so the
+# pipeliner leaves the gather a plain load + store); kept once (bh64: all 64 heads in one
+# program, keys gathered once a query) to measure that, split8 bh32 x bn32 dropped.
 # Probed and rejected (AOT): bh64 at 16 warps (spills), bh64 x bn32 / bn64 and bh32 x bn64 (over
 # sm_86's 99 KB), split4 bh32 x bn32 and bh16 x bn64 (224 / 600 B spilled), 2-D bh16 bn64 w8
 # (8 B spilled). 2-D blocks narrower than 8 x num_warps keys (bh32 bn16 w4, bh64 bn16 w8)
@@ -270,8 +273,7 @@ CANDIDATES = {
          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
          {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 4},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4},
-         {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4}),
     64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True},
          {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
 }
