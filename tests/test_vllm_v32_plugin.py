@@ -76,7 +76,7 @@ def test_vllm_finds_no_sparse_mla_backend_on_sm80_without_the_plugin(vllm_contex
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6)])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla", "fp8"])
 def test_vllm_selector_picks_the_registered_backend_on_sm8x(vllm_context, override, cap, kv_cache_dtype):
     path = _cuda_platform(cap).get_attn_backend_cls(None, _selector_config(kv_cache_dtype), num_heads=16)
     assert path == v32_backend.CLASS_PATH
@@ -111,6 +111,30 @@ def test_the_backend_declines_other_caches_and_models(override):
         assert v32_backend.combination_reason(576, "auto") is None
     finally:
         vllm.config.get_current_vllm_config_or_none = real
+
+
+def test_fp8_names_the_fp8_ds_mla_record_for_this_backend_only():
+    """``--kv-cache-dtype fp8`` / ``fp8_e4m3``: MLAAttention asks vLLM's canonicalizer, which maps them
+    to fp8_ds_mla for FLASHMLA_SPARSE by name; the patched one does the same for this backend and
+    gives every other backend vLLM's own answer."""
+    from vllm.model_executor.layers.attention import mla_attention as ma
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = ma._canonicalize_sparse_mla_kv_cache_dtype
+    rows = [r for r in v32_model.PATCHES if r.symbol == "_canonicalize_sparse_mla_kv_cache_dtype"]
+    assert len(rows) == 1 and rows[0].module == ma.__name__ and rows[0].wraps
+    patched = rows[0].replacement(original)
+    ours = types.SimpleNamespace(get_name=lambda: v32_backend.BACKEND_NAME)
+    for name in ("fp8", "fp8_e4m3"):
+        assert patched(ours, name) == "fp8_ds_mla"
+    for name in ("auto", "bfloat16", "fp8_ds_mla", "fp8_e5m2"):
+        assert patched(ours, name) == name  # fp8_e5m2 then meets the impl's refusal
+    flashmla = AttentionBackendEnum.FLASHMLA_SPARSE.get_class()
+    dense = types.SimpleNamespace(get_name=lambda: "TRITON_MLA")
+    for backend in (flashmla, dense):
+        for name in ("auto", "fp8", "fp8_e4m3"):
+            assert patched(backend, name) == original(backend, name)
+    assert patched(flashmla, "fp8") == "fp8_ds_mla" and patched(dense, "fp8") == "fp8"
 
 
 def test_registration_check_passes_on_the_installed_vllm():

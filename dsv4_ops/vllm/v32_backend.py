@@ -13,7 +13,8 @@ How this backend enters, without touching the selector's gates: vLLM's registry
 plugin, on sm_8x only, overrides ``OVERRIDDEN_MEMBER`` (the first sparse entry of the sm_8x list,
 whose own class cannot run there) with ``AmpereSparseMLABackend``. The selector then validates
 our class like any other: it accepts compute capabilities the op table routes to dsv4_ops,
-MLA + sparse, head 576, bf16, kv-cache ``auto``/``bfloat16``/``fp8_ds_mla``, block sizes that are
+MLA + sparse, head 576, bf16, kv-cache ``auto``/``bfloat16``/``fp8_ds_mla`` (``fp8`` / ``fp8_e4m3``
+name fp8_ds_mla, as for vLLM's FLASHMLA_SPARSE: ``canonical_kv_cache_dtype``), block sizes that are
 multiples of 64 (the V3.2 indexer cache takes 64), and only the model types audited here
 (``deepseek_v32``, ``glm_moe_dsa``); any other model keeps vLLM's answer. ``check_registration``
 (run by ``register()`` before anything is patched) raises ``VllmPatchError`` when vLLM's
@@ -43,6 +44,9 @@ OVERRIDDEN_MEMBER = "FLASH_ATTN_MLA_SPARSE"
 CLASS_PATH = f"{__name__}.AmpereSparseMLABackend"
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_ds_mla")
+# ``--kv-cache-dtype`` names that mean the 656-byte fp8_ds_mla record here, as vLLM's
+# ``_canonicalize_sparse_mla_kv_cache_dtype`` maps them for FLASHMLA_SPARSE on sm_90.
+KV_CACHE_ALIASES = {"fp8": "fp8_ds_mla", "fp8_e4m3": "fp8_ds_mla"}
 HEAD_SIZE = 576          # kv_lora_rank 512 + qk_rope_head_dim 64 (the absorbed MLA query/key)
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -92,6 +96,22 @@ def forward_mqa_kernel(self, q, kv_cache, topk_indices, valid_counts, *, layer, 
     else:
         out, lse = torch.ops.dsv4_ampere.v32_sparse_mla_decode(q, rows, idx, None, scale, 0)
     return out, (lse if getattr(self, "need_to_return_lse_for_decode", False) else None)
+
+
+def canonical_kv_cache_dtype(original):
+    """Builder of the ``mla_attention._canonicalize_sparse_mla_kv_cache_dtype`` patch (wraps=True):
+    vLLM maps a quantized ``--kv-cache-dtype`` to ``fp8_ds_mla`` only for FLASHMLA_SPARSE (by
+    name); for this backend ``fp8`` / ``fp8_e4m3`` become ``fp8_ds_mla`` too, so
+    ``--kv-cache-dtype fp8`` serves V3.2 on sm_8x with the cache it gets on sm_90. Other names
+    pass through unchanged (the impl refuses the ones it cannot read, e.g. ``fp8_e5m2``)."""
+
+    def canonicalize(attn_backend, kv_cache_dtype):
+        if attn_backend.get_name() == BACKEND_NAME:
+            return KV_CACHE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+        return original(attn_backend, kv_cache_dtype)
+
+    canonicalize.__wrapped__ = original
+    return canonicalize
 
 
 def supports_capability(major: int, minor: int) -> bool:
@@ -148,7 +168,7 @@ def _build() -> Dict[str, Any]:
         """Sparse MLA (DeepSeek-V3.2 / GLM-5) on sm_8x through torch.ops.dsv4_ampere (dsv4_ops)."""
 
         supported_dtypes: ClassVar[List[torch.dtype]] = [torch.bfloat16]
-        supported_kv_cache_dtypes: ClassVar[List[CacheDType]] = list(KV_CACHE_DTYPES)
+        supported_kv_cache_dtypes: ClassVar[List[CacheDType]] = list(KV_CACHE_DTYPES) + list(KV_CACHE_ALIASES)
 
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
@@ -220,7 +240,8 @@ def _build() -> Dict[str, Any]:
                                           "part of DeepSeek-V3.2 sparse MLA")
             if kv_cache_dtype not in KV_CACHE_DTYPES:
                 raise NotImplementedError(f"{BACKEND_NAME}: kv-cache dtype {kv_cache_dtype!r} not supported; "
-                                          f"use one of {KV_CACHE_DTYPES}")
+                                          f"use one of {KV_CACHE_DTYPES} (or an alias of fp8_ds_mla: "
+                                          f"{sorted(KV_CACHE_ALIASES)})")
             super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
                              kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
                              indexer=indexer, topk_indices_buffer=topk_indices_buffer, **mla_args)

@@ -203,6 +203,7 @@ _FUSED_Q_PARAMS = ("positions", "q_pe", "q_pe_cos_sin_cache", "index_q", "index_
                    "index_weights", "index_weights_softmax_scale", "index_weights_head_scale", "has_indexer",
                    "index_rope_interleave", "quantize_mqa")
 _REGISTRY = "vllm.v1.attention.backends.registry"
+_MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
 _SPARSE_MLA = "vllm.model_executor.layers.attention.sparse_mla_attention"
 # ROCm's V3.2 module imports both names too (its own platform, never on NVIDIA).
 _ROCM = ("vllm.models.deepseek_v32.amd.rocm",)
@@ -223,6 +224,10 @@ def _rows():
               f"(no valid backend on sm_80); the plugin registers {v32_backend.BACKEND_NAME} as the class of "
               f"AttentionBackendEnum.{v32_backend.OVERRIDDEN_MEMBER} on sm_8x (checked: first sparse entry of the "
               "sm_80/86 priority list)", v32_backend.install, kind="hook", model="v32"),
+        Patch(_MLA_ATTENTION, "_canonicalize_sparse_mla_kv_cache_dtype", ("attn_backend", "kv_cache_dtype"),
+              "V3.2/GLM-5 --kv-cache-dtype fp8 / fp8_e4m3: vLLM names fp8_ds_mla only for FLASHMLA_SPARSE (by "
+              f"backend name); {v32_backend.BACKEND_NAME} gets the same mapping (other backends: vLLM's answer)",
+              v32_backend.canonical_kv_cache_dtype, wraps=True, model="v32"),
         Patch(_SPARSE_MLA, "SparseMLACommonImpl._forward_mqa_kernel",
               ("q", "kv_cache", "topk_indices", "valid_counts", "layer", "block_size", "is_decode"),
               "sparse MLA d_qk 576 / d_v 512 over the physical top-k rows: dsv4_ampere.v32_sparse_mla_decode / "

@@ -109,6 +109,8 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
     report["triton_launches"] = dict(tripwire.LAUNCHES)
     import standins
     report["standin_calls"] = dict(standins.CALLS)
+    report["indexer_layers"] = [i for i, l in enumerate(b.model.model.layers)
+                                if getattr(l.self_attn, "indexer", None) is not None]
     report["impl_classes"] = sorted({type(l.self_attn.impl).__module__ + "." + type(l.self_attn.impl).__name__
                                      for l in b.model.model.layers})
     return report

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .e2e_bundle/ (ignored, never committed) for tests/e2e/gpu_run.sh: vLLM 0.33.0's Python
-# sources (from `pip download`), the cp312 wheels the H200 image lacks, and the audit's JSON.
+# sources (from `pip download`), the cp312 wheels the H200 image lacks, and the audits' JSON.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=.e2e_bundle; mkdir -p "$B/whl" "$B/dl"
@@ -21,4 +21,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated-types==0.7.0 typing-inspection==0.4.2 cbor2==6.3.0 pyzmq==27.3.0 msgspec==0.23.0 pybase64==1.5.1 \
   cachetools==8.0.2 openai==3.57.0 httpx2==2.16.2 sniffio==1.3.1 oss-harmony==0.0.11 xgrammar==0.2.8 \
   apache-tvm-ffi==0.1.11 llguidance==1.7.6 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7
+# transformers: the V3.2 / GLM-5 oracle's modeling code (the image's 5.17 predates the version the test extra pins)
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$B/whl" transformers==5.20.2
 dsv4-ops audit-vllm --model both --json > "$B/audit.json"
+python3 -c "from dsv4_ops.vllm import audit; audit.run(models=('v32', 'glm5'), cache='$B/audit_v32.json')" > /dev/null

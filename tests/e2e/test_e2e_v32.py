@@ -36,27 +36,40 @@ MQA_COS, MQA_REL = 0.99999, 0.01
 MODEL_TYPES = {"v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
 
 
-@pytest.fixture(scope="module", params=[("v32", "auto"), ("v32", "fp8_ds_mla"), ("glm5", "fp8_ds_mla")],
-                ids=lambda p: "-".join(p))
-def report(request, tmp_path_factory):
-    family, cache = request.param
-    out = tmp_path_factory.mktemp("e2e_v32") / f"{family}_{cache}.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_v32.py"), "--device", "cpu",
+# GLM-5 runs with ``--kv-cache-dtype fp8``: the plugin maps it to fp8_ds_mla, as vLLM does for FLASHMLA_SPARSE
+RESOLVED = {"fp8": "fp8_ds_mla"}
+
+
+def run_driver(tmp_dir, family, cache, device="cpu"):
+    out = tmp_dir / f"e2e_{family}_{cache}_{device}.json"
+    if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
+        import pathlib
+
+        out = pathlib.Path(os.environ["DSV4_E2E_REPORT_DIR"]) / out.name
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_v32.py"), "--device", device,
                            "--family", family, "--cache-dtype", cache, "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module", params=[("v32", "auto"), ("v32", "fp8_ds_mla"), ("glm5", "fp8")],
+                ids=lambda p: "-".join(p))
+def report(request, tmp_path_factory):
+    family, cache = request.param
+    return run_driver(tmp_path_factory.mktemp("e2e_v32"), family, cache)
+
+
 def test_vllm_picks_the_plugin_backend_and_cache(report):
     assert report["model_class"] == "vllm.models.deepseek_v32.nvidia.model", report["model_class"]  # the CUDA class
     assert report["impl_classes"] == ["dsv4_ops.vllm.v32_backend.AmpereSparseMLAImpl"], report["impl_classes"]
-    assert report["resolved"]["cache_dtype"] == report["cache_dtype"], report["resolved"]
+    want = RESOLVED.get(report["cache_dtype"], report["cache_dtype"])
+    assert report["resolved"]["cache_dtype"] == want, report["resolved"]
     assert report["model_type"] == MODEL_TYPES[report["model"]], report["model_type"]
 
 
 def test_logits_match_transformers(report):
-    cos_min, rel_max = LOGITS_BOUNDS[report["cache_dtype"]]
+    cos_min, rel_max = LOGITS_BOUNDS[report["resolved"]["cache_dtype"]]
     checks = report["checks"]
     assert [c["step"] for c in checks][:1] == ["prefill"] and len(checks) == 7
     # rows whose float64 expert choice is a near-tie (margin <= 0.02) are left out; most must remain
@@ -79,6 +92,11 @@ def test_the_plugin_ops_ran(report):
     ops = report["ops_called"]
     for op in ("v32_kv_insert", "v32_sparse_mla_decode", "indexer_k_insert", "mqa_logits", "paged_mqa_logits"):
         assert ops.get(op, 0) > 0, ops
+    # GLM-5's checkpoint has a shared-indexer layer (index_topk_pattern "FS"): layer 1 builds no
+    # indexer and attends over layer 0's top-k; every layer writes its MLA cache, only indexer
+    # layers their K cache (one insert a layer a step, 4 steps)
+    assert report["indexer_layers"] == ([0] if report["model"] == "glm5" else [0, 1]), report["indexer_layers"]
+    assert ops["indexer_k_insert"] == 4 * len(report["indexer_layers"]) and ops["v32_kv_insert"] == 4 * 2, ops
 
 
 def test_no_dead_kernel_ran(report):
@@ -88,3 +106,25 @@ def test_no_dead_kernel_ran(report):
     assert wire["dead_rows"] > 0 and wire["originals"], wire
     assert report["tripped"] == [], report["tripped"]
     assert sum(report["triton_launches"].values()) > 0, report["triton_launches"]
+
+
+REPORT_CHECKS = (test_vllm_picks_the_plugin_backend_and_cache, test_logits_match_transformers,
+                 test_every_sparse_mla_call_matches_float64_over_the_cache_bytes, test_the_plugin_ops_ran,
+                 test_no_dead_kernel_ran)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,cache", [("v32", "fp8_ds_mla"), ("glm5", "fp8")], ids=lambda p: p)
+def test_h200_real_kernels(tmp_path, family, cache):
+    """The same model, steps, oracle, checks and tripwire with every tensor on CUDA, vLLM's own
+    selector answering for the GPU (the plugin's backend is FLASH_ATTN_MLA_SPARSE's class there too)
+    and the plugin's portable Triton kernels (DSV4_AMPERE_IMPL=portable). Needs vLLM's sources
+    and transformers 5.20 on PYTHONPATH (tests/e2e/gpu_run.sh)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    rep = run_driver(tmp_path, family, cache, device="cuda")
+    assert rep["device"] == "cuda"
+    for check in REPORT_CHECKS:
+        check(rep)

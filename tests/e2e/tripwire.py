@@ -142,8 +142,11 @@ def install(model: str, originals: Dict, models=None) -> dict:
 
     models = tuple(models or audit.MODELS)
     # the H200 has no vLLM install for the audit's own subprocess: it reads the CPU machine's
-    # audit JSON (`dsv4-ops audit-vllm --model both --json`), the same evidence
-    path = os.environ.get("DSV4_E2E_AUDIT_JSON") if models == tuple(audit.MODELS) else None
+    # audit JSON
+    # (`dsv4-ops audit-vllm --model both --json`; V3.2 / GLM-5: DSV4_E2E_AUDIT_JSON_V32, the same
+    # run for those models), the same evidence
+    env = {tuple(audit.MODELS): "DSV4_E2E_AUDIT_JSON", ("v32", "glm5"): "DSV4_E2E_AUDIT_JSON_V32"}.get(models)
+    path = os.environ.get(env) if env else None
     # the same cache entry as `dsv4-ops audit-vllm` for those models and its CI test
     res = audit.run(models=models, cache=path) if path else audit.run(models=models)
     dead = [r for r in res.rows if r.status == "dead" and r.model == model]

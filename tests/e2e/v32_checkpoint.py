@@ -27,9 +27,11 @@ V32_CONFIG = dict(
 
 
 # GLM-5 (``glm_moe_dsa``, served by the same vLLM class): its own head split (q/k nope 192,
-# v 256 before absorption; the cached latent is still 512 + 64), every layer a full indexer.
+# v 256 before absorption; the cached latent is still 512 + 64), and a shared-indexer layer:
+# layer 1 has no indexer and attends over layer 0's top-k. transformers reads
+# ``indexer_types``, vLLM ``index_topk_pattern`` (F: full, S: shared); both are written.
 GLM5_CONFIG = dict(V32_CONFIG, qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5,
-                   indexer_types=["full", "full"])
+                   indexer_types=["full", "shared"], index_topk_pattern="FS")
 FAMILIES = {"v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", V32_CONFIG),
             "glm5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", GLM5_CONFIG)}
 
