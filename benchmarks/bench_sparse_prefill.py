@@ -190,7 +190,7 @@ def main() -> int:
                     rows.append(a100_smem_row(row, fn, replays))
                     print(rows[-1], flush=True)
         write_results(res_name, args.out, rows, cols, notes)  # after every H: a timed-out run keeps its rows
-    dump_compiled(os.path.join(args.out, res_name + "_compiled"))
+        dump_compiled(os.path.join(args.out, res_name + "_compiled"))
     return 0
 
 
