@@ -389,6 +389,16 @@ def _codes_f16(b_codes, NATIVE: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _codes_unscale(NATIVE: tl.constexpr):
+    """What undoes _codes_f16's factor: 2**8 (portable) or 1 (NATIVE)."""
+    if NATIVE:
+        f = 1.0
+    else:
+        f = 256.0
+    return f
+
+
+@triton.jit
 def _pow2_floor(b_x):
     """(2**floor(log2 x), 2**-floor(log2 x)) of x >= 0 fp32, by exponent bits: exact powers of
     two (0 and fp32 subnormals give (0, 2**127): a product with the inverse stays finite)."""
@@ -412,7 +422,7 @@ def _q_prescale(b_q0, b_q1, b_q2, b_q3):
 
 
 @triton.jit
-def _pv_group(b_a, b_p, b_sc, b_c16, b_alpha, UNSCALE: tl.constexpr):
+def _pv_group(b_a, b_p, b_sc, b_c16, b_alpha, UNSCALE):
     """acc * alpha + sum_n p[h, n] * scale[n] * value(code[n, :]) for one 128-dim scale group:
     the weights w = p * scale (fp32) divided by a per-row power of two m <= max_n w (so the
     row's largest weight lands in [1, 2): fp16 keeps 11 bits, what the row drops is < 2**-24
@@ -458,10 +468,7 @@ def _v32_sparse_mla_f16_kernel(
     pid_g = pid % G
     pid_s = (pid // G) % S
     pid_t = (pid // (G * S)).to(tl.int64)
-    if NATIVE:
-        UNSCALE: tl.constexpr = 1.0
-    else:
-        UNSCALE: tl.constexpr = 256.0
+    UNSCALE = _codes_unscale(NATIVE)
 
     o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
@@ -567,5 +574,9 @@ F16_CANDIDATES = {
     "h16n32w8": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
     "h32n32w8": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
     "h16n16w4": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False, "PER_SM": 2},
+    # benchmark-only: registers capped at 128 for 2 programs an SM at 8 warps (sm_80 AOT: 120 B
+    # of spills, so never dispatched; launched through Triton's own path with maxnreg)
+    "h16n32w8r128": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False, "PER_SM": 2,
+                     "MAXNREG": 128},
 }
 F16_CONFIG = {16: F16_CANDIDATES["h16n32w4"], 32: F16_CANDIDATES["h32n32w8"]}
