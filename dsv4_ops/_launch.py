@@ -78,6 +78,10 @@ def launch_key(args: Sequence[object]) -> tuple:
 
 _RUNTIME_KNOBS = None
 
+TRACE = None
+"""A list while dsv4_ops._host_plan records a launcher: every FastKernel call appends
+(kernel, grid, args, consts, num_warps, num_stages) to it (and launches as usual)."""
+
 
 def _hooks_idle() -> bool:
     """True when no Triton launch hook is installed (a profiler installs one)."""
@@ -117,10 +121,11 @@ class FastKernel:
     counts direct ("fast") and normal ("slow") launches (tests, benchmarks).
     """
 
-    __slots__ = ("fn", "jit", "cache", "stats", "_checked")
+    __slots__ = ("fn", "jit", "cache", "stats", "_checked", "name")
 
     def __init__(self, fn):
         self.fn = fn
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
         self.jit = _is_jit(fn)  # False under TRITON_INTERPRET (an InterpretedFunction)
         self.cache: Dict[tuple, list] = {}
         self.stats = {"fast": 0, "slow": 0}
@@ -141,6 +146,8 @@ class FastKernel:
                  num_stages: int = 3) -> None:
         if not self._checked:
             self._check_layout(len(args), len(consts))
+        if TRACE is not None:  # dsv4_ops._host_plan is recording a launcher
+            TRACE.append((self, grid, args, consts, num_warps, num_stages))
         if self.jit and ENABLED and _hooks_idle():
             dev = torch._C._cuda_getDevice()
             key = (dev, num_warps, num_stages, consts, launch_key(args))
@@ -173,6 +180,18 @@ class FastKernel:
                 return
         self.fn[tuple(grid)](*args, *consts, num_warps=num_warps, num_stages=num_stages)
         self.stats["slow"] += 1
+
+
+def compiled_entry(fk: FastKernel, args: tuple, consts: tuple, num_warps: int, num_stages: int):
+    """(run, function, packed_metadata) of the verified direct launch a FastKernel call with these
+    arguments would make on the current device, or None (not compiled yet, not verified, the
+    direct path off, or not a JITFunction). For callers that replay a launch with the same key."""
+    if not (fk.jit and ENABLED):
+        return None
+    hit = fk.cache.get((torch._C._cuda_getDevice(), num_warps, num_stages, consts, launch_key(args)))
+    if hit is None or not hit[3]:
+        return None
+    return hit[0], hit[1], hit[2]
 
 
 def fast(fn) -> FastKernel:

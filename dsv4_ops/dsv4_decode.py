@@ -11,6 +11,12 @@ attended) or the entry is past the token's length (j >= topk_length[t] / swa_len
 
 Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync, so the
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
+Host cost (issue 17: vLLM runs this eagerly for mixed prefill + decode batches, per layer per
+step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, functorch
+transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the kernel
+choice is memoised per (mode, T, H, K) with the environment read through
+``_host_plan.env_memo``; the ops themselves replay recorded launch plans
+(``_host_plan.planned``).
 Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
@@ -28,8 +34,16 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _host_plan
 from . import decode_plan as _dp
 from .layout import HEAD_DIM
+
+_fused_out = _host_plan.direct_op("dsv4_decode_fused_out")
+_decode_gather = _host_plan.direct_op("dsv4_decode_gather")
+_sparse_mla_decode = _host_plan.direct_op("sparse_mla_decode")
+_sparse_mla_decode_out = _host_plan.direct_op("sparse_mla_decode_out")
+_mode = _host_plan.env_memo(_dp.mode)
+_is_compiling = torch.compiler.is_compiling
 
 
 # Workspace rows up to which the one-launch gather (both caches + indices) is used; above it,
@@ -67,6 +81,33 @@ def _aligned(cache) -> bool:
     return isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.stride(0) % 16 == 0
 
 
+def _choice(kernel_mode: str, T: int, H: int, K: int) -> str:
+    """'fused' (the fused op), 'v3' (the fused op when both caches are 16-byte aligned, else the
+    workspace step) or 'workspace', for the mode and the static shapes."""
+    if kernel_mode in ("fused", "v3"):
+        return "fused"
+    if kernel_mode == "auto":
+        if _dp.auto_is_fused(T, H, K):
+            return "fused"
+        if _dp.auto_is_v3(T, H, K):
+            return "v3"
+    return "workspace"
+
+
+_CHOICES = {}
+
+
+def _choice_memo(kernel_mode: str, T: int, H: int, K: int) -> str:
+    """_choice memoised; the windows' identities are in the key (a test may swap them)."""
+    key = (kernel_mode, T, H, K, id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS))
+    c = _CHOICES.get(key)
+    if c is None:
+        if len(_CHOICES) > 4096:
+            _CHOICES.clear()
+        c = _CHOICES[key] = _choice(kernel_mode, T, H, K)
+    return c
+
+
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
                           swa_cache: torch.Tensor, swa_slots: torch.Tensor, sink: Optional[torch.Tensor],
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
@@ -91,31 +132,31 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     if not (isinstance(topk_slots, torch.Tensor) and topk_slots.dim() == 2 and topk_slots.shape[0] == T):
         raise ValueError(f"topk_slots: expected an int tensor of {T} rows (one per token), got "
                          f"{tuple(topk_slots.shape) if isinstance(topk_slots, torch.Tensor) else type(topk_slots)}")
-    rows = T * (topk_slots.shape[1] + swa_slots.shape[1])
-    kernel_mode = _dp.mode()
-    K = topk_slots.shape[1] + swa_slots.shape[1]
-    if kernel_mode in ("fused", "v3") or (kernel_mode == "auto" and (
-            _dp.auto_is_fused(T, q.shape[1], K) or (_dp.auto_is_v3(T, q.shape[1], K) and _aligned(compressed_cache)
-                                                    and _aligned(swa_cache)))):
+    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
+    rows = T * (K1 + K2)
+    if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass)
+        choice = _choice(_dp.mode(), T, q.shape[1], K1 + K2)
+    else:
+        choice = _choice_memo(_mode(), T, q.shape[1], K1 + K2)
+    if choice == "fused" or (choice == "v3" and _aligned(compressed_cache) and _aligned(swa_cache)):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        lse = torch.ops.dsv4_ampere.dsv4_decode_fused_out(q, compressed_cache, topk_slots, topk_length,
-                                                          compressed_block_size, swa_cache, swa_slots, swa_length,
-                                                          swa_block_size, sink, sm_scale, num_splits, out)
+        lse = _fused_out(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
+                         swa_length, swa_block_size, sink, sm_scale, num_splits, out)
         return out, lse
     if workspace is None:
         workspace = torch.empty((rows, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):
         raise ValueError(f"workspace: expected at least ({rows}, {HEAD_DIM}), got {tuple(workspace.shape)}")
-    ops = torch.ops.dsv4_ampere
     if rows <= FUSED_GATHER_MAX_ROWS:
-        indices = ops.dsv4_decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size,
-                                         swa_cache, swa_slots, swa_length, swa_block_size, workspace)
+        indices = _decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                 swa_slots, swa_length, swa_block_size, workspace)
     else:
-        indices = _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compressed_block_size,
-                                       swa_cache, swa_slots, swa_length, swa_block_size, workspace)
+        indices = _gather_two_launches(torch.ops.dsv4_ampere, compressed_cache, topk_slots, topk_length,
+                                       compressed_block_size, swa_cache, swa_slots, swa_length, swa_block_size,
+                                       workspace)
     if out is None:
-        return ops.sparse_mla_decode(q, workspace, indices, None, sink, sm_scale, num_splits)
-    lse = ops.sparse_mla_decode_out(q, workspace, indices, None, sink, sm_scale, num_splits, out)
+        return _sparse_mla_decode(q, workspace, indices, None, sink, sm_scale, num_splits)
+    lse = _sparse_mla_decode_out(q, workspace, indices, None, sink, sm_scale, num_splits, out)
     return out, lse

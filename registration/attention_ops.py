@@ -3,13 +3,16 @@ out= forms merge_splits_out and sparse_mla_decode_out (write a caller's buffer, 
 and dsv4_decode_gather (both decode gathers + the index build, one launch), and
 dsv4_decode_fused_out (the whole decode step read straight from the paged caches).
 
-CUDA runs the Triton launchers (dsv4_ops.attention); the CPU runs the
+CUDA runs the Triton launchers (dsv4_ops.attention) through recorded launch plans
+(dsv4_ops._host_plan.planned: the launcher's checks and plan run once per input layout, later
+calls with the same layout re-allocate and re-launch what it launched); the CPU runs the
 pure-PyTorch references; the fakes allocate exactly what the launchers allocate.
 """
 
 import torch
 
 from dsv4_ops import attention, reference
+from dsv4_ops._host_plan import planned
 from .library import OpDef
 
 D = attention.HEAD_DIM
@@ -131,31 +134,31 @@ OPS = (
     OpDef("sparse_mla_split",
           "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, float sm_scale, int num_splits)"
           " -> (Tensor, Tensor)",
-          cuda=attention.sparse_mla_split, cpu=_sparse_mla_split_cpu, fake=_sparse_mla_split_fake),
+          cuda=planned(attention.sparse_mla_split), cpu=_sparse_mla_split_cpu, fake=_sparse_mla_split_fake),
     OpDef("merge_splits", "(Tensor o_part, Tensor lse_part, Tensor? sink) -> (Tensor, Tensor)",
-          cuda=attention.merge_splits, cpu=_merge_splits_cpu, fake=_merge_splits_fake),
+          cuda=planned(attention.merge_splits), cpu=_merge_splits_cpu, fake=_merge_splits_fake),
     OpDef("sparse_mla_decode",
           "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? sink, float sm_scale,"
           " int num_splits=0) -> (Tensor, Tensor)",
-          cuda=_sparse_mla_decode_cuda, cpu=_sparse_mla_decode_cpu, fake=_sparse_mla_decode_fake),
+          cuda=planned(_sparse_mla_decode_cuda), cpu=_sparse_mla_decode_cpu, fake=_sparse_mla_decode_fake),
     OpDef("dsv4_decode_indices",
           "(Tensor topk_slots, Tensor? topk_length, Tensor swa_slots, int compressed_capacity,"
           " int swa_capacity) -> Tensor",
-          cuda=attention.dsv4_decode_indices, cpu=_dsv4_decode_indices_cpu, fake=_dsv4_decode_indices_fake),
+          cuda=planned(attention.dsv4_decode_indices), cpu=_dsv4_decode_indices_cpu, fake=_dsv4_decode_indices_fake),
     OpDef("merge_splits_out", "(Tensor o_part, Tensor lse_part, Tensor? sink, Tensor(a!) out) -> Tensor",
-          cuda=_merge_splits_out_cuda, cpu=_merge_splits_out_cpu, fake=_merge_splits_out_fake),
+          cuda=planned(_merge_splits_out_cuda), cpu=_merge_splits_out_cpu, fake=_merge_splits_out_fake),
     OpDef("sparse_mla_decode_out",
           "(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? sink, float sm_scale,"
           " int num_splits, Tensor(a!) out) -> Tensor",
-          cuda=_sparse_mla_decode_out_cuda, cpu=_sparse_mla_decode_out_cpu, fake=_sparse_mla_decode_out_fake),
+          cuda=planned(_sparse_mla_decode_out_cuda), cpu=_sparse_mla_decode_out_cpu, fake=_sparse_mla_decode_out_fake),
     OpDef("dsv4_decode_gather",
           "(Tensor compressed_cache, Tensor topk_slots, Tensor? topk_length, int compressed_block_size,"
           " Tensor swa_cache, Tensor swa_slots, Tensor? swa_length, int swa_block_size, Tensor(a!) workspace)"
           " -> Tensor",
-          cuda=attention.dsv4_decode_gather, cpu=_dsv4_decode_gather_cpu, fake=_dsv4_decode_gather_fake),
+          cuda=planned(attention.dsv4_decode_gather), cpu=_dsv4_decode_gather_cpu, fake=_dsv4_decode_gather_fake),
     OpDef("dsv4_decode_fused_out",
           "(Tensor q, Tensor compressed_cache, Tensor topk_slots, Tensor? topk_length, int compressed_block_size,"
           " Tensor swa_cache, Tensor swa_slots, Tensor? swa_length, int swa_block_size, Tensor? sink,"
           " float sm_scale, int num_splits, Tensor(a!) out) -> Tensor",
-          cuda=_dsv4_decode_fused_out_cuda, cpu=_dsv4_decode_fused_out_cpu, fake=_dsv4_decode_fused_out_fake),
+          cuda=planned(_dsv4_decode_fused_out_cuda), cpu=_dsv4_decode_fused_out_cpu, fake=_dsv4_decode_fused_out_fake),
 )

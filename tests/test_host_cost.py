@@ -1,8 +1,12 @@
-"""The low-overhead launch path (dsv4_ops._launch) and the host-cost shape of a decode step.
+"""The low-overhead launch path (dsv4_ops._launch), the recorded launch plans and direct op
+calls (dsv4_ops._host_plan), the plugin's memoised views, and the host-cost shape of a decode step.
 
 CPU: the cache key is at least as fine as Triton's own specialization (checked against
 triton's native specialize_impl), and FastKernel's hit / miss / fallback logic with a fake
-compiled kernel (no GPU). GPU: a warmed decode step makes exactly 3 launches, all direct.
+compiled kernel (no GPU); a replayed plan launches exactly what the launcher launches (mocked
+launches, fresh inputs, several layouts, env changes, aliasing); recordings refuse launchers that
+copy; the dispatcher bypass only in plain eager calls. GPU: a warmed decode step's launches are
+all direct, replayed, and bit-identical to the step without replays.
 """
 
 import pytest
@@ -163,17 +167,304 @@ def test_every_launcher_kernel_has_trailing_constexprs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H", [(1, 8), (4, 64)])
-def test_gpu_decode_step_is_three_direct_launches(variant, T, H):
+def test_gpu_decode_step_is_direct_and_replayed(variant, T, H, monkeypatch):
+    """A warmed decode step: every launch direct (2 for the v3 form at T = 1, 3 for the workspace
+    step), served by a replayed plan, and bit-identical to the step with replays and the
+    dispatcher bypass off."""
     from test_decode_v2 import gpu_composite_args
 
-    from dsv4_ops import dsv4_decode
+    from dsv4_ops import _host_plan, dsv4_decode
+    from dsv4_ops.testing import poison_like
 
     args = gpu_composite_args(T, H, seed=T)
-    for _ in range(2):
+    args["out"] = poison_like(torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda"))
+    for _ in range(3):  # run, record, replay
         dsv4_decode.dsv4_decode_attention(**args)
     torch.cuda.synchronize()
+    poison_like(args["out"])
     before = {id(k): dict(k.stats) for k in _launch._REGISTRY.values()}
-    dsv4_decode.dsv4_decode_attention(**args)
+    r0 = _host_plan.STATS["replay"]
+    out, lse = dsv4_decode.dsv4_decode_attention(**args)
     fast = sum(k.stats["fast"] - before[id(k)]["fast"] for k in _launch._REGISTRY.values())
     slow = sum(k.stats["slow"] - before[id(k)]["slow"] for k in _launch._REGISTRY.values())
-    assert (fast, slow) == (3, 0)
+    assert slow == 0 and fast in (2, 3) and _host_plan.STATS["replay"] - r0 >= 1
+    got = (out.clone(), lse.clone())
+    monkeypatch.setattr(_host_plan, "ENABLED", False)
+    monkeypatch.setattr(_host_plan, "DIRECT", False)
+    poison_like(args["out"])
+    want = dsv4_decode.dsv4_decode_attention(**args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.isnan(got[0].float()).any()
+
+
+# ---- recorded launch plans (dsv4_ops._host_plan), CPU with a mocked launch ----------------------
+
+class _LogCompiled:
+    function, packed_metadata = "fn", ("meta",)
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def run(self, gx, gy, gz, stream, function, packed, lm, enter, exit_, *args):
+        self.log.append((self.name, (gx, gy, gz), args))
+
+
+class _LogJit:
+    """kernel[grid](*args, **opts) 'launches' (logs) and returns a compiled kernel that logs."""
+
+    params = None
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **opts):
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            self.log.append((self.name, g, args))
+            return _LogCompiled(self.log, self.name)
+
+        return launch
+
+
+@pytest.fixture
+def mocked_launches(monkeypatch):
+    """Every FastKernel of the registry logs (name, grid, runtime args + constexprs) instead of
+    launching; CPU tensors take the CUDA code path (device / stream queries stubbed)."""
+    from dsv4_ops import _host_plan, attention, kv_cache  # noqa: F401  (fill the registry)
+
+    log = []
+    for fk in list(_launch._REGISTRY.values()):
+        monkeypatch.setattr(fk, "fn", _LogJit(log, fk.name))
+        monkeypatch.setattr(fk, "jit", True)
+        monkeypatch.setattr(fk, "cache", {})
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 77, raising=False)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(_host_plan, "ENABLED", True)
+    _host_plan.clear()
+    yield log
+    _host_plan.clear()
+
+
+def _canon(entry, inputs):
+    """A launch log entry with tensors named: ('in', i) for the i-th input, else (shape, stride,
+    dtype) of a tensor the launcher allocated (its address is new every call)."""
+    name, grid, args = entry
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            hit = [i for i, t in enumerate(inputs) if t is a]
+            out.append(("in", hit[0]) if hit else ("alloc", tuple(a.shape), a.stride(), a.dtype))
+        else:
+            out.append(a)
+    return name, grid, tuple(out)
+
+
+def _fused_inputs(T, H, K1, K2, *, slot_dtype=torch.int32, lens=True, sink=True, offset=0, same_cache=False, seed=0):
+    from dsv4_ops.layout import min_page_bytes
+
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    base = torch.zeros(8 * min_page_bytes(bs) + 16, dtype=torch.uint8)
+    cc = base[offset:offset + 8 * min_page_bytes(bs)].view(8, min_page_bytes(bs))
+    cw = cc if same_cache else torch.zeros(4, min_page_bytes(bs), dtype=torch.uint8)
+    q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16)
+    topk = torch.randint(-1, 8 * bs, (T, K1), generator=g).to(slot_dtype)
+    swa = torch.randint(-1, cw.shape[0] * bs, (T, K2), generator=g).to(slot_dtype)
+    tl = torch.full((T,), K1, dtype=slot_dtype) if lens else None
+    sl = torch.full((T,), K2, dtype=slot_dtype) if lens else None
+    s = torch.randn(H, generator=g) if sink else None
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16)
+    return (q, cc, topk, tl, bs, cw, swa, sl, bs, s, 512 ** -0.5, 0, out)
+
+
+FUSED_LAYOUTS = [
+    dict(T=1, H=8, K1=512, K2=128),  # auto: v3 (the default decode step)
+    dict(T=1, H=64, K1=512, K2=128),
+    dict(T=4, H=64, K1=512, K2=128),  # v1 form
+    dict(T=3, H=8, K1=40, K2=9, slot_dtype=torch.int64, lens=False, sink=False),
+    dict(T=1, H=8, K1=512, K2=128, offset=8),  # caches not 16-byte aligned: v1 form
+    dict(T=2, H=16, K1=0, K2=128, same_cache=True),  # the plugin's SWA-only call: one cache twice
+]
+
+
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layout):
+    """dsv4_decode_fused_out's CUDA kernel with recorded plans: from the third call of a layout
+    it replays; every call, on fresh tensors, must launch exactly what the launcher itself
+    launches for the same inputs (kernels, grids, scalars, constexprs, which input tensor where,
+    allocations of the same shape / strides / dtype) and return the same kind of result."""
+    from dsv4_ops import _host_plan, attention
+    from dsv4_ops.registration import library
+
+    impl = library._DEFINED["dsv4_decode_fused_out"].cuda
+    log = mocked_launches
+    for call in range(5):
+        args = _fused_inputs(**layout, seed=call)
+        del log[:]
+        r0 = _host_plan.STATS["replay"]
+        got = impl(*args)
+        replayed = _host_plan.STATS["replay"] - r0
+        got_launches = [_canon(e, args) for e in log]
+        del log[:]
+        want = attention.dsv4_decode_fused(*args[:12], out=args[12])[1]
+        want_launches = [_canon(e, args) for e in log]
+        assert got_launches == want_launches, f"call {call}"
+        assert len(got_launches) >= 1
+        assert (type(got), got.shape, got.stride(), got.dtype) == (type(want), want.shape, want.stride(), want.dtype)
+        assert got is not want and all(got is not a for a in args)
+        assert replayed == (call >= 2), f"call {call}: replayed {replayed}"
+
+
+def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
+    """A new shape, a new env value the launcher reads, or a different aliasing of the tensor
+    arguments is a new key: recorded anew, never replayed from another key's plan."""
+    from dsv4_ops import _host_plan, decode_plan
+    from dsv4_ops.registration import library
+
+    impl = library._DEFINED["dsv4_decode_fused_out"].cuda
+    log = mocked_launches
+
+    def launches(args):
+        del log[:]
+        impl(*args)
+        return [_canon(e, args) for e in log]
+
+    a = _fused_inputs(1, 8, 512, 128)
+    base = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)][-1]
+    assert launches(a) == base
+    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")  # same form here: same launches, a new key
+    assert launches(a) == base
+    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")  # v1 form from the launcher (fused_form reads it)
+    v1 = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)]
+    assert v1[0] == v1[1] == v1[2] != base and {n for n, _, _ in v1[0]} != {n for n, _, _ in base}
+    monkeypatch.delenv(decode_plan.ENV_VAR)
+    # aliasing: the same cache object twice vs two caches of one layout
+    one = _fused_inputs(2, 16, 0, 128, same_cache=True)
+    two = _fused_inputs(2, 16, 0, 128)
+    two = two[:5] + (torch.zeros_like(two[1]),) + two[6:]
+    for _ in range(3):
+        l_one, l_two = launches(one), launches(two)
+    assert [x for _, _, x in l_one] != [x for _, _, x in l_two]  # 'in 1' vs 'in 5' for the window cache
+    assert any(("in", 5) in x for _, _, x in l_two)
+
+
+def test_recording_refuses_copies_views_and_torch_kernels(mocked_launches):
+    """A launcher that makes a tensor other than torch.empty / new_empty (a copy, a view, an
+    in-place op) is never replayed: it runs every call."""
+    from dsv4_ops import _host_plan
+
+    calls = []
+
+    def launcher(x, scale):
+        calls.append(1)
+        y = x.contiguous()  # a copy when x is strided
+        return y * scale
+
+    f = _host_plan.planned(launcher)
+    x = torch.arange(12.0).view(3, 4).t()
+    for _ in range(4):
+        assert torch.equal(f(x, 2.0), x.contiguous() * 2.0)
+    assert len(calls) == 4 and all(v is _host_plan._REFUSED for v in f.plans.values())
+
+
+def test_env_memo_follows_the_environment(monkeypatch):
+    from dsv4_ops import _host_plan
+
+    calls = []
+
+    def read(x):
+        calls.append(x)
+        v = os.environ.get("DSV4_AMPERE_TEST_MEMO", "a")
+        if v == "bad":
+            raise ValueError(v)
+        return v + str(x)
+
+    f = _host_plan.env_memo(read)
+    monkeypatch.delenv("DSV4_AMPERE_TEST_MEMO", raising=False)
+    assert f(1) == "a1" and f(1) == "a1" and len(calls) == 1
+    monkeypatch.setenv("DSV4_AMPERE_TEST_MEMO", "b")
+    assert f(1) == "b1" and f(2) == "b2" and len(calls) == 3
+    monkeypatch.setenv("DSV4_AMPERE_TEST_MEMO", "bad")
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            f(1)
+    monkeypatch.delenv("DSV4_AMPERE_TEST_MEMO")
+    assert f(1) == "a1" and len(calls) == 5
+
+
+import os  # noqa: E402
+
+
+def test_direct_ok_only_for_plain_eager_cuda_calls(monkeypatch):
+    """The dispatcher hop is skipped only where torch.ops would call the CUDA kernel itself."""
+    from torch.overrides import TorchFunctionMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsv4_ops import _host_plan
+
+    x = torch.zeros(2)
+    assert not _host_plan.direct_ok(x)  # a CPU tensor: the CPU kernel (the reference) runs
+    monkeypatch.setattr(_host_plan, "DIRECT_CPU", True)
+    assert _host_plan.direct_ok(x)
+    assert not _host_plan.direct_ok(torch.nn.Parameter(x))  # a subclass
+    class Through(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Through():
+        assert not _host_plan.direct_ok(x)
+    with FakeTensorMode():
+        assert not _host_plan.direct_ok(x)
+    assert not torch.vmap(lambda t: torch.tensor(float(_host_plan.direct_ok(t))))(torch.zeros(3)).any()
+    with torch.profiler.profile():
+        assert not _host_plan.direct_ok(x)
+    monkeypatch.setattr(_host_plan, "DIRECT", False)
+    assert not _host_plan.direct_ok(x)
+
+
+def test_composite_direct_call_equals_the_op(mocked_launches, monkeypatch):
+    """The composite's direct path (no dispatcher hop) makes the same launches as the op path."""
+    from dsv4_ops import _host_plan, dsv4_decode
+
+    log = mocked_launches
+    args = _fused_inputs(1, 8, 512, 128)
+    q, cc, topk, tl, bs, cw, swa, sl, _, s, scale, _, out = args
+
+    def run():
+        del log[:]
+        dsv4_decode.dsv4_decode_attention(q, cc, topk, cw, swa, s, scale, bs, bs, topk_length=tl, swa_length=sl,
+                                          out=out)
+        return [_canon(e, args) for e in log]
+
+    from dsv4_ops.registration import library
+
+    lib = torch.library.Library(library.NAMESPACE, "IMPL")  # the op path on CPU tensors: the CUDA kernel
+    lib.impl("dsv4_decode_fused_out", library._DEFINED["dsv4_decode_fused_out"].cuda, "CPU")
+    try:
+        via_op = run()
+        monkeypatch.setattr(_host_plan, "DIRECT_CPU", True)
+        direct = [run() for _ in range(3)]
+    finally:
+        lib._destroy()
+    assert via_op and all(d == via_op for d in direct)
+
+
+def test_plugin_page_views_are_memoised_and_released():
+    import gc
+
+    from dsv4_ops.vllm import attention as vattn
+
+    cache = torch.zeros(4, 16, 584, dtype=torch.uint8)
+    v = vattn._paged_2d(cache, "x")
+    assert v.shape == (4, 16 * 584) and v.stride() == (16 * 584, 1) and v.data_ptr() == cache.data_ptr()
+    cache[1, 2, 3] = 7
+    assert v[1, 2 * 584 + 3] == 7  # the same memory
+    assert vattn._paged_2d(cache, "x") is v
+    k = id(cache)
+    del cache, v
+    gc.collect()
+    assert k not in vattn._PAGE_VIEWS
+    idx = torch.arange(12, dtype=torch.int32).view(3, 1, 4)
+    s = vattn._slots_2d(idx, 3)
+    assert s.shape == (3, 4) and vattn._slots_2d(idx, 3) is s and vattn._slots_2d(idx, 2).shape == (2, 4)

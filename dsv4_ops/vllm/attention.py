@@ -24,13 +24,15 @@ given (``output`` / ``out``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import layout
+from .. import _host_plan, layout
 from ..dsv4_decode import dsv4_decode_attention
 from . import decode_graph
 from .compressed_cache import as_paged_2d
@@ -41,6 +43,62 @@ from .table import V4, V41, Reads, Patch, per_model
 def _as_2d_slots(idx: torch.Tensor, T: int) -> torch.Tensor:
     """[T, 1, K] or [T, K] int slot tensor -> [T, K] (a view)."""
     return idx.reshape(idx.shape[0], -1)[:T]
+
+
+# Host cost (issue 17): vLLM runs the decode eagerly in mixed prefill + decode batches, per layer
+# per step, so the views ampere_decode needs are memoised on the identity of what vLLM passes:
+# the caches are the same tensor objects every step (one entry per cache, dropped when vLLM drops
+# the cache: a weakref callback), the slot tensors the same objects for every layer of a step
+# (the last few kept). A hit is checked against the tensor's address (a set_() / new storage
+# misses); a view shares the tensor's memory, so values never go stale.
+_PAGE_VIEWS: Dict[int, tuple] = {}
+_SLOT_VIEWS: list = []
+_SLOT_VIEWS_KEPT = 4
+
+
+def _paged_2d(cache: torch.Tensor, what: str) -> torch.Tensor:
+    """as_paged_2d(cache, what), memoised per cache tensor (see above)."""
+    e = _PAGE_VIEWS.get(id(cache))
+    if e is not None and e[0]() is cache and e[2] == cache.data_ptr():
+        return e[1]
+    view = as_paged_2d(cache, what)
+    if view is not cache:
+        # An alias of the same memory without the view's link to its base (a view keeps its base
+        # alive, so the entry would keep the cache alive): the entry dies with the cache.
+        alias = torch.empty((0,), dtype=view.dtype, device=view.device).set_(
+            view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        k = id(cache)
+        try:
+            ref = weakref.ref(cache, lambda _r, k=k: _PAGE_VIEWS.pop(k, None))
+        except TypeError:
+            return view
+        _PAGE_VIEWS[k] = (ref, alias, cache.data_ptr())
+        return alias
+    return view
+
+
+def _slots_2d(idx: torch.Tensor, T: int) -> torch.Tensor:
+    """_as_2d_slots(idx, T), memoised for the last few slot tensors (see above)."""
+    if idx.dim() == 2 and idx.shape[0] == T:
+        return idx
+    for e in _SLOT_VIEWS:
+        if e[0] is idx and e[1] == T and e[2] == idx.data_ptr():
+            return e[3]
+    view = _as_2d_slots(idx, T)
+    _SLOT_VIEWS.insert(0, (idx, T, idx.data_ptr(), view))
+    del _SLOT_VIEWS[_SLOT_VIEWS_KEPT:]
+    return view
+
+
+def _no_topk(swa_slots: torch.Tensor) -> torch.Tensor:
+    """swa_slots[:, :0] (an SWA-only layer's empty top-k), memoised like the slot views."""
+    for e in _SLOT_VIEWS:
+        if e[0] is swa_slots and e[1] == -1:
+            return e[3]
+    view = swa_slots[:, :0]
+    _SLOT_VIEWS.insert(0, (swa_slots, -1, None, view))
+    del _SLOT_VIEWS[_SLOT_VIEWS_KEPT:]
+    return view
 
 
 def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor, swa_indices: torch.Tensor,
@@ -61,15 +119,15 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     one softmax over the union of window and compressed keys.
     """
     T = q.shape[0]
-    swa2d = as_paged_2d(swa_cache, "swa kv_cache")
-    swa_slots = _as_2d_slots(swa_indices, T)
+    swa2d = _paged_2d(swa_cache, "swa kv_cache")
+    swa_slots = _slots_2d(swa_indices, T)
     if compressed_cache is None or topk_indices is None:
         comp2d, comp_bs = swa2d, swa_block_size  # never read: zero top-k columns
-        topk_slots = swa_slots[:, :0]
+        topk_slots = _no_topk(swa_slots)
         topk_lens = None
     else:
-        comp2d, comp_bs = as_paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
-        topk_slots = _as_2d_slots(topk_indices, T)
+        comp2d, comp_bs = _paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
+        topk_slots = _slots_2d(topk_indices, T)
     # Lengths: the first T values are read (no slicing needed); written straight into output.
     dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
                           swa_block_size, topk_length=topk_lens, num_splits=num_splits,
@@ -153,6 +211,7 @@ def flash_mla_sparse_fwd_ampere(
 # ----------------------------------------------------------------------------------------
 
 _CLASSES: Dict[type, type] = {}
+_graphs_enabled = _host_plan.env_memo(decode_graph.enabled)  # DSV4_AMPERE_DECODE_GRAPHS, read cheaply
 
 
 # Compress ratio of the C4A layers (indexer top-k); V4's other compressed layers are C128A,
@@ -160,6 +219,7 @@ _CLASSES: Dict[type, type] = {}
 C4A_RATIO = 4
 
 
+@functools.lru_cache(maxsize=None)
 def _is_v41(base_cls: type) -> bool:
     return base_cls.__module__.startswith(V41 + ".")
 
@@ -207,12 +267,14 @@ class _AmpereAttentionMixin:
             if not swa_only:
                 topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
                 comp_bs = attn_metadata.block_size // self.compress_ratio
-            ampere_decode(q[:T], output[:T], self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
+            # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
+            ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
+                          self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
                           swa_metadata.decode_swa_lens, swa_metadata.block_size,
                           None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
                           self.attn_sink, self.scale)
 
-        if decode_graph.enabled():
+        if _graphs_enabled():
             decode_graph.run_forward_decode(self, step, (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
         else:
             step()

@@ -1,0 +1,399 @@
+"""Recorded launch plans: a launcher's Python runs once per input layout, not once per call (issue 17).
+
+vLLM runs the attention region eagerly for mixed prefill + decode batches, so every layer pays
+the host cost of the decode op every step; most of it is Python that gives the same answer
+for every call with the same input layout: the argument checks, the plan (kernel form, splits,
+config), the launch argument lists. ``planned(launcher)`` wraps a launcher (an op's CUDA
+kernel) so that:
+
+1. the first call of a layout key runs the launcher as it is (compiles, fills the FastKernel
+   caches);
+2. the second call runs it under a recorder: a ``TorchFunctionMode`` that sees every torch call
+   the launcher makes, and ``dsv4_ops._launch.TRACE``, which sees every FastKernel launch.
+   The plan is kept only when the launcher did nothing but read tensor metadata (shape,
+   dtype, device, strides, dim, data_ptr, get_device, storage_offset), allocate with
+   ``torch.empty`` / ``new_empty``, take ``.contiguous()`` / ``.to()`` that returned the tensor
+   itself, and launch FastKernels whose tensor arguments are the call's inputs or its own
+   allocations (anything else, a copy, a view, an in-place op, a torch kernel: the key is marked
+   never to replay and the launcher keeps running);
+3. later calls with the same key allocate what the recording allocated (same shapes, strides,
+   dtypes, device) and make the recorded launches (same kernels, grids, constexprs, scalar
+   arguments; tensors substituted by position), through the cached compiled launcher.
+
+The key is everything the launcher's decisions may depend on: for each tensor argument its
+class, shape, strides, dtype, device index, address % 16 and storage offset % 16 (which
+tensor arguments are the same object, when any are); every other argument by value; the
+current CUDA device; the values of the environment variables the recording read (the
+variable names are learnt during recordings, read from the raw environ dict, ~0.1 us each).
+Every check the launcher makes is a function of the key (it reads no tensor values: launchers
+never sync), so a key that passed the checks once passes them every time; a key that failed
+raised in its first call and is never recorded. Launch-hook installs (profilers),
+``DSV4_AMPERE_FAST_LAUNCH=0`` and ``DSV4_AMPERE_HOST_PLAN=0`` turn replays off (the launcher
+runs). Module constants changed at run time (tests) are not in the key: call ``clear()``.
+
+Contract for a wrapped launcher: its Python decisions and launch arguments depend only on the
+key above (tests/test_host_cost.py checks the replayed launches against the launcher's own on
+random layouts with a mocked launch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _launch
+
+ENV_VAR = "DSV4_AMPERE_HOST_PLAN"
+ENABLED = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off")
+MAX_KEYS = 1024  # per launcher; the table is cleared when it grows past this
+STATS = {"record": 0, "replay": 0, "refused": 0}
+
+_TENSOR = torch.Tensor
+_META = frozenset([
+    _TENSOR.shape.__get__, _TENSOR.dtype.__get__, _TENSOR.device.__get__, _TENSOR.ndim.__get__,
+    _TENSOR.is_cuda.__get__, _TENSOR.layout.__get__,
+    _TENSOR.dim, _TENSOR.size, _TENSOR.stride, _TENSOR.get_device, _TENSOR.data_ptr, _TENSOR.storage_offset,
+    _TENSOR.numel, _TENSOR.element_size, _TENSOR.is_contiguous,
+])
+_ALLOC = frozenset([torch.empty, _TENSOR.new_empty])
+_SAME = frozenset([_TENSOR.contiguous, _TENSOR.to])  # allowed when they return the tensor itself
+
+_ENVIRON = getattr(os.environ, "_data", None)  # CPython's raw environ dict (encoded keys)
+_ENV_KEYS: List[object] = []  # encoded names of the variables recordings read, in order learnt
+
+
+class _EnvLog(dict):
+    """A copy of the raw environ dict that logs the keys read (installed during a recording)."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.read = set()
+
+    def __getitem__(self, k):
+        self.read.add(k)
+        return dict.__getitem__(self, k)
+
+
+class _Recorder(TorchFunctionMode):
+    """Sees every torch call of the recorded launcher; ``ok`` stays True while each is metadata,
+    an allocation (kept in ``allocs``) or a no-op contiguous() / to()."""
+
+    def __init__(self):
+        super().__init__()
+        self.ok = True
+        self.allocs: List[torch.Tensor] = []
+        self.why = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _META:
+            return out
+        if func in _ALLOC and type(out) is _TENSOR:
+            self.allocs.append(out)
+            return out
+        if func in _SAME and args and out is args[0]:
+            return out
+        if self.ok:
+            self.ok, self.why = False, f"{getattr(func, '__qualname__', func)}"
+        return out
+
+
+_REFUSED = object()
+
+
+class _Plan:
+    __slots__ = ("allocs", "launches", "ret", "nargs")
+
+    def __init__(self, allocs, launches, ret, nargs):
+        self.allocs = allocs  # [(shape, stride, dtype, device, contiguous)]
+        self.launches = launches  # [(fk, grid3, build_args, consts, nw, ns, direct | None, aligned_allocs)]
+        self.ret = ret  # build(a, m) -> the launcher's return value
+        self.nargs = nargs
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _key(args) -> tuple:
+    """The layout key of a call (module doc). Runs on every call: kept to plain C calls."""
+    k = [torch._C._cuda_getDevice()]
+    if _ENV_KEYS:
+        env = _ENVIRON
+        if env is not None:
+            get = env.get
+            for e in _ENV_KEYS:
+                k.append(get(e))
+        else:
+            k.extend([os.environ.get(e) for e in _ENV_KEYS])
+    tensors = []
+    ap = k.append
+    for a in args:
+        c = a.__class__
+        if c is _TENSOR or (c not in _PLAIN and isinstance(a, _TENSOR)):
+            ap((c, a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15, a.storage_offset() & 15))
+            tensors.append(a)
+        elif c in _PLAIN:
+            ap(a)
+        else:
+            ap((c, a))
+    if len(tensors) > 1 and len(set(map(id, tensors))) != len(tensors):
+        ids = [id(t) for t in tensors]
+        ap(tuple(ids.index(i) for i in ids))  # which tensor arguments are the same object
+    return tuple(k)
+
+
+def _source(x, inputs, allocs):
+    """'a[i]' / 'm[j]' for a tensor from the call's inputs / the launcher's allocations, or None."""
+    for i, t in enumerate(inputs):
+        if t is x:
+            return f"a[{i}]"
+    for j, t in enumerate(allocs):
+        if t is x:
+            return f"m[{j}]"
+    return None
+
+
+def _builder(values, inputs, allocs, what: str):
+    """A compiled ``lambda a, m: (...)`` that rebuilds ``values`` with the tensors substituted by
+    position and every other value a constant of the recording (or None if a tensor is unknown)."""
+    names, parts = {}, []
+    for n, v in enumerate(values):
+        if isinstance(v, _TENSOR):
+            src = _source(v, inputs, allocs)
+            if src is None:
+                return None
+            parts.append(src)
+        else:
+            names[f"c{n}"] = v
+            parts.append(f"c{n}")
+    body = "(" + "".join(p + ", " for p in parts) + ")"
+    return eval(f"lambda a, m: {body}", names)  # noqa: S307 - names only, values bound in the namespace
+
+
+def _return_builder(ret, inputs, allocs):
+    if isinstance(ret, _TENSOR):
+        src = _source(ret, inputs, allocs)
+        return None if src is None else eval(f"lambda a, m: {src}")  # noqa: S307
+    if isinstance(ret, tuple):
+        b = _builder(ret, inputs, allocs, "return")
+        return b
+    return (lambda a, m, _r=ret: _r) if ret is None or isinstance(ret, (int, float, bool)) else None
+
+
+def _record(fn, args):
+    """Run fn(*args) under the recorder; returns (its result, a _Plan or None)."""
+    global _ENVIRON
+    rec = _Recorder()
+    env_saved, env_log = _ENVIRON, None
+    if env_saved is not None:
+        env_log = _EnvLog(env_saved)
+        os.environ._data = env_log
+    trace: list = []
+    _launch.TRACE = trace
+    try:
+        with rec:
+            result = fn(*args)
+    finally:
+        _launch.TRACE = None
+        if env_log is not None:
+            os.environ._data = env_saved
+            if dict(env_log) != env_saved:  # a write during the recording: keep it
+                env_saved.clear()
+                env_saved.update(env_log)
+    if env_log is not None:
+        for k in sorted(env_log.read, key=repr):
+            if k not in _ENV_KEYS:
+                _ENV_KEYS.append(k)
+    if not rec.ok:
+        return result, None, rec.why
+    inputs = list(args)
+    allocs = rec.allocs
+    launches = []
+    for fk, grid, largs, consts, nw, ns in trace:
+        build = _builder(largs, inputs, allocs, "launch")
+        if build is None:
+            return result, None, f"{fk.name}: a tensor argument that is neither an input nor an allocation"
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        direct = _launch.compiled_entry(fk, tuple(largs), tuple(consts), nw, ns)
+        used = tuple(sorted({j for j, t in enumerate(allocs) if any(t is x for x in largs)}))
+        launches.append((fk, tuple(grid), g, build, tuple(consts), nw, ns, direct, used))
+    ret = _return_builder(result, inputs, allocs)
+    if ret is None:
+        return result, None, "returns a tensor that is neither an input nor an allocation"
+    specs = [(tuple(t.shape), t.stride(), t.dtype, t.device, t.is_contiguous()) for t in allocs]
+    return result, _Plan(specs, launches, ret, len(args)), ""
+
+
+def _replay(plan: _Plan, args):
+    m = []
+    for shape, stride, dtype, device, contiguous in plan.allocs:
+        m.append(torch.empty(shape, dtype=dtype, device=device) if contiguous
+                 else torch.empty_strided(shape, stride, dtype=dtype, device=device))
+    stream = None
+    for fk, grid, g, build, consts, nw, ns, direct, used in plan.launches:
+        largs = build(args, m)
+        if direct is not None:
+            for j in used:  # the compiled kernel assumed 16-byte aligned allocations (FastKernel's key)
+                if m[j].data_ptr() & 15:
+                    direct = None
+                    break
+        if direct is not None:
+            if stream is None:
+                stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            direct[0](g[0], g[1], g[2], stream, direct[1], direct[2], None, None, None, *largs, *consts)
+            fk.stats["fast"] += 1
+        else:
+            fk(grid, largs, consts, nw, ns)
+    STATS["replay"] += 1
+    return plan.ret(args, m)
+
+
+_TABLES: List[Dict[tuple, object]] = []
+
+
+def clear() -> None:
+    """Forget every recorded plan (after changing module constants a launcher reads)."""
+    for t in _TABLES:
+        t.clear()
+
+
+def planned(fn: Callable) -> Callable:
+    """``fn`` (a launcher: positional arguments, no host sync) with recorded launch plans."""
+    table: Dict[tuple, object] = {}
+    _TABLES.append(table)
+
+    def call(*args, **kwargs):
+        if kwargs or not (ENABLED and _launch.ENABLED) or _launch.TRACE is not None:
+            return fn(*args, **kwargs)
+        key = _key(args)
+        entry = table.get(key)
+        if entry.__class__ is _Plan:
+            if _launch._hooks_idle():
+                return _replay(entry, args)
+            return fn(*args)
+        if entry is _REFUSED:
+            return fn(*args)
+        if entry is None:  # first sight: run as is (compiles, warms the launch caches)
+            result = fn(*args)
+            if len(table) >= MAX_KEYS:
+                table.clear()
+            table[key] = 1
+            return result
+        result, plan, why = _record(fn, args)
+        table[_key(args) if _ENV_KEYS and key != _key(args) else key] = plan if plan is not None else _REFUSED
+        STATS["record" if plan is not None else "refused"] += 1
+        return result
+
+    call.__name__ = getattr(fn, "__name__", "planned")
+    call.__qualname__ = getattr(fn, "__qualname__", call.__name__)
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn
+    call.plans = table
+    return call
+
+
+# ---- memoised environment reads ---------------------------------------------------------------
+
+_MISS = object()
+
+
+def _read_env_logged(fn, args):
+    """fn(*args) with the environ dict swapped for a logging copy: (result, names read)."""
+    saved = _ENVIRON
+    if saved is None:
+        return fn(*args), None
+    log = _EnvLog(saved)
+    os.environ._data = log
+    try:
+        return fn(*args), log.read
+    finally:
+        os.environ._data = saved
+        if dict(log) != saved:
+            saved.clear()
+            saved.update(log)
+
+
+def env_memo(fn: Callable) -> Callable:
+    """``fn`` (a pure function of its hashable arguments and of environment variables) memoised on
+    its arguments and the values of the variables it read (learnt by running it with a logging
+    environ dict; ~0.1 us a variable per call instead of ~0.6 us for ``os.environ.get``). An
+    exception is not memoised (raised again on the next call). Without CPython's raw environ dict
+    the function runs on every call."""
+    names: List[object] = []
+    table: Dict[tuple, object] = {}
+
+    def call(*args):
+        env = _ENVIRON
+        if env is None:
+            return fn(*args)
+        get = env.get
+        k = (args, tuple([get(n) for n in names]))
+        v = table.get(k, _MISS)
+        if v is _MISS:
+            v, read = _read_env_logged(fn, args)
+            new = [n for n in sorted(read, key=repr) if n not in names]
+            if new:
+                names.extend(new)
+                table.clear()
+                k = (args, tuple([get(n) for n in names]))
+            if len(table) >= MAX_KEYS:
+                table.clear()
+            table[k] = v
+        return v
+
+    call.__name__ = getattr(fn, "__name__", "env_memo")
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn
+    call.cache_clear = table.clear
+    return call
+
+
+# ---- calling an op's CUDA kernel without the dispatcher hop -----------------------------------
+
+DIRECT_ENV_VAR = "DSV4_AMPERE_DIRECT_OPS"
+DIRECT = os.environ.get(DIRECT_ENV_VAR, "1").strip().lower() not in ("0", "false", "off")
+DIRECT_CPU = False  # benchmarks/bench_host_cost.py --mock: CPU tensors take the CUDA kernel too
+_tf_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_stack = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+_profiler = torch.autograd.profiler
+
+
+def direct_ok(t: torch.Tensor) -> bool:
+    """True when calling an op's CUDA kernel directly does what ``torch.ops`` would: ``t`` (the
+    op's first tensor argument) is a plain CUDA tensor (no subclass: no FakeTensor, no
+    FunctionalTensor), nothing is compiling or tracing, no torch-function or dispatch mode is
+    active (FakeTensorMode, make_fx, functionalization), no functorch transform (vmap, grad), no
+    profiler (it records the op's name); ``DSV4_AMPERE_DIRECT_OPS=0`` turns it off."""
+    return (DIRECT and not _is_compiling() and not _tf_mode() and not _dispatch_stack() and t.__class__ is _TENSOR
+            and (t.is_cuda or DIRECT_CPU) and not _functorch_active() and not _profiler._is_profiler_enabled)
+
+
+def direct_op(name: str) -> Callable:
+    """A caller of ``torch.ops.dsv4_ampere.<name>`` that skips the dispatcher hop when
+    ``direct_ok(first argument)``: it then calls the op's registered CUDA kernel itself (the same
+    function the dispatcher would call). Positional arguments only."""
+    found = []
+
+    def resolve():
+        from .registration import library
+
+        row = library._DEFINED.get(name)
+        found[:] = [getattr(getattr(torch.ops, library.NAMESPACE), name), row.cuda if row is not None else None]
+
+    def call(*args):
+        if _is_compiling():  # traced: the op itself (Dynamo sees the fake impl)
+            return getattr(torch.ops.dsv4_ampere, name)(*args)
+        if not found:
+            resolve()
+        op, impl = found
+        if impl is not None and direct_ok(args[0]):
+            return impl(*args)
+        return op(*args)
+
+    call.__name__ = name
+    return call
