@@ -1,6 +1,7 @@
 """Decode v3 (issue 17, batched regime) against today's decode step, in-graph. < 200 s on an H200.
 
-    python benchmarks/bench_decode_v3.py --out DIR [--quick] [--configs a,b,...]
+    python benchmarks/bench_decode_v3.py --out DIR [--quick] [--configs a,b,...] [--name decode_v4]
+                                         [--shapes T:H:K1,...] [--no-pipe]
 
 Writes decode_v3.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H in {8, 16, 64,
 128}, K = 512 top-k + 128 window (and the draft's K = 128 + 128 at a few shapes):
@@ -10,8 +11,10 @@ Writes decode_v3.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H in {
   auto_us        the same composite under auto with this commit's AUTO_V3_WINDOWS (step/auto)
   pipe_us        H <= 16: the v1 fused kernel's PIPELINE form (sparse_mla_paged.
                  FUSED_PIPELINE_CONFIG, never measured before) at its plan's split count
-  <cfg>_us       the v3 kernel (csrc_triton.sparse_mla_v3) with launch config <cfg>
-                 (V3_CANDIDATES), the best of a few split counts around its plan's (<cfg>_S)
+  <cfg>_us       the v3 form with launch config <cfg> (decode_plan.v3_config: sparse_mla_v3.
+                 V3_CANDIDATES, or sparse_mla_v4.V4_CANDIDATES, the fp16-dot kernel: k* one
+                 scale a key, g* per-group P), the best of a few split counts around its
+                 plan's (<cfg>_S)
   best_v3_us     the fastest v3 entry (best_cfg, best_S); step/v3 = step_us / best_v3_us
   floor_us       max(record bytes T*K*584 + q + out at the same run's copy rate,
                  mma flops 4*T*H16*K*512 at MMA_TFLOPS (H16 = H padded to 16), 1 launch)
@@ -38,7 +41,6 @@ from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import attention, decode_plan, dsv4_decode, reference  # noqa: E402
 from dsv4_ops.csrc_triton import sparse_mla_paged as _pk  # noqa: E402
-from dsv4_ops.csrc_triton import sparse_mla_v3 as _vk  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 from dsv4_ops.testing import assert_attention_close  # noqa: E402
 
@@ -124,7 +126,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
                 decode_plan.fused_plan.cache_clear()
         best = None
         for name in configs:
-            cfg = _vk.V3_CANDIDATES[name]
+            cfg = decode_plan.v3_config(name)
             if cfg["BLOCK_H"] > 16 and H <= 16:
                 continue  # padding 8 / 16 heads to 32 rows: never faster than a 16-row group
             plan = decode_plan.v3_plan(T, H, K, sms, 0, name)
@@ -162,6 +164,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--no-pipe", action="store_true", help="skip the v1 PIPELINE column")
+    ap.add_argument("--name", default="decode_v3", help="results file stem (decode_v4 for the fp16-dot round)")
+    ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
     ns, rest = ap.parse_known_args()
     sys.argv = [sys.argv[0]] + (["--out", ns.out] if ns.out else []) + (["--quick"] if ns.quick else [])
     args = parse_args(__doc__.splitlines()[0])
@@ -180,9 +184,11 @@ def main():
     shapes = [(T, H, 512) for T in TS for H in HS] + [(T, H, 128) for T, H in DRAFT]
     if args.quick:
         shapes = [(1, 8, 512), (64, 64, 512), (128, 8, 512)]
+    if ns.shapes:
+        shapes = [tuple(int(x) for x in sh.split(":")) for sh in ns.shapes.split(",")]
     for T, H, K1 in shapes:
         rows.append(measure(cc, cw, T, H, K1, gbs, replays, sms, configs, not ns.no_pipe))
-        write_results("decode_v3", args.out, rows, cols,  # after every row: a timeout keeps what ran
+        write_results(ns.name, args.out, rows, cols,  # after every row: a timeout keeps what ran
                       notes=f"{os.environ.get('DSV4_AMPERE_IMPL')}, {sms} SMs, int32 slots, sink, no lengths; step = "
                             f"the decode step of DSV4_AMPERE_DECODE_KERNEL=auto before v3; <cfg>_us: the v3 kernel, "
                             f"best of a few split counts (<cfg>_S); floor: record bytes at the copy rate {gbs:.0f} "

@@ -36,6 +36,7 @@ from .csrc_triton import sparse_mla as _sk
 from .csrc_triton import sparse_mla_heads as _hk
 from .csrc_triton import sparse_mla_paged as _pk
 from .csrc_triton import sparse_mla_v3 as _vk
+from .csrc_triton import sparse_mla_v4 as _v4k
 from . import decode_plan as _dp
 from .decode_plan import tile_splits as _heuristic_splits
 from .dispatch import variant_for
@@ -56,6 +57,7 @@ _indices_kernel = fast(_sk._dsv4_decode_indices_kernel)
 _decode_gather_kernel = fast(_kk._dsv4_decode_gather_kernel)
 _fused_kernel = fast(_pk._dsv4_decode_fused_kernel)
 _v3_kernel = fast(_vk._dsv4_decode_v3_kernel)
+_v4_kernel = fast(_v4k._dsv4_decode_v4_kernel)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -662,20 +664,24 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
 
 def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots, swa_length,
                swa_block_size, sink, sm_scale, num_splits, out, variant, config):
-    """The v3 kernel (csrc_triton.sparse_mla_v3) over 16-byte aligned caches; inputs checked."""
+    """The v3 form over 16-byte aligned caches, inputs checked: csrc_triton.sparse_mla_v3 or, for a
+    sparse_mla_v4 config (decode_plan.v3_config), the fp16-dot kernel of the same contract."""
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
     plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, config)
-    cfg = _vk.V3_CANDIDATES[config or _dp.v3_config_name(T, H)]
+    cfg = _dp.v3_config(config or _dp.v3_config_name(T, H, K1 + K2))
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
-    consts_tail = (cfg["PIPE"], True)
+    if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode), same arguments
+        kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"])
+    else:
+        kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
     if plan.direct:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T and H:
-            _v3_kernel(
+            kernel(
                 (T * plan.groups,),
                 (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
                  H, K1, K2, 1, plan.groups, float(sm_scale),
@@ -686,7 +692,7 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     S = plan.splits
     o_part, lse_part = split_outputs_like(q, S)
     if T and H:
-        _v3_kernel(
+        kernel(
             (T * S * plan.groups,),
             (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
              H, K1, K2, S, plan.groups, float(sm_scale),

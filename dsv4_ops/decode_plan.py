@@ -267,7 +267,19 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 V3_PROGRAMS_PER_SM = 1
 
 
-def v3_config_name(T: int, H: int) -> str:
+def v3_config(name: str) -> dict:
+    """The launch config of a v3-form name: sparse_mla_v3.V3_CANDIDATES (bf16 decode) or
+    sparse_mla_v4.V4_CANDIDATES (fp16 dots; its configs carry PV_KEY). KeyError if neither."""
+    from .csrc_triton import sparse_mla_v3 as _vk
+    from .csrc_triton import sparse_mla_v4 as _v4k
+
+    cfg = _vk.V3_CANDIDATES.get(name) or _v4k.V4_CANDIDATES.get(name)
+    if cfg is None:
+        raise KeyError(f"no v3 / v4 decode config named {name!r}")
+    return cfg
+
+
+def v3_config_name(T: int, H: int, K: int = 640) -> str:
     """The v3 launch config (sparse_mla_v3.V3_CANDIDATES) auto runs: 16-head groups at every
     H (measured fastest or within 2% of it at 26 of 28 shapes, 32-head groups included), 16-key
     blocks for a single token (more splits: T = 1, H <= 16: 8.2-8.6 us vs 9.3-9.6 at 32 keys)."""
@@ -287,9 +299,7 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> i
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
     """The plan of the v3 kernel (kernel 'v3'); config: a V3_CANDIDATES name to force one
     (benchmarks), else v3_config_name(T, H); splits 0 = v3_splits."""
-    from .csrc_triton import sparse_mla_v3 as _vk
-
-    cfg = _vk.V3_CANDIDATES[config or v3_config_name(T, H)]
+    cfg = v3_config(config or v3_config_name(T, H, K))
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
     s = splits or v3_splits(T, H, K, sms, bh, bn)
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1)

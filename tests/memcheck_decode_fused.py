@@ -6,9 +6,10 @@ Each tensor gets its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and pages
 exactly (no slack after the last record), so a read past a cache is an error the sanitizer
 reports. Slots: out of range, negative, int32 / int64 extremes, repeated; lengths negative
 and past K; an empty window cache. Both variants (native on sm_89+; MEMCHECK_VARIANTS=portable
-for one), three forms (v1 default, v1 PIPELINE, v3: csrc_triton.sparse_mla_v3; the caches here
-are 16-byte aligned), direct and split; exits non-zero when a result differs from the float64
-reference.
+for one), five forms (v1 default, v1 PIPELINE, v3: csrc_triton.sparse_mla_v3, and the fp16-dot
+kernel csrc_triton.sparse_mla_v4 in both PV modes, configs kh16n32w4 / gh16n32w4; the caches
+here are 16-byte aligned; MEMCHECK_FORMS=v3,kh16n32w4 for a subset), direct and split; exits
+non-zero when a result differs from the float64 reference.
 """
 
 import os
@@ -53,7 +54,10 @@ def main() -> int:
         q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).cuda()
         sink = torch.randn(H, generator=g).cuda()
         for variant in variants:
-            for form in ("default", "pipe", "v3"):
+            forms = ("default", "pipe", "v3", "kh16n32w4", "gh16n32w4")
+            if os.environ.get("MEMCHECK_FORMS"):
+                forms = [f for f in forms if f in os.environ["MEMCHECK_FORMS"].split(",")]
+            for form in forms:
                 saved = _pk.FUSED_CONFIG[16]
                 if form == "pipe":
                     _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
@@ -62,8 +66,10 @@ def main() -> int:
                     for window, lens in ((cw, (tl, sl)), (cw_empty, (None, None))):
                         for splits in (1, 3):
                             args = (q, cc, topk, lens[0], 16, window, swa, lens[1], 8, sink, 512 ** -0.5)
+                            v4 = form not in ("default", "pipe", "v3")
                             out, lse = attention.dsv4_decode_fused(*args, splits, variant=variant,
-                                                                   form="v3" if form == "v3" else "v1")
+                                                                   form="v1" if form in ("default", "pipe") else "v3",
+                                                                   config=form if v4 else "")
                             want, want_lse = reference.ref_dsv4_decode_fused(
                                 *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
                                 out_dtype=torch.float64)

@@ -15,6 +15,7 @@ import torch
 import dsv4_ops  # noqa: F401
 from dsv4_ops import attention, decode_plan, dsv4_decode, reference
 from dsv4_ops.csrc_triton import sparse_mla_v3 as _vk
+from dsv4_ops.csrc_triton import sparse_mla_v4 as _v4k
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
 
 from test_decode_fused import case as _case
@@ -66,6 +67,91 @@ def test_v3_every_candidate_config_matches_reference(interpret, config):
     args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
     run_and_check(args, 1, interpret, config)
     run_and_check(args, 2, interpret, config)
+
+
+# One v4 config per (block shape, PV mode): warps / stages do not change the interpreter's result.
+V4_SHAPES = sorted({(c["BLOCK_H"], c["BLOCK_N"], c["PV_KEY"]): n for n, c in _v4k.V4_CANDIDATES.items()}.values())
+
+
+@pytest.mark.parametrize("config", V4_SHAPES)
+def test_v4_every_block_shape_matches_reference(interpret, config):
+    """The fp16-dot kernel (sparse_mla_v4) at every block shape and PV mode a config can pick."""
+    args = case(3, 20, 40, 9, seed=19, device=interpret)
+    args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
+    run_and_check(args, 1, interpret, config)
+    run_and_check(args, 3, interpret, config)
+
+
+@pytest.mark.parametrize("config", ["kh16n32w4", "gh16n32w4"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+def test_v4_lengths_no_sink_and_adversarial_slots(interpret, config, slot_dtype):
+    args = case(2, 8, 24, 8, slot_dtype, seed=23, device=interpret)
+    info = torch.iinfo(slot_dtype)
+    ext = torch.tensor([info.min, info.max, -1, 2 ** 31 - 1, -(2 ** 31), 24, 23, 0], dtype=torch.int64)
+    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(interpret)
+    args["swa_slots"][1] = -1
+    run_and_check(args, 1, interpret, config)
+    run_and_check(dict(args, sink=None), 2, interpret, config)
+    args["topk_slots"][1] = -1  # token 1: no valid key at all
+    run_and_check(dict(args, sink=None), 1, interpret, config)
+    run_and_check(args, 4, interpret, config)
+
+
+def wide_scale_cache(block_size, nblk, seed, key_exp=12, group_exp=6):
+    """Records whose NoPE groups span 2**+-group_exp within a key and keys 2**+-key_exp (UE8M0
+    bytes far apart inside one key block; the RoPE dims unscaled, so they stay in fp16 range
+    under the interpreter): the per-key scales and P units of v4 must hold."""
+    from dsv4_ops.layout import min_page_bytes
+
+    g = rng(seed)
+    n = nblk * block_size
+    rows = torch.randn(n, D, generator=g, dtype=torch.float64)
+    k_exp = torch.randint(-key_exp, key_exp + 1, (n, 1), generator=g)
+    g_exp = torch.randint(-group_exp, group_exp + 1, (n, 7), generator=g).repeat_interleave(64, 1)
+    rows[:, :448] *= torch.pow(2.0, (k_exp + g_exp).double())
+    cache = torch.zeros(nblk, min_page_bytes(block_size) + 16, dtype=torch.uint8)
+    reference.ref_kv_cache_insert(rows.to(torch.bfloat16), cache, torch.arange(n), block_size)
+    return cache
+
+
+def wide_case(device, q_dtype=torch.float16, key_exp=12, group_exp=6):
+    args = case(2, 16, 40, 8, seed=29, lens=(False, False), q_dtype=q_dtype, device=device)
+    args["compressed_cache"] = wide_scale_cache(4, 6, 31, key_exp, group_exp).to(device)
+    args["swa_cache"] = wide_scale_cache(8, 2, 32, key_exp, group_exp).to(device)
+    q = args["q"].float()
+    q[..., :448] *= 2.0 ** -key_exp
+    args["q"] = q.to(q_dtype)
+    return args
+
+
+@pytest.mark.parametrize("config", ["kh16n32w4", "gh16n32w4"])
+def test_v4_wide_scale_spread_matches_reference(interpret, config):
+    """Keys 2**+-12 apart and groups 2**+-6 apart inside a key, q's NoPE dims 2**-12 (scores of
+    both signs and sizes): every per-key scale, q prescale and P unit path runs, vs float64.
+    (The v3 kernel decodes to q's dtype, fp16 here, which such values overflow: GPU only.)"""
+    args = wide_case(interpret)
+    run_and_check(args, 1, interpret, config)
+    run_and_check(args, 2, interpret, config)
+
+
+def test_v4_code_to_f16_is_exact_for_every_code(interpret):
+    """sparse_mla_v4.code_to_f16: every E4M3 byte but the two NaNs -> its value * 2**-8, bit-exact."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, y_ptr):
+        o = tl.arange(0, 256)
+        tl.store(y_ptr + o, _v4k.code_to_f16(tl.load(x_ptr + o)))
+
+    codes = torch.arange(256, dtype=torch.uint8, device=interpret)
+    got = torch.empty(256, dtype=torch.float16, device=interpret)
+    k[(1,)](codes, got)
+    want = codes.cpu().view(torch.float8_e4m3fn).double() * 2.0 ** -8
+    ok = ~torch.isnan(want)
+    assert int(ok.sum()) == 254
+    assert torch.equal(got.cpu().double()[ok], want[ok])
+    assert torch.equal(got.cpu().view(torch.int16)[ok] < 0, codes.cpu()[ok] >= 128)  # the sign of +-0 too
 
 
 def test_v3_no_sink_and_no_keys(interpret):
@@ -162,6 +248,29 @@ def test_gpu_v3_every_dispatched_config(variant, config):
     """(bench_decode_v3.py checks every config it times against the float64 reference too.)"""
     run_and_check(gpu_case(6, 40, seed=3), 1, "cuda", config)
     run_and_check(gpu_case(6, 40, seed=4), 3, "cuda", config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["kh16n32w4", "gh16n32w4", "h16n32w4"])
+def test_gpu_v4_wide_scale_spread(variant, config):
+    """bf16 q: keys 2**+-24 and groups 2**+-10 apart, v3 and both v4 PV modes vs float64."""
+    args = wide_case("cuda", torch.bfloat16, key_exp=24, group_exp=10)
+    run_and_check(args, 1, "cuda", config)
+    run_and_check(args, 3, "cuda", config)
+
+
+@pytest.mark.gpu
+def test_gpu_v4_code_to_f16_compiled(variant):
+    """The compiled e4b15 -> fp16 conversion (not the interpreter's): every code bit-exact."""
+    test_v4_code_to_f16_is_exact_for_every_code("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["direct", "S3", "plan"])
+@pytest.mark.parametrize("T,H", [(1, 8), (5, 16), (3, 64), (70, 8), (33, 128)])
+@pytest.mark.parametrize("config", ["kh16n32w4", "kh32n32w8", "gh16n32w4", "kh16n64w4"])
+def test_gpu_v4_matches_reference(variant, config, T, H, splits):
+    run_and_check(gpu_case(T, H, seed=T * 11 + H), splits, "cuda", config)
 
 
 @pytest.mark.gpu
