@@ -211,7 +211,7 @@ def main():
     args = p.parse_args()
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     t0 = time.time()
-    replays = 10 if args.quick else 25
+    replays = 10 if args.quick else 20
     co = args.compile_only
     gbs = 1.0 if co else copy_bandwidth_gbs(256 << 20)
     tfl = 1.0 if co else mm_tflops()

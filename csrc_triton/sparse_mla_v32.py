@@ -564,6 +564,145 @@ def _v32_sparse_mla_f16_kernel(
     _store_tile(p_o, b_a3, b_scale, m_h, 3)
 
 
+@triton.jit
+def _q_tile_t(p_q, m_h, C: tl.constexpr):
+    """[128, BLOCK_H]: q's dims [128*C, 128*C + 128) of the group's rows, transposed."""
+    o_e = tl.arange(0, 128)
+    return tl.load(p_q[None, :] + C * 128 + o_e[:, None], mask=m_h[None, :], other=0.0)
+
+
+@triton.jit
+def _pv_group_t(b_at, b_pt, b_sc, b_c16, b_alpha, UNSCALE):
+    """_pv_group transposed: acc^T [128, BLOCK_H] * alpha + (codes^T @ (p^T * scale / m)) * m,
+    p^T [BLOCK_N, BLOCK_H], m per head (column) a power of two <= the column's largest weight."""
+    b_w = b_pt * b_sc[:, None]  # [BLOCK_N, BLOCK_H] fp32
+    b_m, b_minv = _pow2_floor(tl.max(b_w, 0))
+    b_pw = (b_w * b_minv[None, :]).to(tl.float16)
+    return b_at * b_alpha + tl.dot(tl.trans(b_c16), b_pw) * (b_m * UNSCALE)[None, :]
+
+
+@triton.jit
+def _store_tile_t(p_o, b_at, b_scale, m_h, C: tl.constexpr):
+    o_e = tl.arange(0, 128)
+    b_o = b_at * b_scale[None, :]
+    tl.store(p_o[None, :] + C * 128 + o_e[:, None], b_o.to(p_o.dtype.element_ty), mask=m_h[None, :])
+
+
+@triton.jit
+def _v32_sparse_mla_f16t_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, o_ptr, lse_ptr,
+    H, K, S, G, sm_scale,
+    stride_q_t, stride_q_h, stride_idx_t, stride_o_t, stride_o_h,
+    block_size, stride_blk, stride_rec, capacity,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+    HAS_LEN: tl.constexpr, DIRECT: tl.constexpr, ALIGN: tl.constexpr, BITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """_v32_sparse_mla_f16_kernel (same arguments, contract and arithmetic) with every tile
+    transposed: keys are the M of the score dot (S^T = codes @ q16^T, [BLOCK_N, BLOCK_H]) and
+    the latent dims the M of P.V (O^T = codes^T @ P^T, [128, BLOCK_H] a group). q^T is then the
+    B operand, split between the warps along N, instead of an A operand that every warp of an
+    M = 16 dot holds whole (~128 registers a thread at 16 heads)."""
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_s = (pid // G) % S
+    pid_t = (pid // (G * S)).to(tl.int64)
+    UNSCALE = _codes_unscale(NATIVE)
+
+    o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_h = o_h < H
+    p_qrow = q_ptr + pid_t * stride_q_t + o_h.to(tl.int64) * stride_q_h  # [BLOCK_H]
+    b_q0 = _q_tile(p_qrow, m_h, 0)  # [BLOCK_H, 128]: for the prescale only
+    b_q1 = _q_tile(p_qrow, m_h, 1)
+    b_q2 = _q_tile(p_qrow, m_h, 2)
+    b_q3 = _q_tile(p_qrow, m_h, 3)
+    b_f, b_finv = _q_prescale(b_q0, b_q1, b_q2, b_q3)
+    b_qt0 = (_q_tile_t(p_qrow, m_h, 0).to(tl.float32) * b_f[None, :]).to(tl.float16)  # [128, BLOCK_H]
+    b_qt1 = (_q_tile_t(p_qrow, m_h, 1).to(tl.float32) * b_f[None, :]).to(tl.float16)
+    b_qt2 = (_q_tile_t(p_qrow, m_h, 2).to(tl.float32) * b_f[None, :]).to(tl.float16)
+    b_qt3 = (_q_tile_t(p_qrow, m_h, 3).to(tl.float32) * b_f[None, :]).to(tl.float16)
+    o_r = tl.arange(0, 64)
+    b_qrt = tl.load(p_qrow[None, :] + 512 + o_r[:, None], mask=m_h[None, :], other=0.0)  # [64, BLOCK_H]
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    k_len = K
+    if HAS_LEN:
+        k_len = tl.minimum(tl.maximum(tl.load(len_ptr + pid_t), 0), K)
+    nb = (k_len + BLOCK_N - 1) // BLOCK_N
+    blk_lo = (pid_s * nb) // S
+    blk_hi = ((pid_s + 1) * nb) // S
+    p_idx = idx_ptr + pid_t * stride_idx_t
+
+    qk_scale = sm_scale * 1.4426950408889634  # scores in the log2 domain
+    b_nope_scale = b_finv * (qk_scale * UNSCALE)  # [BLOCK_H]
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_a0 = tl.zeros([128, BLOCK_H], dtype=tl.float32)  # acc^T, dims 128c..128c+127
+    b_a1 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    b_a2 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    b_a3 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    o_e = tl.arange(0, 128)
+    if PREFETCH:
+        n_m, n_r = _load_idx_block(p_idx, blk_lo, k_len, capacity, BLOCK_N)
+    for blk in range(blk_lo, blk_hi):
+        if PREFETCH:
+            m_n, b_r = n_m, n_r
+            n_m, n_r = _load_idx_block(p_idx, blk + 1, k_len, capacity, BLOCK_N)
+        else:
+            m_n, b_r = _load_idx_block(p_idx, blk, k_len, capacity, BLOCK_N)
+        b_blk = b_r // block_size
+        o_rec = b_blk * stride_blk + (b_r - b_blk * block_size) * stride_rec  # [BLOCK_N] int64
+        p_rec = _rec_ptrs(kv_ptr, o_rec, True, ALIGN)  # [BLOCK_N]
+        m_2 = m_n[:, None]
+        p_sc = (p_rec + _SCALE_OFF).to(tl.pointer_type(tl.float32), bitcast=True)
+        b_sc0 = tl.load(p_sc, mask=m_n, other=0.0)  # [BLOCK_N] fp32 each
+        b_sc1 = tl.load(p_sc + 1, mask=m_n, other=0.0)
+        b_sc2 = tl.load(p_sc + 2, mask=m_n, other=0.0)
+        b_sc3 = tl.load(p_sc + 3, mask=m_n, other=0.0)
+        b_c0 = _codes_f16(tl.load(p_rec[:, None] + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c1 = _codes_f16(tl.load(p_rec[:, None] + 128 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c2 = _codes_f16(tl.load(p_rec[:, None] + 256 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        b_c3 = _codes_f16(tl.load(p_rec[:, None] + 384 + o_e[None, :], mask=m_2, other=0), NATIVE, BITS)
+        p_pe = (p_rec + _ROPE_OFF).to(tl.pointer_type(tl.uint16), bitcast=True)
+        b_kr = tl.load(p_pe[:, None] + o_r[None, :], mask=m_2, other=0).to(tl.bfloat16, bitcast=True).to(DTYPE)
+
+        b_s0 = tl.dot(b_c0, b_qt0)  # [BLOCK_N, BLOCK_H] fp32, 4 independent chains
+        b_s1 = tl.dot(b_c1, b_qt1)
+        b_s2 = tl.dot(b_c2, b_qt2)
+        b_s3 = tl.dot(b_c3, b_qt3)
+        b_sr = tl.dot(b_kr, b_qrt)
+        b_s = (b_s0 * b_sc0[:, None] + b_s1 * b_sc1[:, None] + b_s2 * b_sc2[:, None] + b_s3 * b_sc3[:, None])
+        b_s = b_s * b_nope_scale[None, :] + b_sr * qk_scale
+
+        b_s = tl.where(m_n[:, None], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
+        b_alpha = tl.exp2(b_m - b_m_safe)[None, :]
+        b_p = tl.exp2(b_s - b_m_safe[None, :])  # [BLOCK_N, BLOCK_H]
+        b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 0)
+        b_a0 = _pv_group_t(b_a0, b_p, b_sc0, b_c0, b_alpha, UNSCALE)
+        b_a1 = _pv_group_t(b_a1, b_p, b_sc1, b_c1, b_alpha, UNSCALE)
+        b_a2 = _pv_group_t(b_a2, b_p, b_sc2, b_c2, b_alpha, UNSCALE)
+        b_a3 = _pv_group_t(b_a3, b_p, b_sc3, b_c3, b_alpha, UNSCALE)
+        b_m = b_m_new
+
+    has_key = b_l > 0.0
+    b_l_safe = tl.where(has_key, b_l, 1.0)
+    b_lse = tl.where(has_key, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_scale = 1.0 / b_l_safe  # rows without a key have acc 0: out 0
+    if DIRECT:
+        p_o = o_ptr + pid_t * stride_o_t + o_h.to(tl.int64) * stride_o_h  # [BLOCK_H] rows
+        tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
+    else:
+        row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
+        p_o = o_ptr + row * 512
+        tl.store(lse_ptr + row, b_lse, mask=m_h)
+    _store_tile_t(p_o, b_a0, b_scale, m_h, 0)
+    _store_tile_t(p_o, b_a1, b_scale, m_h, 1)
+    _store_tile_t(p_o, b_a2, b_scale, m_h, 2)
+    _store_tile_t(p_o, b_a3, b_scale, m_h, 3)
+
+
 # The f16 form's configs: F16_CONFIG per head-group size is what the launcher dispatches;
 # F16_CANDIDATES are reachable by form "f16:<name>" (benchmarks).
 # PER_SM: programs an SM holds at once (registers: 4 warps x 249-255 regs = 2 of the 64K; 8 warps
@@ -574,6 +713,10 @@ F16_CANDIDATES = {
     "h16n32w8": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
     "h32n32w8": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False},
     "h16n16w4": {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PREFETCH": False, "PER_SM": 2},
+    # the transposed kernel (_v32_sparse_mla_f16t_kernel: keys / dims as the M of the dots)
+    "t16n32w4": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PREFETCH": False, "PER_SM": 2,
+                 "KT": True},
+    "t16n32w8": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False, "KT": True},
     # benchmark-only: registers capped at 128 for 2 programs an SM at 8 warps (sm_80 AOT: 120 B
     # of spills, so never dispatched; launched through Triton's own path with maxnreg)
     "h16n32w8r128": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False, "PER_SM": 2,

@@ -61,6 +61,7 @@ _gather_kernel = fast(_ck._v32_kv_gather_kernel)
 _attn_kernel = fast(_ak._v32_sparse_mla_kernel)
 _w128_kernel = fast(_ak._v32_sparse_mla_w128_kernel)
 _f16_kernel = fast(_ak._v32_sparse_mla_f16_kernel)
+_f16t_kernel = fast(_ak._v32_sparse_mla_f16t_kernel)
 FORM_ENV = "DSV4_AMPERE_V32_FORM"  # w64 | w128 | f16 | auto (default); f16:<candidate> too
 
 _CACHE_OK = {}
@@ -375,7 +376,7 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
         out = torch.empty((T, H, DV), dtype=torch.bfloat16, device=q.device)
     if form.startswith("f16"):  # fp8 records only (form_for)
         consts = (bh, cfg["BLOCK_N"], variant == "native", topk_length is not None)
-        kernel, extra = _f16_kernel, (True, _interpreting(), cfg["PREFETCH"])
+        kernel, extra = (_f16t_kernel if cfg.get("KT") else _f16_kernel), (True, _interpreting(), cfg["PREFETCH"])
         if cfg.get("MAXNREG") and not _interpreting():  # benchmark-only candidates: Triton's own launch
             kernel = _MaxnregLaunch(_ak._v32_sparse_mla_f16_kernel, cfg["MAXNREG"])
     else:
@@ -464,7 +465,8 @@ def f16_spec(variant: str, cfg: dict, has_len: bool, direct: bool, name: str = "
     optional_pointer(sig, consts, "len_ptr", "*i32", has_len)
     label = (f"v32_attn_f16[{variant},bh{cfg['BLOCK_H']}{',' + name if name else ''},"
              f"{'len' if has_len else 'nolen'},{'direct' if direct else 'part'}]")
-    return KernelSpec("v32_sparse_mla_decode", label, _ak._v32_sparse_mla_f16_kernel, sig, consts, variant,
+    kern = _ak._v32_sparse_mla_f16t_kernel if cfg.get("KT") else _ak._v32_sparse_mla_f16_kernel
+    return KernelSpec("v32_sparse_mla_decode", label, kern, sig, consts, variant,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

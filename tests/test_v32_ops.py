@@ -404,7 +404,7 @@ def test_f16_form_accuracy_with_tile_scales_spanning_2_to_the_30(interpret):
     idx2 = torch.stack([torch.randperm(cap, generator=g)[:48] for _ in range(2)]).to(torch.int32).to(dev)
     ref2 = R.ref_v32_sparse_mla_decode(q2, c2, idx2, None, V32_SCALE, torch.float64, torch.float64)
     assert float(ref2[0].abs().max()) < 1e-3 and float(ref2[0][..., 384:].abs().max()) > 1e-6  # A's
-    for form in ("f16", "f16:h16n16w4", "f16:h32n32w8", "f16:h16n32w8r128"):
+    for form in ("f16", "f16:h16n16w4", "f16:h32n32w8", "f16:h16n32w8r128", "f16:t16n32w4", "f16:t16n32w8"):
         for splits in (1, 2):
             out, lse = v32.v32_sparse_mla_decode(q, c, idx, None, V32_SCALE, num_splits=splits, form=form)
             check_attention(out, lse, q, c, idx, None, V32_SCALE, ref)
