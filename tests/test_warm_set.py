@@ -1,7 +1,8 @@
 """The warm set (dsv4_ops.vllm.warm_set) holds every Triton specialization the dispatch can
-produce, for DeepSeek-V4-Flash and V4.1-Flash at TP 1, 2, 4, 8 (CPU: launchers driven with
-meta tensors, keys by Triton's own specialization rule, sm_80 AOT compiles); the vLLM JIT
-warmup registers it; on a GPU, a sweep of mixed batches after warmup compiles nothing."""
+produce, for DeepSeek-V4-Flash and V4.1-Flash at TP 1, 2, 4, 8, and (warm_set_v32) for
+DeepSeek-V3.2 / GLM-5 with either cache format (CPU: launchers driven with meta tensors, keys
+by Triton's own specialization rule, sm_80 AOT compiles); the vLLM JIT warmup registers it; on
+a GPU, a sweep of mixed batches after warmup compiles nothing."""
 
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 
 from dsv4_ops import decode_plan, warm_keys
 from dsv4_ops.vllm import warm_set as ws
+from dsv4_ops.vllm import warm_set_v32 as wv
 
 MAX_TOKENS = 8192
 SMS = (108, 132)  # A100, H200
@@ -221,9 +223,61 @@ def test_every_aot_kernel_is_warm_or_named_off_the_serve_path():
         for make in MODELS.values():
             for tp in (1, 8):
                 warm |= {k.kernel.rsplit(":", 1)[-1] for k in ws.build(make(tp=tp), 512, sms=108, mode=mode).keys}
+    for make in wv.MODELS.values():
+        for tp in (1, 8):
+            for cache in wv.CACHE_DTYPES:
+                warm |= {k.kernel.rsplit(":", 1)[-1] for k in wv.build(make(tp=tp, cache_dtype=cache), 512).keys}
     assert not (warm & set(ws.NOT_SERVED)), "NOT_SERVED lists a kernel the serve path launches"
     missing = sorted(aot_kernels - warm - set(ws.NOT_SERVED) - set(ws.SELECTABLE))
     assert not missing, f"AOT kernels neither warm nor in warm_set.NOT_SERVED / SELECTABLE: {missing}"
+
+
+@pytest.mark.parametrize("model,tp,cache", [("v32", 8, "fp8_ds_mla"), ("glm5", 1, "auto")])
+def test_v32_every_token_count_is_in_its_class(model, tp, cache):
+    """DeepSeek-V3.2 / GLM-5: the set traced from the batch classes holds the keys of every token
+    count up to the limit, traced one by one (a choice the class signature missed fails here)."""
+    shapes = wv.MODELS[model](tp=tp, cache_dtype=cache)
+    for sms in SMS:
+        warm = wv.build(shapes, 160, sms=sms)
+        seen = ws.trace(wv.serve_calls(shapes, range(1, 161), "portable", sms), sms)
+        assert seen == warm.keys, sorted(k.label() for k in seen ^ warm.keys)[:3]
+        kernels = {k.kernel.rsplit(":", 1)[-1] for k in warm.keys}
+        assert {"_v32_kv_insert_kernel", "_indexer_k_insert_kernel", "_e4m3_encode_kernel"} <= kernels, kernels
+
+
+def test_v32_trace_reaches_the_backend_and_the_writers(monkeypatch):
+    """The V3.2 calls are the plugin's: the backend's _forward_mqa_kernel (decode and prefill)
+    and v32_model's fused_norm_rope / fused_q replacements, on vLLM's argument shapes."""
+    from dsv4_ops.vllm import v32_backend, v32_model
+
+    called = []
+    for mod, name in ((v32_backend, "forward_mqa_kernel"), (v32_model, "fused_norm_rope"), (v32_model, "fused_q")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: (called.append(_n), _r(*a, **k))[1])
+    shapes = wv.deepseek_v32(tp=8)
+    keys = ws.trace(wv.serve_calls(shapes, [5], "portable", 108), 108)
+    assert sorted(set(called)) == ["forward_mqa_kernel", "fused_norm_rope", "fused_q"]
+    assert called.count("forward_mqa_kernel") == 2 and called.count("fused_q") == 1  # the shared layer: no Q
+    assert any("_v32_sparse_mla" in k.kernel for k in keys), sorted(k.label() for k in keys)
+
+
+def test_v32_shapes_from_vllm_config():
+    """V3.2 / GLM-5 configs give V32Shapes (through warm_set.shapes_from_vllm_config, what the
+    warmup asks), ``--kv-cache-dtype fp8`` as fp8_ds_mla, bf16 as auto, MTP rows."""
+    cfg = fake_vllm_config("DeepseekV32ForCausalLM", tp=8)
+    cfg.model_config.hf_config = _Obj(architectures=["DeepseekV32ForCausalLM"], num_attention_heads=128,
+                                      index_n_heads=64, index_topk=2048)
+    cfg.cache_config = _Obj(block_size=64, num_gpu_blocks=1000, cache_dtype="fp8")
+    s = ws.shapes_from_vllm_config(cfg)
+    assert isinstance(s, wv.V32Shapes)
+    assert (s.heads_per_rank, s.index_heads, s.cache_dtype, s.block_size, s.num_blocks) == (16, 64, "fp8_ds_mla", 64,
+                                                                                           1000)
+    cfg.model_config.hf_config.architectures = ["GlmMoeDsaForCausalLM"]
+    cfg.cache_config.cache_dtype = "bfloat16"
+    cfg.speculative_config = _Obj(num_speculative_tokens=1)
+    g = ws.shapes_from_vllm_config(cfg)
+    assert (g.name, g.cache_dtype, g.next_n) == ("GLM-5", "auto", (1, 2))
+    assert ws.build(g, 64, sms=108).keys == wv.build(g, 64, sms=108).keys
 
 
 def test_sm_count_sources_are_known():
@@ -423,7 +477,18 @@ def sweep_calls(shapes, sms: int, dev: str) -> None:
             ws.prefill_logits(shapes, n, 100, 3 * n, "portable")
 
 
-SWEEP_MODELS = {"v41": ws.v41_flash, "v4": ws.v4_flash}  # the served shapes (4096 blocks, 64K context)
+def v32_sweep_calls(shapes, dev: str) -> None:
+    """The V3.2 sweep on ``dev``: the backend's attention, the writers and the indexer at token
+    counts outside the batch classes, on zero tensors (valid slots and rows everywhere)."""
+    with ws.on_device(dev):
+        for T in SWEEP_TOKENS:
+            for call in wv.serve_calls(shapes, [T], "portable", 0):
+                call()
+
+
+# the served shapes (V4 / V4.1: 4096 blocks, 64K context; V3.2: 64K context, fp8_ds_mla)
+SWEEP_MODELS = {"v41": ws.v41_flash, "v4": ws.v4_flash,
+                "v32": lambda tp: wv.deepseek_v32(tp=tp, max_model_len=65536)}
 SWEEP_MAX_TOKENS = 8192
 
 
@@ -434,8 +499,15 @@ def test_the_gpu_sweep_is_covered_on_the_cpu():
         for sms in SMS:
             shapes = make(tp=8)
             warm = ws.build(shapes, SWEEP_MAX_TOKENS, sms=sms, variant="portable", mode="auto")
-            seen = ws.trace([lambda: sweep_calls(shapes, sms, "meta")], sms)
+            seen = ws.trace([lambda: any_sweep_calls(shapes, sms, "meta")], sms)
             assert seen and seen <= warm.keys, (model, sms, sorted(k.label() for k in seen - warm.keys)[:3])
+
+
+def any_sweep_calls(shapes, sms: int, dev: str) -> None:
+    if isinstance(shapes, wv.V32Shapes):
+        v32_sweep_calls(shapes, dev)
+    else:
+        sweep_calls(shapes, sms, dev)
 
 
 def gpu_sweep(model: str = "v41", tp: int = 8, max_tokens: int = SWEEP_MAX_TOKENS, threads: int = 4) -> dict:
@@ -460,7 +532,7 @@ def gpu_sweep(model: str = "v41", tp: int = 8, max_tokens: int = SWEEP_MAX_TOKEN
     warm_s = time.perf_counter() - t0
     seen, uninstall = compile_counter()
     try:
-        sweep_calls(shapes, sms, "cuda")
+        any_sweep_calls(shapes, sms, "cuda")
         torch.cuda.synchronize()
     finally:
         uninstall()

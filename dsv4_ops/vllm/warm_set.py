@@ -40,19 +40,14 @@ HEAD_DIM = 512
 INDEXER_DIM = 128
 RECORD_BYTES = 584
 C128A_TOPK_ALIGNMENT = 128  # vLLM deepseek_v4/sparse_mla.py _C128A_TOPK_ALIGNMENT
-# Kernels of the sm_8x AOT table (``dsv4_ops.aot.all_specs``) that vLLM's DeepSeek-V4 / V4.1
-# serve path never launches, with the reason; every other AOT kernel must be in a warm set
-# (tests/test_warm_set.py), so a new kernel is warmed or named here.
+# Kernels of the sm_8x AOT table (``dsv4_ops.aot.all_specs``) that vLLM's DeepSeek-V4 / V4.1 and
+# V3.2 / GLM-5 (``warm_set_v32``) serve paths never launch, with the reason; every other AOT
+# kernel must be in a warm set (tests/test_warm_set.py), so a new kernel is warmed or named here.
 NOT_SERVED = {
-    "_e4m3_decode_kernel": "the E4M3 codec ops (dsv4_ampere.e4m3_decode/encode) serve tools and tests; the cache "
-                           "writers and readers inline their own codec",
-    "_e4m3_encode_kernel": "as _e4m3_decode_kernel",
-    # DeepSeek-V3.2 (dsv4_ops.v32, dsv4_ops.vllm.v32_backend): another model; this warm set is
-    # V4 / V4.1's (shapes_from_vllm_config answers None for V3.2), so these compile at first use.
-    "_v32_kv_gather_kernel": "DeepSeek-V3.2's cache gather (no V3.2 warm set yet)",
-    "_v32_kv_insert_kernel": "DeepSeek-V3.2's cache writer (no V3.2 warm set yet)",
-    "_v32_sparse_mla_kernel": "DeepSeek-V3.2's sparse attention (no V3.2 warm set yet)",
-    "_v32_sparse_mla_w128_kernel": "DeepSeek-V3.2's sparse attention, 128-wide form (no V3.2 warm set yet)",
+    "_e4m3_decode_kernel": "the E4M3 decode op (dsv4_ampere.e4m3_decode) serves tools and tests; the cache "
+                           "readers inline their own codec (e4m3_encode is served: V3.2's indexer Q quant)",
+    "_v32_kv_gather_kernel": "DeepSeek-V3.2's cache gather (dsv4_ampere.v32_kv_gather) serves tests and tools; "
+                             "the backend's attention reads the cache rows by index",
 }
 # AOT kernels a launcher keeps selectable by an explicit config (benchmarks, overrides) while
 # its shipped config may run another kernel: warm or not, both are fine.
@@ -358,7 +353,7 @@ def cache_inserts(shapes: ModelShapes, n: int, variant: str) -> None:
 
 def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
     """Indexer Q quant for T tokens (bf16 or fp32 weights, fp32 cos/sin cache) and the decode
-    logits per indexed ratio (T = B * next_n rows for every next_n, 1-D context lengths,
+    logits per indexed ratio (T = B * next_n rows for every next_n, 1-D and, with next_n > 1, [B, next_n] context lengths,
     max_model_len / ratio columns, the indexer cache of block_size // ratio tokens a block)."""
     import torch
 
@@ -377,9 +372,11 @@ def indexer_calls(shapes: ModelShapes, T: int, variant: str) -> None:
             if T % next_n:
                 continue
             B = T // next_n
-            vidx.fp8_fp4_paged_mqa_logits((_meta((B, next_n, Hi, INDEXER_DIM), torch.float8_e4m3fn), None), icache,
-                                          _meta((T, Hi), torch.float32), _meta((B,), torch.int32),
-                                          _meta((B, _cdiv(ctx_cols, bs)), torch.int32), None, ctx_cols)
+            # context lengths [B] (plain decode, vLLM's flatten path) and [B, next_n] (native MTP)
+            for ctx_shape in {(B,), (B, next_n) if next_n > 1 else (B,)}:
+                vidx.fp8_fp4_paged_mqa_logits((_meta((B, next_n, Hi, INDEXER_DIM), torch.float8_e4m3fn), None),
+                                              icache, _meta((T, Hi), torch.float32), _meta(ctx_shape, torch.int32),
+                                              _meta((B, _cdiv(ctx_cols, bs)), torch.int32), None, ctx_cols)
 
 
 def prefill_logits(shapes: ModelShapes, M: int, N: int, cols: int, variant: str) -> None:
@@ -560,6 +557,10 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     from .. import decode_plan
     from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
 
+    from . import warm_set_v32
+
+    if isinstance(shapes, warm_set_v32.V32Shapes):  # DeepSeek-V3.2 / GLM-5: that file's calls
+        return warm_set_v32.build(shapes, max_tokens, sms, variant, cache_dir)
     mode = decode_plan.mode() if mode is None else mode
     if cache_dir is not None:
         return cached_build(cache_dir, shapes, max_tokens, sms, variant, mode)
@@ -639,7 +640,12 @@ def cached_build(cache_dir: str, shapes: ModelShapes, max_tokens: int, sms: int,
         return WarmSet(shapes, max_tokens, sms, variant, frozenset(keys), tuple(classes))
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, ImportError):
         pass
-    warm = build(shapes, max_tokens, sms, variant, mode)
+    if hasattr(shapes, "ratios"):
+        warm = build(shapes, max_tokens, sms, variant, mode)
+    else:  # V32Shapes (warm_set_v32.build passes mode 'v32')
+        from . import warm_set_v32
+
+        warm = warm_set_v32.build(shapes, max_tokens, sms, variant)
     try:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
@@ -651,16 +657,18 @@ def cached_build(cache_dir: str, shapes: ModelShapes, max_tokens: int, sms: int,
     return warm
 
 
-def shapes_from_vllm_config(vllm_config) -> Optional[ModelShapes]:
-    """ModelShapes of the model vLLM serves, or None when it is not DeepSeek-V4 / V4.1.
-    Reads the HF config (heads, indexer heads and top-k, window, compress rates, image
-    tokens), TP, max_model_len, the cache config (block size, blocks) and the speculative
-    config (query rows a request)."""
+def shapes_from_vllm_config(vllm_config):
+    """ModelShapes of the model vLLM serves (DeepSeek-V3.2 / GLM-5: ``warm_set_v32.V32Shapes``),
+    or None when it is none of those. Reads the HF config (heads, indexer heads and top-k,
+    window, compress rates, image tokens), TP, max_model_len, the cache config (block size,
+    blocks) and the speculative config (query rows a request)."""
     model_config = getattr(vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_config", None)
     archs = " ".join(getattr(hf, "architectures", None) or ())
     if hf is None or "DeepseekV4" not in archs and "DeepseekV41" not in archs:
-        return None
+        from . import warm_set_v32
+
+        return warm_set_v32.shapes_from_vllm_config(vllm_config)
     v41 = "V41" in archs or getattr(hf, "engram_layer_ids", None) is not None
     cache = getattr(vllm_config, "cache_config", None)
     rates = getattr(hf, "compress_rates", None) or {}
