@@ -657,8 +657,11 @@ def test_gpu_insert_bit_identical_large(variant):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("form", ["w128", "f16"])
+def test_gpu_cuda_graph_replay_equals_eager(monkeypatch, form):
     from dsv4_ops.testing import capture_graph
+
+    monkeypatch.setenv(v32.FORM_ENV, form)
 
     q, cache, idx, tlen = flashmla_case(8, 2, 128, 1024, 2048, 64, True, 101, "cuda")
     kv_c, k_pe = make_kv(16, 102, "cuda")
@@ -684,7 +687,9 @@ def test_gpu_cuda_graph_replay_equals_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_torch_compile_fullgraph():
+@pytest.mark.parametrize("form", ["w128", "f16"])
+def test_gpu_torch_compile_fullgraph(monkeypatch, form):
+    monkeypatch.setenv(v32.FORM_ENV, form)
     q, cache, idx, tlen = flashmla_case(4, 1, 16, 512, 64, 69, True, 111, "cuda")
     kv_c, k_pe = make_kv(8, 112, "cuda")
     slots = torch.arange(8, device="cuda")
