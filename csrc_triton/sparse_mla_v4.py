@@ -374,4 +374,10 @@ V4_CANDIDATES = {
     for key, pre in ((True, "k"), (False, "g"))
     for bh, bn, w, st in ((16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 8, 2),
                           (32, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2))}
+# Register-capped forms (suffix r<N>: ptxas maxnreg N) for more co-resident programs an SM
+# (registers, not shared memory, bind at 255): AOT sm_80 spills: kh16n16w4r168 8 B (3 an SM),
+# kh16n32w4r168 328 B (3), kh16n32w8r128 44 B (2 x 8 warps), kh16n16w4r128 256 B (4).
+for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168", "kh16n32w4", 168),
+                           ("kh16n32w8r128", "kh16n32w8", 128), ("kh16n16w4r128", "kh16n16w4", 128)):
+    V4_CANDIDATES[_name] = dict(V4_CANDIDATES[_base], maxnreg=_reg)
 V4_DISPATCHED = ()

@@ -674,6 +674,10 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode), same arguments
         kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"])
+        if cfg.get("maxnreg") and _v4_kernel.jit:  # register-capped: the plain launch (no fast path for it)
+            def kernel(grid, args, consts, num_warps, num_stages, _n=cfg["maxnreg"]):
+                _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages,
+                                                  maxnreg=_n)
     else:
         kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
