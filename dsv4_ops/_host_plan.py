@@ -39,6 +39,7 @@ random layouts with a mocked launch).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Dict, List
 
 import torch
@@ -192,7 +193,7 @@ def _record(fn, args):
         env_log = _EnvLog(env_saved)
         os.environ._data = env_log
     trace: list = []
-    _launch.TRACE = trace
+    _launch.TRACE = (threading.get_ident(), trace)
     try:
         with rec:
             result = fn(*args)
@@ -267,7 +268,7 @@ def planned(fn: Callable) -> Callable:
 
     def call(*args, **kwargs):
         if kwargs or not (ENABLED and _launch.ENABLED) or _launch.TRACE is not None:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs)  # (inside another recording, or on another thread during one: as is)
         key = _key(args)
         entry = table.get(key)
         if entry.__class__ is _Plan:

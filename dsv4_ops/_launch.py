@@ -32,6 +32,7 @@ any step of the direct path fails on a new triton (it then disables itself for t
 from __future__ import annotations
 
 import os
+from threading import get_ident as _get_ident
 from typing import Dict, Sequence
 
 import torch
@@ -79,8 +80,9 @@ def launch_key(args: Sequence[object]) -> tuple:
 _RUNTIME_KNOBS = None
 
 TRACE = None
-"""A list while dsv4_ops._host_plan records a launcher: every FastKernel call appends
-(kernel, grid, args, consts, num_warps, num_stages) to it (and launches as usual)."""
+"""(thread ident, list) while dsv4_ops._host_plan records a launcher: every FastKernel call of
+that thread appends (kernel, grid, args, consts, num_warps, num_stages) to the list (and
+launches as usual)."""
 
 
 def _hooks_idle() -> bool:
@@ -146,8 +148,8 @@ class FastKernel:
                  num_stages: int = 3) -> None:
         if not self._checked:
             self._check_layout(len(args), len(consts))
-        if TRACE is not None:  # dsv4_ops._host_plan is recording a launcher
-            TRACE.append((self, grid, args, consts, num_warps, num_stages))
+        if TRACE is not None and TRACE[0] == _get_ident():  # dsv4_ops._host_plan is recording a launcher
+            TRACE[1].append((self, grid, args, consts, num_warps, num_stages))
         if self.jit and ENABLED and _hooks_idle():
             dev = torch._C._cuda_getDevice()
             key = (dev, num_warps, num_stages, consts, launch_key(args))
