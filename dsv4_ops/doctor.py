@@ -1,4 +1,5 @@
-"""``dsv4-ops doctor``: will this host serve DeepSeek-V4/V4.1-Flash with vLLM and the plugin?
+"""``dsv4-ops doctor``: will this host serve DeepSeek-V4/V4.1-Flash (or DeepSeek-V3.2 / GLM-5) with
+vLLM and the plugin?
 
 ``dsv4-ops check`` tests the library; ``doctor`` checks the deployment, on the machine it runs
 on (GPU or not), and prints one line per check with what to do:
@@ -16,9 +17,11 @@ on (GPU or not), and prints one line per check with what to do:
   with free memory (``MemAvailable``), the cgroup limit and ``ulimit -l``;
 - the vLLM version against the one the plugin was written for, and whether vLLM will load the
   plugin's entry point (``vllm.general_plugins``, ``VLLM_PLUGINS``);
-- with ``--model``: the pipeline partition (``dsv4_ops.pp_partition``) and the KV-cache block
-  size vLLM resolves for the model's attention backends on this GPU's architecture (vLLM's
-  own ``_preferred_block_size_for_backends``).
+- with ``--model``: the pipeline partition (``dsv4_ops.pp_partition``; V3.2 / GLM-5: vLLM's own
+  layer split) and the KV-cache block size vLLM resolves for the model's attention backends on
+  this GPU's architecture (vLLM's own ``_preferred_block_size_for_backends``; V3.2 / GLM-5: the
+  plugin's sparse-MLA backend and vLLM's V3.2 indexer backend); V3.2 / GLM-5 also the heads a
+  rank gets at the TP and the ``--kv-cache-dtype`` the plugin's backend reads.
 
 Every host fact is read once into ``HostFacts`` (``read_host``), so tests fake the machine.
 Exit status: 1 when a check fails, else 0 (warnings do not fail).
@@ -87,6 +90,7 @@ class Deployment:
     data_parallel_size: int = 1
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     block_size: Optional[int] = None
+    kv_cache_dtype: str = "auto"
     engram_use_thp: bool = False
     engram_cpu_offload: bool = True
 
@@ -200,7 +204,7 @@ def read_host() -> HostFacts:
 class ModelInfo:
     source: str
     config: Dict[str, Any]
-    variant: Optional[str]            # v4 / v41 / None (not a DeepSeek-V4 family config)
+    variant: Optional[str]            # v4 / v41 / v32 / glm5 / None (none of those)
     checkpoint_bytes: Optional[int]   # safetensors index total_size (None: no local weights index)
 
     @property
@@ -211,6 +215,10 @@ class ModelInfo:
 
 def variant_of(cfg: Dict[str, Any]) -> Optional[str]:
     names = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
+    if "GlmMoeDsa" in names or "glm_moe_dsa" in names:
+        return "glm5"
+    if "V32" in names or "v32" in names:
+        return "v32"
     if "V41" in names or "v41" in names:
         return "v41"
     if "V4" in names or "v4" in names:
@@ -465,6 +473,9 @@ def check_pp(d: Deployment, m: Optional[ModelInfo]) -> Check:
 
     if m is None:
         return Check("pp partition", "skip", "give --model to check the pipeline partition")
+    if m.variant in V32_VARIANTS:
+        return Check("pp partition", "ok", f"PP {d.pipeline_parallel_size}: vLLM's own layer split (the plugin adds "
+                     "no stage rule for DeepSeek-V3.2 / GLM-5)")
     if d.pipeline_parallel_size <= 1:
         return Check("pp partition", "ok", "PP 1: no stage boundaries")
     env = os.environ.get(pp_partition.ENV_VAR)
@@ -527,9 +538,15 @@ def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
         mod, name = s.split(":")
         return getattr(importlib.import_module(mod), name)
 
-    attn, indexer, compressor = (get(s) for s in _BACKENDS[variant])
-    classes = [attn.backend_cls, getattr(attn, "swa_backend_cls", None) or DeepseekSparseSWABackend,
-               get(_BACKENDS[variant][1]), compressor]
+    if variant in V32_VARIANTS:  # MLAAttention's selected backend (the plugin's, on sm_8x) + the indexer's
+        from .vllm import v32_backend
+
+        classes = [v32_backend.AmpereSparseMLABackend,
+                   get("vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerBackend")]
+    else:
+        attn, indexer, compressor = (get(s) for s in _BACKENDS[variant])
+        classes = [attn.backend_cls, getattr(attn, "swa_backend_cls", None) or DeepseekSparseSWABackend,
+                   get(_BACKENDS[variant][1]), compressor]
     with platform_as(arch):  # a stand-in config: these backends read only the platform
         size = type(current_platform)._preferred_block_size_for_backends(
             classes, CacheConfig.DEFAULT_BLOCK_SIZE, SimpleNamespace(compilation_config=None))
@@ -539,7 +556,8 @@ def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
 
 def check_block_size(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> Check:
     if m is None or m.variant is None:
-        return Check("kv block size", "skip", "give --model (a DeepSeek-V4/V4.1 config) to resolve the block size")
+        return Check("kv block size", "skip", "give --model (a DeepSeek-V4/V4.1/V3.2 or GLM-5 config) to resolve "
+                     "the block size")
     cap = h.gpus[0].capability if h.gpus else (8, 0)
     arch = cap[0] * 10 + cap[1]
     try:
@@ -555,11 +573,43 @@ def check_block_size(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> Che
     return Check("kv block size", "ok", f"vLLM resolves {size}-token KV blocks on {where} ({names})")
 
 
+V32_VARIANTS = ("v32", "glm5")
+
+
+def check_v32(d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
+    """DeepSeek-V3.2 / GLM-5: the query heads a rank gets at this TP (vLLM shards them; the
+    indexer's heads run on every rank) and the ``--kv-cache-dtype`` the plugin's sparse-MLA
+    backend reads (``v32_backend``: auto / bfloat16 / fp8_ds_mla and the fp8 aliases of it)."""
+    if m is None or m.variant not in V32_VARIANTS:
+        return []
+    from .vllm import v32_backend
+
+    out = []
+    heads = int(m.text.get("num_attention_heads", 0) or 0)
+    tp = d.tensor_parallel_size
+    if heads and heads % tp:
+        out.append(Check("heads per rank", "fail", f"{heads} query heads do not split over TP {tp}"))
+    elif heads:
+        out.append(Check("heads per rank", "ok", f"{heads // tp} query heads a rank at TP {tp}; the indexer's "
+                         f"{m.text.get('index_n_heads', '?')} heads run on every rank"))
+    dtype = d.kv_cache_dtype
+    known = v32_backend.KV_CACHE_DTYPES + tuple(v32_backend.KV_CACHE_ALIASES)
+    if dtype not in known:
+        out.append(Check("kv cache dtype", "fail", f"--kv-cache-dtype {dtype}: the sm_8x sparse-MLA backend reads "
+                         f"{', '.join(known)}"))
+    else:
+        what = v32_backend.KV_CACHE_ALIASES.get(dtype, dtype)
+        rec = "656-byte fp8_ds_mla records" if what == "fp8_ds_mla" else "bf16 rows of 576"
+        out.append(Check("kv cache dtype", "ok", f"--kv-cache-dtype {dtype}: {rec} a token"))
+    return out
+
+
 def run(h: HostFacts, d: Deployment, m: Optional[ModelInfo] = None) -> List[Check]:
     """Every check, in the order a deployment meets them."""
     checks = [check_driver(h)] + check_vllm(h) + check_gpus(h, d, m)
     checks += check_engram(h, d, m)
     if m is not None:
+        checks += check_v32(d, m)
         checks += [check_pp(d, m), check_block_size(h, d, m)]
     return checks
 
@@ -568,7 +618,8 @@ def main(args) -> int:
     """``dsv4-ops doctor``: print one line per check; 1 when any check fails."""
     d = Deployment(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
                    pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size)
+                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto")
     m = None
     if args.model:
         try:
@@ -577,7 +628,7 @@ def main(args) -> int:
             print(Check("model", "fail", str(exc)).line())
             return 1
         if m.variant is None:
-            print(Check("model", "warn", f"{args.model}: not a DeepSeek-V4/V4.1 config "
+            print(Check("model", "warn", f"{args.model}: not a DeepSeek-V4/V4.1/V3.2 or GLM-5 config "
                         f"(architectures {m.config.get('architectures')})").line())
     checks = run(read_host(), d, m)
     for c in checks:
@@ -589,5 +640,5 @@ def main(args) -> int:
 
 
 __all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "check_block_size", "check_driver",
-           "check_engram", "check_gpus", "check_pp", "check_vllm", "engram_need", "engram_pinned_per_rank",
-           "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]
+           "check_engram", "check_gpus", "check_pp", "check_v32", "check_vllm", "engram_need",
+           "engram_pinned_per_rank", "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]

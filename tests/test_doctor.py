@@ -67,7 +67,8 @@ def test_plugin_entry_point_and_vllm_plugins_filter():
 # ------------------------------------------------------------------ GPUs
 
 def _model(variant="v4", size=None, **cfg):
-    arch = {"v4": "DeepseekV4ForCausalLM", "v41": "DeepseekV41ForCausalLM"}[variant]
+    arch = {"v4": "DeepseekV4ForCausalLM", "v41": "DeepseekV41ForCausalLM", "v32": "DeepseekV32ForCausalLM",
+            "glm5": "GlmMoeDsaForCausalLM"}[variant]
     return ModelInfo("fake", dict(cfg, architectures=[arch]), variant, size)
 
 
@@ -199,6 +200,32 @@ def test_kv_block_size_is_the_one_vllm_resolves_on_sm80():
     assert doctor.check_block_size(host(), Deployment(), m).status == "ok"
     wrong = doctor.check_block_size(host(), Deployment(block_size=size41 * 2), m)
     assert wrong.status == "fail" and f"pass {size41}" in wrong.message
+
+
+def test_v32_and_glm5_configs_are_recognised_and_checked():
+    """DeepSeek-V3.2 / GLM-5: the variant from the config, the heads a rank gets, the kv-cache
+    dtypes the plugin's backend reads (fp8 names fp8_ds_mla), vLLM's own PP split."""
+    assert doctor.variant_of({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}) == "v32"
+    assert doctor.variant_of({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"}) == "glm5"
+    assert doctor.variant_of({"architectures": ["DeepseekV41ForCausalLM"]}) == "v41"
+    m = _model("v32", num_attention_heads=128, index_n_heads=64)
+    ok = doctor.check_v32(Deployment(tensor_parallel_size=8, kv_cache_dtype="fp8"), m)
+    assert by_name(ok, "heads per rank").status == "ok" and "16 query heads" in by_name(ok, "heads per rank").message
+    assert by_name(ok, "kv cache dtype").status == "ok" and "656-byte" in by_name(ok, "kv cache dtype").message
+    bad = doctor.check_v32(Deployment(tensor_parallel_size=3, kv_cache_dtype="fp8_e5m2"), m)
+    assert by_name(bad, "heads per rank").status == "fail" and by_name(bad, "kv cache dtype").status == "fail"
+    assert doctor.check_v32(Deployment(), _model("v41")) == []
+    assert doctor.check_pp(Deployment(pipeline_parallel_size=4), _model("glm5", num_attention_heads=64)).status == "ok"
+
+
+def test_v32_kv_block_size_is_the_one_vllm_resolves_on_sm80():
+    """With the plugin's backend (MultipleOf 64) and vLLM's V3.2 indexer backend, vLLM resolves 64."""
+    pytest.importorskip("vllm")
+    size, names = doctor.resolved_block_size("v32", 80)
+    assert size % 64 == 0 and "DSV4_AMPERE_MLA_SPARSE" in names, (size, names)
+    m = _model("v32", num_attention_heads=128)
+    assert doctor.check_block_size(host(), Deployment(), m).status == "ok"
+    assert doctor.check_block_size(host(), Deployment(block_size=size + 32), m).status == "fail"
 
 
 # ------------------------------------------------------------------ the command
