@@ -288,8 +288,9 @@ FUSED_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("generated", [True, False], ids=["generated", "generic"])
 @pytest.mark.parametrize("layout", FUSED_LAYOUTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layout):
+def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layout, generated, monkeypatch):
     """dsv4_decode_fused_out's CUDA kernel with recorded plans: from the third call of a layout
     it replays; every call, on fresh tensors, must launch exactly what the launcher itself
     launches for the same inputs (kernels, grids, scalars, constexprs, which input tensor where,
@@ -297,6 +298,7 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
     from dsv4_ops import _host_plan, attention
     from dsv4_ops.registration import library
 
+    monkeypatch.setattr(_host_plan, "FAST_REPLAY", generated)
     impl = library._DEFINED["dsv4_decode_fused_out"].cuda
     log = mocked_launches
     for call in range(5):
@@ -314,6 +316,8 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
         assert (type(got), got.shape, got.stride(), got.dtype) == (type(want), want.shape, want.stride(), want.dtype)
         assert got is not want and all(got is not a for a in args)
         assert replayed == (call >= 2), f"call {call}: replayed {replayed}"
+    plans = [p for p in impl.plans.values() if isinstance(p, _host_plan._Plan)]
+    assert len(plans) == 1 and (plans[0].fast is not None) == generated
 
 
 def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
@@ -468,3 +472,30 @@ def test_plugin_page_views_are_memoised_and_released():
     idx = torch.arange(12, dtype=torch.int32).view(3, 1, 4)
     s = vattn._slots_2d(idx, 3)
     assert s.shape == (3, 4) and vattn._slots_2d(idx, 3) is s and vattn._slots_2d(idx, 2).shape == (2, 4)
+
+
+def test_generated_replay_falls_back_on_a_misaligned_allocation(mocked_launches):
+    """The compiled kernels of a plan assumed 16-byte aligned allocations: a misaligned one (a
+    custom allocator) launches nothing from the plan; the launcher runs instead."""
+    from dsv4_ops import _host_plan
+    from dsv4_ops.registration import library
+
+    impl = library._DEFINED["dsv4_decode_fused_out"].cuda
+    for i in range(3):
+        impl(*_fused_inputs(1, 8, 512, 128, seed=i))
+    plan = next(p for p in impl.plans.values() if isinstance(p, _host_plan._Plan))
+
+    def misaligned(shape, dtype, device):
+        n = 1
+        for d in shape:
+            n *= d
+        return torch.empty(n + 1, dtype=dtype, device=device)[1:].view(shape)
+
+    plan.fast.__globals__["_empty"] = misaligned
+    args = _fused_inputs(1, 8, 512, 128, seed=9)
+    assert plan.fast(args) is _host_plan._MISALIGNED
+    log = mocked_launches
+    del log[:]
+    r0 = _host_plan.STATS["replay"]
+    impl(*args)
+    assert _host_plan.STATS["replay"] == r0 and len(log) == 2  # the launcher's own two launches
