@@ -22,7 +22,7 @@ kernel) so that:
 
 The key is everything the launcher's decisions may depend on: for each tensor argument its
 class, shape, strides, dtype, device index, address % 16 and storage offset % 16 (which
-tensor arguments are the same object, when any are); every other argument by value; the
+tensor arguments are the same object, when any are); every other argument by class and value; the
 current CUDA device; the values of the environment variables the recording read (the
 variable names are learnt during recordings, read from the raw environ dict, ~0.1 us each).
 Every check the launcher makes is a function of the key (it reads no tensor values: launchers
@@ -194,10 +194,9 @@ def _key(args) -> tuple:
         if c is _TENSOR or (c not in _PLAIN and isinstance(a, _TENSOR)):
             ap((c, a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15, a.storage_offset() & 15))
             tensors.append(a)
-        elif c in _PLAIN:
+        else:  # the class too: True == 1 == 1.0 as dict keys, and a launcher may tell them apart
+            ap(c)
             ap(a)
-        else:
-            ap((c, a))
     if len(tensors) > 1 and len(set(map(id, tensors))) != len(tensors):
         ids = [id(t) for t in tensors]
         ap(tuple(ids.index(i) for i in ids))  # which tensor arguments are the same object
@@ -329,7 +328,10 @@ def planned(fn: Callable) -> Callable:
         if kwargs or not (ENABLED and _launch.ENABLED) or _launch.TRACE is not None:
             return fn(*args, **kwargs)  # (inside another recording, or on another thread during one: as is)
         key = _key(args)
-        entry = table.get(key)
+        try:
+            entry = table.get(key)
+        except TypeError:  # an unhashable argument (a list): no plan
+            return fn(*args)
         if entry.__class__ is _Plan:
             if _launch._hooks_idle():
                 if entry.fast is not None:

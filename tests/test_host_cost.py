@@ -499,3 +499,31 @@ def test_generated_replay_falls_back_on_a_misaligned_allocation(mocked_launches)
     r0 = _host_plan.STATS["replay"]
     impl(*args)
     assert _host_plan.STATS["replay"] == r0 and len(log) == 2  # the launcher's own two launches
+
+
+def test_replay_keys_scalars_by_class(mocked_launches):
+    """True == 1 as a dict key: a launcher that rejects a bool must still see it after 1 was replayed."""
+    from dsv4_ops import _host_plan
+
+    def launcher(x, n):
+        if isinstance(n, bool):
+            raise ValueError("num_splits: a bool")
+        return torch.empty((n, 2))
+
+    f = _host_plan.planned(launcher)
+    x = torch.zeros(2)
+    for _ in range(3):
+        assert f(x, 1).shape == (1, 2)
+    assert any(isinstance(p, _host_plan._Plan) for p in f.plans.values())
+    with pytest.raises(ValueError, match="bool"):
+        f(x, True)
+
+
+def test_replay_with_an_unhashable_argument_runs_the_launcher(mocked_launches):
+    from dsv4_ops import _host_plan
+
+    f = _host_plan.planned(lambda x, dims: x.new_empty(dims))
+    x = torch.zeros(2)
+    for _ in range(3):
+        assert f(x, [2, 3]).shape == (2, 3)
+    assert not f.plans
