@@ -58,8 +58,9 @@ _META = frozenset([
     _TENSOR.shape.__get__, _TENSOR.dtype.__get__, _TENSOR.device.__get__, _TENSOR.ndim.__get__,
     _TENSOR.is_cuda.__get__, _TENSOR.layout.__get__,
     _TENSOR.dim, _TENSOR.size, _TENSOR.stride, _TENSOR.get_device, _TENSOR.data_ptr, _TENSOR.storage_offset,
-    _TENSOR.numel, _TENSOR.element_size, _TENSOR.is_contiguous,
-])
+    _TENSOR.numel, _TENSOR.nelement, _TENSOR.element_size, _TENSOR.is_contiguous, _TENSOR.is_floating_point,
+    _TENSOR.__len__, _TENSOR.itemsize.__get__,
+])  # each a function of the key (shape, strides, dtype, device, address); requires_grad is not
 _ALLOC = frozenset([torch.empty, _TENSOR.new_empty])
 _SAME = frozenset([_TENSOR.contiguous, _TENSOR.to])  # allowed when they return the tensor itself
 
@@ -269,6 +270,14 @@ def _record(fn, args):
         return result, None, rec.why
     inputs = list(args)
     allocs = rec.allocs
+    # An address passed as an integer would be replayed as a stale constant (the key holds only
+    # address % 16): such a launcher is never replayed. (Storage offsets are not tested this way:
+    # small offsets equal legitimate integer arguments; launchers pass tensors, not offsets.)
+    seen = {v for t in inputs + allocs if isinstance(t, _TENSOR) for v in (t.data_ptr(),) if v}
+    for fk, grid, largs, consts, nw, ns in trace:
+        for v in largs:
+            if v.__class__ is int and v in seen:
+                return result, None, f"{fk.name}: an integer argument equal to a tensor's address or storage offset"
     launches = []
     for fk, grid, largs, consts, nw, ns in trace:
         build = _builder(largs, inputs, allocs, "launch")

@@ -527,3 +527,21 @@ def test_replay_with_an_unhashable_argument_runs_the_launcher(mocked_launches):
     for _ in range(3):
         assert f(x, [2, 3]).shape == (2, 3)
     assert not f.plans
+
+
+def test_recording_refuses_a_launcher_that_passes_an_address(mocked_launches):
+    """The key holds address % 16 only: a launch taking data_ptr() as an integer is never replayed."""
+    from dsv4_ops import _host_plan, attention  # noqa: F401
+
+    fk = next(iter(_launch._REGISTRY.values()))
+
+    def launcher(x):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        fk((1,), (x.data_ptr(), out), ())
+        return out
+
+    f = _host_plan.planned(launcher)
+    base = torch.zeros(128)
+    for i in range(4):  # one key (offsets 16 elements apart), a new address each call
+        f(base[16 * i:16 * i + 8])
+    assert list(f.plans.values()) == [_host_plan._REFUSED]
