@@ -372,8 +372,8 @@ def bench_mock(args):
                   notes="CPU tensors, launches mocked (the direct-launch hit path with a no-op run), each "
                         "dsv4_ampere op's CPU kernel replaced by its CUDA kernel: the Python cost of the plugin "
                         "entry, the composite, the op hop, validation, plan, allocation (CPU allocator) and "
-                        "launch preparation; no C launcher, no CUDA allocator. CPU time of the calling thread, best of 5 "
-                        "loops of N calls.")
+                        "launch preparation; no C launcher, no CUDA allocator. CPU time of the calling thread, "
+                        "best of 5 loops of N calls.")
     return rows
 
 

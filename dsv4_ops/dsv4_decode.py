@@ -14,9 +14,8 @@ composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=
 Host cost (issue 17: vLLM runs this eagerly for mixed prefill + decode batches, per layer per
 step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, functorch
 transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the kernel
-choice is memoised per (mode, T, H, K) with the environment read through
-``_host_plan.env_memo``; the ops themselves replay recorded launch plans
-(``_host_plan.planned``).
+choice is memoised per (T, H, K) and the environment it reads (``_host_plan.env_memo``); the
+ops themselves replay recorded launch plans (``_host_plan.planned``).
 Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
@@ -42,7 +41,6 @@ _fused_out = _host_plan.direct_op("dsv4_decode_fused_out")
 _decode_gather = _host_plan.direct_op("dsv4_decode_gather")
 _sparse_mla_decode = _host_plan.direct_op("sparse_mla_decode")
 _sparse_mla_decode_out = _host_plan.direct_op("sparse_mla_decode_out")
-_mode = _host_plan.env_memo(_dp.mode)
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -94,18 +92,13 @@ def _choice(kernel_mode: str, T: int, H: int, K: int) -> str:
     return "workspace"
 
 
-_CHOICES = {}
+def _route(T: int, H: int, K: int, fused_windows_id: int, v3_windows_id: int) -> str:
+    """_choice under the current DSV4_AMPERE_DECODE_KERNEL mode; the windows' identities are
+    arguments so that the memo below follows a test that swaps them."""
+    return _choice(_dp.mode(), T, H, K)
 
 
-def _choice_memo(kernel_mode: str, T: int, H: int, K: int) -> str:
-    """_choice memoised; the windows' identities are in the key (a test may swap them)."""
-    key = (kernel_mode, T, H, K, id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS))
-    c = _CHOICES.get(key)
-    if c is None:
-        if len(_CHOICES) > 4096:
-            _CHOICES.clear()
-        c = _CHOICES[key] = _choice(kernel_mode, T, H, K)
-    return c
+_route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, windows) and the env it reads
 
 
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
@@ -137,7 +130,7 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass)
         choice = _choice(_dp.mode(), T, q.shape[1], K1 + K2)
     else:
-        choice = _choice_memo(_mode(), T, q.shape[1], K1 + K2)
+        choice = _route_memo(T, q.shape[1], K1 + K2, id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS))
     if choice == "fused" or (choice == "v3" and _aligned(compressed_cache) and _aligned(swa_cache)):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
