@@ -69,7 +69,7 @@ def make_cache(seed):
 
 def split_choices(plan_s, nb, T):
     out = [plan_s]
-    for s in ((1, 2) if T >= 64 else (max(1, plan_s // 2), plan_s * 2)):
+    for s in ((1, 2, 3) if T >= 64 else (max(1, plan_s // 2), plan_s * 2)):
         if s <= min(nb, 64) and s not in out:
             out.append(s)
     return out

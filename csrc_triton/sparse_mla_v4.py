@@ -40,6 +40,8 @@ from .sparse_mla_paged import _block_slots
 HEAD_DIM = _L.HEAD_DIM
 GROUP = 64
 _NOPE_DIM = tl.constexpr(_L.NOPE_DIM)
+_DATA_BYTES = tl.constexpr(_L.DATA_BYTES)
+_SCALE_BYTES = tl.constexpr(_L.SCALE_BYTES)
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # read at import, as Triton does
 
 assert _L.NOPE_DIM == 7 * GROUP and _L.ROPE_DIM == GROUP and _L.SCALE_BYTES == 8 and _L.QUANT_GROUP == GROUP
@@ -60,14 +62,14 @@ def code_to_f16(b_codes):
 
 
 @triton.jit
-def _pow2_above(b_x):
-    """fp32 [..] >= 0 -> (2**k, 2**-k) with 2**k > x (k from x's exponent field, clamped so both
-    are normal fp32); x = 0 gives (2**-125, 2**125)."""
-    b_e = (b_x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: x < 2**(e - 126)
-    b_e = tl.minimum(tl.maximum(b_e, 2), 252)
-    b_c = ((b_e + 1) << 23).to(tl.float32, bitcast=True)  # 2**(e - 126)
-    b_inv = ((253 - b_e) << 23).to(tl.float32, bitcast=True)  # 2**(126 - e)
-    return b_c, b_inv
+def _pow2_ceil(b_x):
+    """fp32 [..] >= 0 -> (2**k, 2**-k), 2**k the smallest power of two >= x (x itself when it is
+    one: a unit that is already a power of two stays, block after block), clamped to normal
+    fp32; x = 0 gives (2**-126, 2**126)."""
+    b_bits = b_x.to(tl.int32, bitcast=True)
+    b_k = ((b_bits >> 23) & 0xFF) + ((b_bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of 2**k
+    b_k = tl.minimum(tl.maximum(b_k, 1), 253)
+    return (b_k << 23).to(tl.float32, bitcast=True), ((254 - b_k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -79,6 +81,30 @@ def _row_prescale(b_amax):
     b_up = ((b_k + 127) << 23).to(tl.float32, bitcast=True)
     b_back = ((135 - b_k) << 23).to(tl.float32, bitcast=True)
     return b_up, b_back
+
+
+@triton.jit
+def _block_rows(blk, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, sh_c, cap_c, page_w, sh_w, cap_w,
+                BLOCK_N: tl.constexpr):
+    """sparse_mla_paged._block_slots for power-of-two block sizes given as shifts sh = log2(bs):
+    page = slot >> sh, position = slot & (bs - 1), no 64-bit division (ptxas expands each
+    div.s64 into a long sequence, recomputed for every layout the offsets are used in)."""
+    is_c = blk < nb1  # scalar: a top-k block (else a window block)
+    o_j = tl.where(is_c, blk, blk - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    b_sc = tl.load(p_tk + o_j, mask=is_c & (o_j < k1), other=-1).to(tl.int64)
+    b_sw = tl.load(p_sw + o_j, mask=(blk >= nb1) & (o_j < k2), other=-1).to(tl.int64)
+    b_slot = tl.where(is_c, b_sc, b_sw)  # [BLOCK_N]
+    p_cache = tl.where(is_c, cc_ptr, cw_ptr)
+    page = tl.where(is_c, page_c, page_w).to(tl.int64)
+    sh = tl.where(is_c, sh_c, sh_w).to(tl.int64)
+    cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
+    m_n = (b_slot >= 0) & (b_slot < cap)  # [BLOCK_N]
+    b_slot = tl.minimum(tl.maximum(b_slot, 0), cap - 1)  # rows with m_n false load nothing
+    b_pg = b_slot >> sh
+    b_pos = b_slot & ((1 << sh) - 1)
+    o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64
+    o_scale = b_pg * page + (_DATA_BYTES << sh) + b_pos * _SCALE_BYTES
+    return m_n, p_cache, o_data, o_scale
 
 
 @triton.jit
@@ -127,7 +153,7 @@ def _scale(b_s8, g: tl.constexpr):
 def _pv(b_p, b_f, b_k, b_a, b_alpha):
     """One group's P @ V: p' = p * f / c (c a per-row power of two), fp16 dot, into acc."""
     b_pf = b_p * b_f[None, :]
-    b_c, b_inv = _pow2_above(tl.max(b_pf, 1))
+    b_c, b_inv = _pow2_ceil(tl.max(b_pf, 1))
     b_d = tl.dot((b_pf * b_inv[:, None]).to(tl.float16), b_k)
     return b_a * b_alpha + b_d * (b_c * 256.0)[:, None]
 
@@ -148,7 +174,7 @@ def _dsv4_decode_v4_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    ALIGN: tl.constexpr, PV_KEY: tl.constexpr,
+    ALIGN: tl.constexpr, PV_KEY: tl.constexpr, POW2: tl.constexpr,
 ):
     """Grid (T * S * G,) as sparse_mla_v3: program pid runs head group g = pid % G of token
     t = pid // (S*G) over the key blocks of split s = (pid // G) % S. DIRECT: out bf16 [T, H,
@@ -212,8 +238,13 @@ def _dsv4_decode_v4_kernel(
     b_u = tl.zeros([BLOCK_H], dtype=tl.float32)  # PV_KEY: NoPE acc units (true = acc * u * 2**8)
     o_e = tl.arange(0, 64)
     for blk in range(blk_lo, blk_hi):
-        m_n, p_cache, o_data, o_scale = _block_slots(
-            blk, True, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+        if POW2:  # bs_c / bs_w hold log2 of the block sizes (the launcher's choice)
+            m_n, p_cache, o_data, o_scale = _block_rows(
+                blk, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
+        else:
+            m_n, p_cache, o_data, o_scale = _block_slots(
+                blk, True, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+                BLOCK_N)
         p_row = p_cache + o_data  # [BLOCK_N] pointers to the data rows
         if ALIGN:
             p_row = tl.multiple_of(p_row, 16)
@@ -297,12 +328,13 @@ def _dsv4_decode_v4_kernel(
         b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
         b_m = b_m_new
         if PV_KEY:
-            # p' = p F / u (u: the NoPE accumulators' per-row unit, a power of two above both
-            # max p F of this block and the old unit times alpha: p' < 1 in fp16's 10 mantissa
-            # bits); the accumulators (in units of u) rescaled by alpha u_old / u <= 1
+            # p' = p F / u (u: the NoPE accumulators' per-row unit, the power of two at or above
+            # both max p F of this block and the old unit times alpha: p' <= 1 in fp16's 10
+            # mantissa bits); the accumulators (in units of u) rescaled by alpha u_old / u <= 1.
+            # (A unit strictly above would double every block: p' underflowed after ~20 blocks.)
             b_pf = b_p * b_F[None, :]
             b_ua = b_u * tl.reshape(b_alpha, [BLOCK_H])
-            b_u, b_uinv = _pow2_above(tl.maximum(b_ua, tl.max(b_pf, 1)))  # powers of two
+            b_u, b_uinv = _pow2_ceil(tl.maximum(b_ua, tl.max(b_pf, 1)))  # powers of two
             b_ratio = (b_ua * b_uinv)[:, None]  # <= 1
             b_pp = (b_pf * b_uinv[:, None]).to(tl.float16)
             b_a0 = tl.dot(b_pp, b_k0, b_a0 * b_ratio)
@@ -373,7 +405,8 @@ V4_CANDIDATES = {
         "BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "PV_KEY": key}
     for key, pre in ((True, "k"), (False, "g"))
     for bh, bn, w, st in ((16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 8, 2),
-                          (32, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2))}
+                          (32, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2), (16, 64, 8, 2),
+                          (32, 64, 8, 2), (32, 16, 4, 2), (16, 32, 4, 1))}
 # Register-capped forms (suffix r<N>: ptxas maxnreg N) for more co-resident programs an SM
 # (registers, not shared memory, bind at 255): AOT sm_80 spills: kh16n16w4r168 8 B (3 an SM),
 # kh16n32w4r168 328 B (3), kh16n32w8r128 44 B (2 x 8 warps), kh16n16w4r128 256 B (4).

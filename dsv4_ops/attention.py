@@ -672,16 +672,21 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, config)
     cfg = _dp.v3_config(config or _dp.v3_config_name(T, H, K1 + K2))
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
+    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
+               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
     if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode), same arguments
-        kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"])
+        # power-of-two block sizes (vLLM's 64) go as shifts: no 64-bit division in the kernel
+        pow2 = not (compressed_block_size & (compressed_block_size - 1) or swa_block_size & (swa_block_size - 1))
+        if pow2:
+            scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
+                       scalars[3], swa_block_size.bit_length() - 1, scalars[5])
+        kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"], pow2)
         if cfg.get("maxnreg") and _v4_kernel.jit:  # register-capped: the plain launch (no fast path for it)
             def kernel(grid, args, consts, num_warps, num_stages, _n=cfg["maxnreg"]):
                 _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages,
                                                   maxnreg=_n)
     else:
         kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
-    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
-               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
     if plan.direct:
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         if T and H:

@@ -97,6 +97,22 @@ def test_v4_lengths_no_sink_and_adversarial_slots(interpret, config, slot_dtype)
     run_and_check(args, 4, interpret, config)
 
 
+@pytest.mark.parametrize("bs", [(3, 5), (4, 6), (16, 8)], ids=["3-5", "4-6", "16-8"])
+def test_v4_block_sizes_division_and_shift_paths(interpret, bs):
+    """Power-of-two block sizes go to the kernel as shifts (POW2), others through the division."""
+    args = case(3, 8, 40, 9, seed=41, bs_c=bs[0], nb_c=7, bs_w=bs[1], nb_w=3, device=interpret)
+    run_and_check(args, 1, interpret, "kh16n32w4")
+    run_and_check(args, 2, interpret, "kh16n32w4")
+
+
+@pytest.mark.parametrize("config", ["kh16n16w4", "gh16n16w4"])
+def test_v4_long_key_loop_one_split(interpret, config):
+    """32 key blocks in one program (S = 1): the P unit must not drift from block to block (a
+    unit rounded strictly up doubled each block and underflowed p' after ~20: H200 call 1)."""
+    args = case(2, 8, 480, 32, seed=37, lens=(False, False), device=interpret)
+    run_and_check(args, 1, interpret, config)
+
+
 def wide_scale_cache(block_size, nblk, seed, key_exp=12, group_exp=6):
     """Records whose NoPE groups span 2**+-group_exp within a key and keys 2**+-key_exp (UE8M0
     bytes far apart inside one key block; the RoPE dims unscaled, so they stay in fp16 range
@@ -268,7 +284,7 @@ def test_gpu_v4_code_to_f16_compiled(variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3, 0], ids=["direct", "S3", "plan"])
 @pytest.mark.parametrize("T,H", [(1, 8), (5, 16), (3, 64), (70, 8), (33, 128)])
-@pytest.mark.parametrize("config", ["kh16n32w4", "kh32n32w8", "gh16n32w4", "kh16n64w4"])
+@pytest.mark.parametrize("config", ["kh16n32w4", "kh32n32w8", "kh16n64w8", "kh32n64w8", "gh16n32w4"])
 def test_gpu_v4_matches_reference(variant, config, T, H, splits):
     run_and_check(gpu_case(T, H, seed=T * 11 + H), splits, "cuda", config)
 
@@ -283,9 +299,12 @@ def test_gpu_v3_int64_adversarial(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["", "kh16n32w4", "kh32n64w8"], ids=["dispatched", "kh16n32w4", "kh32n64w8"])
 @pytest.mark.parametrize("T,H,splits", [(2, 16, 0), (64, 64, 1), (128, 8, 0)])
-def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits):
+def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, config):
     monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    if config:  # the composite's v3 form with this config (a v4 one: csrc_triton.sparse_mla_v4)
+        monkeypatch.setattr(decode_plan, "v3_config_name", lambda *a, **k: config)
     args = gpu_case(T, H, seed=4)
     new = gpu_case(T, H, seed=5)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
@@ -303,15 +322,18 @@ def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits):
             static[k].copy_(v)
     g.replay()
     torch.cuda.synchronize()
-    e_out, e_lse = attention.dsv4_decode_fused(**new, num_splits=splits, form="v3")
+    e_out, e_lse = attention.dsv4_decode_fused(**new, num_splits=splits, form="v3", config=config)
     assert torch.equal(out, e_out) and torch.equal(g_lse, e_lse)
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(new), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), g_lse.cpu(), want, want_lse)
 
 
 @pytest.mark.gpu
-def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch):
+@pytest.mark.parametrize("config", ["", "kh16n32w4"], ids=["dispatched", "kh16n32w4"])
+def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch, config):
     monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    if config:
+        monkeypatch.setattr(decode_plan, "v3_config_name", lambda *a, **k: config)
     args = gpu_case(3, 16, seed=6)
 
     def f(q, cc, topk, cw, swa, sink, tl, sl):
