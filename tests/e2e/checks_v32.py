@@ -2,11 +2,18 @@
 ``_forward_mqa_kernel`` is wrapped (not replaced); each call's q, cache and top-k indices are
 kept and its output compared with softmax(scale * q.k) v over the valid entries, the keys decoded
 from the cache BYTES by the decoder below (torch's own float8_e4m3fn, not this library's codec).
-So a wrong kernel shows even where the fp8 cache's rounding hides it in the logits."""
+So a wrong kernel shows even where the fp8 cache's rounding hides it in the logits.
+
+``IndexerChoice`` (attached to the recorder) checks the indexer's choice on the same calls: the
+physical rows each query attends to are the float64 top-k of sum_h w[t,h] relu(q[t,h] . k[j])
+over its request's causal keys, teacher-forced on vLLM's E4M3 indexer q and folded weights (what
+``fused_q`` returned) and the indexer K cache's bytes, wherever the k-th / (k+1)-th gap is clear
+of fp32 accumulation order; a query with <= top-k causal keys must attend to all of them; a
+shared-indexer layer must attend to its source layer's rows."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -32,8 +39,9 @@ def decode_rows(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 class MqaRecorder:
-    def __init__(self):
+    def __init__(self, indexer_choice: "Optional[IndexerChoice]" = None):
         self.results: List[dict] = []
+        self.indexer_choice = indexer_choice
 
     def install(self, impl_cls) -> None:
         orig = impl_cls._forward_mqa_kernel
@@ -63,3 +71,93 @@ class MqaRecorder:
         self.results.append(dict(kind="mqa", decode=bool(kw.get("is_decode")), tokens=T,
                                  valid=int((idx >= 0).sum()), out_of_range=bad, cos=cos, rel_max=rel,
                                  cache=str(kv_cache.dtype), nonfinite=int((~torch.isfinite(got)).sum())))
+        if self.indexer_choice is not None:
+            self.indexer_choice.check(kw.get("layer"), kv_cache, idx)
+
+
+def decode_index_k_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Indexer K entries -> float64 [N, 128]. cache [nb, bs, 132] (or [nb, bs, 1, 132]): per page
+    bs rows of 128 E4M3 bytes, then bs fp32 scales."""
+    c = cache.squeeze(2) if cache.dim() == 4 else cache
+    nb, bs = c.shape[0], c.shape[1]
+    page = c.reshape(nb, -1).view(torch.uint8)
+    b, p = slots // bs, slots % bs
+    codes = torch.stack([page[bi, pi * 128:(pi + 1) * 128] for bi, pi in zip(b.tolist(), p.tolist())])
+    scale = torch.stack([page[bi, bs * 128 + 4 * pi: bs * 128 + 4 * pi + 4] for bi, pi in zip(b.tolist(), p.tolist())])
+    return codes.contiguous().view(torch.float8_e4m3fn).double() * scale.contiguous().view(torch.float32).double()
+
+
+class IndexerChoice:
+    """See the module doc. ``wrap_fused_q`` records each indexer layer's (E4M3 q, folded weights);
+    the driver calls ``set_step`` before each forward with the batch's tokens ([(rid, pos)] in
+    batch order) and the requests' MLA block ids (one KV-cache group, shared by the indexer)."""
+
+    def __init__(self, model, block_size: int, topk: int):
+        self.layers = model.model.layers
+        self.bs, self.topk = block_size, topk
+        self.q = None                       # (codes [T, Hi, 128] f64, weights [T, Hi] f64) of the last indexer layer
+        self.q_layer = None
+        self.results: List[dict] = []
+        self.rows_of_layer: Dict[int, torch.Tensor] = {}
+
+    def wrap_fused_q(self, fn):
+        def fused_q(*args, **kw):
+            out = fn(*args, **kw)
+            if kw.get("has_indexer", True) and args[3] is not None:
+                self.q = (out[0].cpu().double(), out[1].cpu().double())
+            return out
+        return fused_q
+
+    def set_step(self, name: str, tokens: List[tuple], blocks: Dict[int, List[int]]) -> None:
+        self.step, self.tokens, self.blocks = name, tokens, blocks
+        self.offset: Dict[int, int] = {}
+        self.rows_of_layer = {}
+
+    def _layer_index(self, layer) -> int:
+        name = getattr(layer, "layer_name", "") or ""
+        return int(name.split("layers.")[1].split(".")[0])
+
+    def check(self, layer, kv_cache: torch.Tensor, idx: torch.Tensor) -> None:
+        li = self._layer_index(layer)
+        c = kv_cache.squeeze(2) if kv_cache.dim() == 4 else kv_cache
+        stride_rows = c.stride(0) // c.shape[-1]
+        T, off = idx.shape[0], self.offset.get(li, 0)
+        self.offset[li] = off + T
+        toks = self.tokens[off:off + T]
+        prev = self.rows_of_layer.get(li)
+        self.rows_of_layer[li] = idx if prev is None else torch.cat((prev, idx))
+        ix = self.layers[li].self_attn.indexer
+        if ix is None:   # a shared-indexer layer: its source is the last layer before it with an indexer
+            src = max(j for j in range(li) if self.layers[j].self_attn.indexer is not None)
+            rows = self.rows_of_layer[li]
+            same = bool(torch.equal(rows, self.rows_of_layer[src][:rows.shape[0]]))
+            self.results.append(dict(kind="shared", step=self.step, layer=li, source=src, same=same))
+            return
+        icache = ix.k_cache.kv_cache.cpu()
+        qf, w = self.q
+        qf, w = qf[off:off + T], w[off:off + T]
+        checked = mismatched = long_rows = outside = 0
+        for t, (rid, pos) in enumerate(toks):
+            blk = self.blocks[rid]
+            keys = torch.arange(pos + 1)
+            phys = torch.tensor([blk[p // self.bs] * stride_rows + p % self.bs for p in keys.tolist()])
+            slots = torch.tensor([blk[p // self.bs] * self.bs + p % self.bs for p in keys.tolist()])
+            where = {int(r): i for i, r in enumerate(phys.tolist())}
+            chosen_rows = [int(v) for v in idx[t].tolist() if v >= 0]
+            outside += sum(r not in where for r in chosen_rows)
+            chosen = sorted(where[r] for r in chosen_rows if r in where)
+            if pos + 1 <= self.topk:
+                checked += 1
+                mismatched += chosen != list(range(pos + 1))
+                continue
+            k = decode_index_k_rows(icache, slots)
+            score = (torch.relu(torch.einsum("hd,nd->hn", qf[t], k)) * w[t][:, None]).sum(0)
+            srt = score.sort(descending=True)
+            gap = float(srt.values[self.topk - 1] - srt.values[self.topk])
+            if gap <= 1e-5 * float(srt.values.abs().max()) + 1e-9:   # fp32 accumulation order
+                continue
+            checked += 1
+            long_rows += 1
+            mismatched += chosen != sorted(srt.indices[: self.topk].tolist())
+        self.results.append(dict(kind="indexer", step=self.step, layer=li, tokens=T, checked=checked,
+                                 mismatched=mismatched, long_rows=long_rows, outside_request=outside))

@@ -16,7 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROUTE_MARGIN = 0.02
 
 
-def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
+def cfg_topk(ckpt: str) -> int:
+    with open(os.path.join(ckpt, "config.json")) as f:
+        return int(json.load(f)["index_topk"])
+
+
+def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40) -> dict:
     import torch
     import build
     import steps
@@ -64,14 +69,17 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
     import counters
     counters.install_ops()
     import checks_v32
-    mqa = checks_v32.MqaRecorder()
+    choice = checks_v32.IndexerChoice(b.model, cc.block_size, cfg_topk(ckpt))
+    import vllm.models.deepseek_v32.attention as v32_attention
+    v32_attention.fused_q = choice.wrap_fused_q(v32_attention.fused_q)
+    mqa = checks_v32.MqaRecorder(choice)
     mqa.install(type(b.model.model.layers[0].self_attn.impl))
     oracle = v32_checkpoint.oracle(ckpt, fp8_latent=str(cc.cache_dtype) == "fp8_ds_mla", family=family)
     sch = steps.Scheduler(b)
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
     g = torch.Generator().manual_seed(seed)
-    P0, P1 = 40, 12
+    P0, P1 = prompt_len, 12   # a prompt longer than index_topk (128) makes the indexer choose
     vocab = 512
     sch.add(0, torch.randint(2, vocab, (P0 + 4,), generator=g).tolist())
     sch.add(1, torch.randint(2, vocab, (P1 + 4,), generator=g).tolist())
@@ -81,6 +89,10 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
     for name, schedule in plan:
         t = time.time()
         starts = {rid: sch.requests[rid].computed for rid, _ in schedule}
+        toks = [(rid, sch.requests[rid].computed + j) for rid, n in schedule for j in range(n)]
+        for rid, n in schedule:
+            sch._ensure_blocks(sch.requests[rid], sch.requests[rid].computed + n)
+        choice.set_step(name, toks, {rid: list(sch.requests[rid].blocks[0]) for rid, _ in schedule})
         hidden, logits, bt = sch.step(schedule)
         row = 0
         for rid, n in schedule:
@@ -104,6 +116,8 @@ def run(device: str, cache_dtype: str, family: str = "v32") -> dict:
                                          argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean())))
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
     report["mqa"] = mqa.results
+    report["indexer_choice"] = choice.results
+    report["index_topk"] = choice.topk
     report["ops_called"] = dict(counters.OPS)
     report["tripped"] = list(tripwire.TRIPPED)
     report["triton_launches"] = dict(tripwire.LAUNCHES)
@@ -122,11 +136,12 @@ def main(argv=None):
     ap.add_argument("--cache-dtype", default=None)
     ap.add_argument("--family", default="v32", choices=("v32", "glm5"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prompt-len", type=int, default=40, help="request 0's prompt (> 128: the indexer selects)")
     a = ap.parse_args(argv)
     import driver
 
     driver.setup(a.device)
-    report = run(a.device, a.cache_dtype, a.family)
+    report = run(a.device, a.cache_dtype, a.family, a.prompt_len)
     text = json.dumps(report, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

@@ -8,9 +8,11 @@ prefill / mixed / decode steps of tests/e2e/steps.py. Checked in float64:
   same weights (with
   the fp8_ds_mla cache, that oracle's KV latent goes through the 656-byte record's rounding);
 - every sparse-MLA call against softmax(scale q.k) v over the keys decoded from the cache bytes.
-index_topk (128) exceeds every sequence, so the indexer selects every causal key and the choice
-cannot differ from the oracle's on near-ties (the choice itself is not checked here); tokens whose
-float64 expert choice is a near-tie are left out of the logits comparison and counted."""
+index_topk (128) exceeds every sequence of these runs, so the indexer selects every causal key and
+the choice cannot differ from the oracle's on near-ties (checked: each query attends to all its
+causal keys); a fourth run with a 170-token prompt checks the indexer's choice past top-k against
+the float64 top-k of its scores over the cache bytes; tokens whose float64 expert choice is a
+near-tie are left out of the logits comparison and counted."""
 
 from __future__ import annotations
 
@@ -40,14 +42,15 @@ MODEL_TYPES = {"v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
 RESOLVED = {"fp8": "fp8_ds_mla"}
 
 
-def run_driver(tmp_dir, family, cache, device="cpu"):
-    out = tmp_dir / f"e2e_{family}_{cache}_{device}.json"
+def run_driver(tmp_dir, family, cache, device="cpu", prompt_len=40):
+    out = tmp_dir / f"e2e_{family}_{cache}_{device}_p{prompt_len}.json"
     if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
         import pathlib
 
         out = pathlib.Path(os.environ["DSV4_E2E_REPORT_DIR"]) / out.name
     proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_v32.py"), "--device", device,
-                           "--family", family, "--cache-dtype", cache, "--out", str(out)],
+                           "--family", family, "--cache-dtype", cache, "--prompt-len", str(prompt_len),
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
@@ -88,6 +91,46 @@ def test_every_sparse_mla_call_matches_float64_over_the_cache_bytes(report):
         assert r["cos"] >= MQA_COS and r["rel_max"] <= MQA_REL, r
 
 
+@pytest.fixture(scope="module")
+def report_long(tmp_path_factory):
+    """V3.2 with a 170-token prompt: past index_topk (128, the least vLLM's top-k kernel takes), so
+    the indexer selects; transformers' float64 indexer may pick other keys than vLLM's E4M3 one
+    on close scores, so this run's logits are not compared (its attention and choice are)."""
+    return run_driver(tmp_path_factory.mktemp("e2e_v32_long"), "v32", "fp8_ds_mla", prompt_len=170)
+
+
+def _check_indexer_choice(rep, long):
+    rows = [c for c in rep["indexer_choice"] if c["kind"] == "indexer"]
+    layers = rep["indexer_layers"]
+    assert {(c["step"], c["layer"]) for c in rows} == {(s, l) for s in STEPS for l in layers}, rows
+    for c in rows:
+        assert c["mismatched"] == 0 and c["outside_request"] == 0 and c["checked"] >= c["tokens"] - 2, c
+    if long:  # every step has queries past top-k, checked against the float64 top-k
+        for step in STEPS:
+            assert sum(c["long_rows"] for c in rows if c["step"] == step) > 0, (step, rows)
+    shared = [c for c in rep["indexer_choice"] if c["kind"] == "shared"]
+    assert len(shared) == len(STEPS) * (2 - len(layers)) and all(c["same"] for c in shared), shared
+
+
+STEPS = ("prefill", "mixed", "decode1", "decode2")
+
+
+def test_the_indexer_attends_to_every_causal_key_below_top_k(report):
+    """With index_topk >= every sequence, every query's rows are all its request's causal keys; GLM-5's
+    shared-indexer layer attends to exactly its source layer's rows."""
+    _check_indexer_choice(report, long=False)
+
+
+def test_the_indexer_choice_is_the_float64_top_k(report_long):
+    """Past top-k: the rows each query attends to are the float64 top-k of the indexer scores
+    (teacher-forced on vLLM's E4M3 q and the K cache bytes), at every step; the attention over
+    them matches float64; nothing dead ran."""
+    _check_indexer_choice(report_long, long=True)
+    assert report_long["index_topk"] == 128
+    test_every_sparse_mla_call_matches_float64_over_the_cache_bytes(report_long)
+    test_no_dead_kernel_ran(report_long)
+
+
 def test_the_plugin_ops_ran(report):
     ops = report["ops_called"]
     for op in ("v32_kv_insert", "v32_sparse_mla_decode", "indexer_k_insert", "mqa_logits", "paged_mqa_logits"):
@@ -110,7 +153,7 @@ def test_no_dead_kernel_ran(report):
 
 REPORT_CHECKS = (test_vllm_picks_the_plugin_backend_and_cache, test_logits_match_transformers,
                  test_every_sparse_mla_call_matches_float64_over_the_cache_bytes, test_the_plugin_ops_ran,
-                 test_no_dead_kernel_ran)
+                 test_no_dead_kernel_ran, test_the_indexer_attends_to_every_causal_key_below_top_k)
 
 
 @pytest.mark.gpu
