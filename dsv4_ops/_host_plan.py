@@ -9,13 +9,16 @@ kernel) so that:
 1. the first call of a layout key runs the launcher as it is (compiles, fills the FastKernel
    caches);
 2. the second call runs it under a recorder: a ``TorchFunctionMode`` that sees every torch call
-   the launcher makes, and ``dsv4_ops._launch.TRACE``, which sees every FastKernel launch.
-   The plan is kept only when the launcher did nothing but read tensor metadata (shape,
-   dtype, device, strides, dim, data_ptr, get_device, storage_offset), allocate with
+   the launcher makes, ``dsv4_ops._launch.TRACE``, which sees every FastKernel launch, and a
+   counter on Triton's own launch entry points (``kernel[grid](...)``, ``compiled[grid]``, the
+   interpreter). The plan is kept only when the launcher did nothing but read tensor metadata
+   (shape, dtype, device, strides, dim, data_ptr, get_device, storage_offset), allocate with
    ``torch.empty`` / ``new_empty``, take ``.contiguous()`` / ``.to()`` that returned the tensor
-   itself, and launch FastKernels whose tensor arguments are the call's inputs or its own
-   allocations (anything else, a copy, a view, an in-place op, a torch kernel: the key is marked
-   never to replay and the launcher keeps running);
+   itself, and launch only through FastKernel direct launches (no ``kernel[grid]`` launch, no
+   FastKernel miss) whose tensor arguments are the call's inputs or its own allocations and
+   whose integers are no tensor's address (anything else, a copy, a view, an in-place op, a
+   torch kernel, a plain Triton launch: the key is marked never to replay and the launcher
+   keeps running);
 3. later calls with the same key allocate what the recording allocated (same shapes, strides,
    dtypes, device) and make the recorded launches (same kernels, grids, constexprs, scalar
    arguments; tensors substituted by position), through the cached compiled launcher.
@@ -242,10 +245,68 @@ def _return_builder(ret, inputs, allocs):
     return (lambda a, m, _r=ret: _r) if ret is None or isinstance(ret, (int, float, bool)) else None
 
 
+def _launch_entry_points():
+    """(class, attribute) of every Triton launch entry a launcher could call besides the
+    FastKernel direct path: ``kernel[grid](...)`` (JITFunction.run, autotuners and heuristics
+    end there), the interpreter's, and ``compiled[grid](...)``."""
+    points = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        points.append((JITFunction, "run"))
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        points.append((InterpretedFunction, "run"))
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from triton.compiler.compiler import CompiledKernel
+
+        points.append((CompiledKernel, "__getitem__"))
+    except ImportError:  # pragma: no cover
+        pass
+    return points
+
+
+class _CountPlainLaunches:
+    """While active, counts calls of every Triton launch entry point (_launch_entry_points): a
+    launcher that launches a kernel other than through a FastKernel hit must not be replayed
+    (the replay would skip that launch). Patches the classes for the recording's duration only."""
+
+    def __init__(self):
+        self.count = 0
+        self._saved = []
+
+    def __enter__(self):
+        for cls, name in _launch_entry_points():
+            orig = cls.__dict__.get(name)
+            if orig is None:
+                continue
+
+            def counted(inner_self, *a, _orig=orig, **k):
+                self.count += 1
+                return _orig(inner_self, *a, **k)
+
+            self._saved.append((cls, name, orig))
+            setattr(cls, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, orig in reversed(self._saved):
+            setattr(cls, name, orig)
+        self._saved.clear()
+        return False
+
+
 def _record(fn, args):
     """Run fn(*args) under the recorder; returns (its result, a _Plan or None)."""
     global _ENVIRON
     rec = _Recorder()
+    plain = _CountPlainLaunches()
+    slow0 = sum(k.stats["slow"] for k in _launch._REGISTRY.values())
     env_saved, env_log = _ENVIRON, None
     if env_saved is not None:
         env_log = _EnvLog(env_saved)
@@ -253,7 +314,7 @@ def _record(fn, args):
     trace: list = []
     _launch.TRACE = (threading.get_ident(), trace)
     try:
-        with rec:
+        with plain, rec:
             result = fn(*args)
     finally:
         _launch.TRACE = None
@@ -268,6 +329,8 @@ def _record(fn, args):
                 _ENV_KEYS.append(k)
     if not rec.ok:
         return result, None, rec.why
+    if plain.count or sum(k.stats["slow"] for k in _launch._REGISTRY.values()) != slow0:
+        return result, None, "a Triton launch other than a FastKernel direct launch"
     inputs = list(args)
     allocs = rec.allocs
     # An address passed as an integer would be replayed as a stale constant (the key holds only

@@ -545,3 +545,62 @@ def test_recording_refuses_a_launcher_that_passes_an_address(mocked_launches):
     for i in range(4):  # one key (offsets 16 elements apart), a new address each call
         f(base[16 * i:16 * i + 8])
     assert list(f.plans.values()) == [_host_plan._REFUSED]
+
+
+def test_recording_refuses_a_plain_triton_launch(mocked_launches):
+    """A launcher that launches a kernel through kernel[grid](...) (not a FastKernel: e.g. a
+    register-capped config) is never replayed: the replay would drop that launch."""
+    import triton
+    import triton.language as tl
+
+    from dsv4_ops import _host_plan
+
+    @triton.jit
+    def _write_seven(x_ptr):
+        tl.store(x_ptr, 7)
+
+    fk = next(iter(_launch._REGISTRY.values()))
+
+    def launcher(x):
+        out = torch.empty((2,), dtype=x.dtype)
+        fk((1,), (x, out), ())
+        _write_seven[(1,)](x)
+        return out
+
+    f = _host_plan.planned(launcher)
+    for _ in range(4):
+        x = torch.zeros(4, dtype=torch.int32)
+        f(x)
+        assert x[0] == 7  # the plain launch ran in every call
+    assert list(f.plans.values()) == [_host_plan._REFUSED]
+
+
+def test_recording_counts_jit_launch_entry_points(mocked_launches):
+    """What a compiled kernel[grid](...) launch reaches on a GPU: JITFunction.run (it reads only
+    metadata, so the torch-function recorder alone would not see it); counted, so never replayed."""
+    from triton.runtime.jit import JITFunction
+
+    from dsv4_ops import _host_plan
+
+    class _Stub(JITFunction):
+        def __init__(self):  # no kernel: run() is reached and fails after the counter
+            pass
+
+    stub = _Stub()
+    fk = next(iter(_launch._REGISTRY.values()))
+    reached = []
+
+    def launcher(x):
+        out = torch.empty((2,), dtype=x.dtype)
+        fk((1,), (x, out), ())
+        reached.append(1)
+        try:
+            stub.run(x, grid=(1,), warmup=False)
+        except Exception:  # noqa: BLE001 - the stub has no kernel
+            pass
+        return out
+
+    f = _host_plan.planned(launcher)
+    for _ in range(4):
+        f(torch.zeros(4))
+    assert len(reached) == 4 and list(f.plans.values()) == [_host_plan._REFUSED]
