@@ -149,15 +149,15 @@ def _fast_replay(specs, trace, inputs, allocs, result):
         ns[f"s{j}"], ns[f"st{j}"], ns[f"t{j}"], ns[f"d{j}"] = shape, stride, dtype, device
         lines.append(f"    m{j} = _empty(s{j}, dtype=t{j}, device=d{j})" if contiguous
                      else f"    m{j} = _empty_strided(s{j}, st{j}, dtype=t{j}, device=d{j})")
-    used = sorted({j for fk, grid, largs, consts, nw, nst in trace for j, t in enumerate(allocs)
+    used = sorted({j for fk, grid, largs, consts, nw, nst, mr in trace for j, t in enumerate(allocs)
                    if any(t is x for x in largs)})
     if used:
         lines.append("    if (" + " | ".join(f"m{j}.data_ptr()" for j in used) + ") & 15:")
         lines.append("        return _MISALIGNED")
     lines.append("    st = _C._cuda_getCurrentRawStream(_C._cuda_getDevice())")
     try:
-        for i, (fk, grid, largs, consts, nw, nst) in enumerate(trace):
-            direct = _launch.compiled_entry(fk, tuple(largs), tuple(consts), nw, nst)
+        for i, (fk, grid, largs, consts, nw, nst, mr) in enumerate(trace):
+            direct = _launch.compiled_entry(fk, tuple(largs), tuple(consts), nw, nst, mr)
             if direct is None:
                 return None
             ns[f"r{i}"], ns[f"f{i}"], ns[f"p{i}"], ns[f"k{i}"] = direct[0], direct[1], direct[2], fk.stats
@@ -337,19 +337,19 @@ def _record(fn, args):
     # address % 16): such a launcher is never replayed. (Storage offsets are not tested this way:
     # small offsets equal legitimate integer arguments; launchers pass tensors, not offsets.)
     seen = {v for t in inputs + allocs if isinstance(t, _TENSOR) for v in (t.data_ptr(),) if v}
-    for fk, grid, largs, consts, nw, ns in trace:
+    for fk, grid, largs, consts, nw, ns, mr in trace:
         for v in largs:
             if v.__class__ is int and v in seen:
                 return result, None, f"{fk.name}: an integer argument equal to a tensor's address or storage offset"
     launches = []
-    for fk, grid, largs, consts, nw, ns in trace:
+    for fk, grid, largs, consts, nw, ns, mr in trace:
         build = _builder(largs, inputs, allocs, "launch")
         if build is None:
             return result, None, f"{fk.name}: a tensor argument that is neither an input nor an allocation"
         g = tuple(grid) + (1,) * (3 - len(grid))
-        direct = _launch.compiled_entry(fk, tuple(largs), tuple(consts), nw, ns)
+        direct = _launch.compiled_entry(fk, tuple(largs), tuple(consts), nw, ns, mr)
         used = tuple(sorted({j for j, t in enumerate(allocs) if any(t is x for x in largs)}))
-        launches.append((fk, tuple(grid), g, build, tuple(consts), nw, ns, direct, used))
+        launches.append((fk, tuple(grid), g, build, tuple(consts), nw, ns, mr, direct, used))
     ret = _return_builder(result, inputs, allocs)
     if ret is None:
         return result, None, "returns a tensor that is neither an input nor an allocation"
@@ -364,7 +364,7 @@ def _replay(plan: _Plan, args):
         m.append(torch.empty(shape, dtype=dtype, device=device) if contiguous
                  else torch.empty_strided(shape, stride, dtype=dtype, device=device))
     stream = None
-    for fk, grid, g, build, consts, nw, ns, direct, used in plan.launches:
+    for fk, grid, g, build, consts, nw, ns, mr, direct, used in plan.launches:
         largs = build(args, m)
         if direct is not None:
             for j in used:  # the compiled kernel assumed 16-byte aligned allocations (FastKernel's key)
@@ -377,7 +377,7 @@ def _replay(plan: _Plan, args):
             direct[0](g[0], g[1], g[2], stream, direct[1], direct[2], None, None, None, *largs, *consts)
             fk.stats["fast"] += 1
         else:
-            fk(grid, largs, consts, nw, ns)
+            fk(grid, largs, consts, nw, ns, mr)
     STATS["replay"] += 1
     return plan.ret(args, m)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from threading import get_ident as _get_ident
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -81,7 +81,7 @@ _RUNTIME_KNOBS = None
 
 TRACE = None
 """(thread ident, list) while dsv4_ops._host_plan records a launcher: every FastKernel call of
-that thread appends (kernel, grid, args, consts, num_warps, num_stages) to the list (and
+that thread appends (kernel, grid, args, consts, num_warps, num_stages, maxnreg) to the list (and
 launches as usual)."""
 
 
@@ -145,11 +145,13 @@ class FastKernel:
         self._checked = True
 
     def __call__(self, grid: Sequence[int], args: tuple, consts: tuple, num_warps: int = 4,
-                 num_stages: int = 3) -> None:
+                 num_stages: int = 3, maxnreg: Optional[int] = None) -> None:
         if not self._checked:
             self._check_layout(len(args), len(consts))
         if TRACE is not None and TRACE[0] == _get_ident():  # dsv4_ops._host_plan is recording a launcher
-            TRACE[1].append((self, grid, args, consts, num_warps, num_stages))
+            TRACE[1].append((self, grid, args, consts, num_warps, num_stages, maxnreg))
+        if maxnreg is not None:  # a register-capped compile: its own cache entries, the cap a launch option
+            return self._call_opts(grid, args, consts, num_warps, num_stages, maxnreg)
         if self.jit and ENABLED and _hooks_idle():
             dev = torch._C._cuda_getDevice()
             key = (dev, num_warps, num_stages, consts, launch_key(args))
@@ -183,14 +185,50 @@ class FastKernel:
         self.fn[tuple(grid)](*args, *consts, num_warps=num_warps, num_stages=num_stages)
         self.stats["slow"] += 1
 
+    def _call_opts(self, grid, args, consts, num_warps, num_stages, maxnreg) -> None:
+        """__call__ with ``maxnreg`` (ptxas register cap): the same hit / miss / verify logic, the
+        cap in the key (``(num_stages, maxnreg)`` in the num_stages slot) and in the normal launch."""
+        opts = dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        if self.jit and ENABLED and _hooks_idle():
+            dev = torch._C._cuda_getDevice()
+            key = (dev, num_warps, (num_stages, maxnreg), consts, launch_key(args))
+            hit = self.cache.get(key)
+            if hit is not None:
+                g1 = grid[1] if len(grid) > 1 else 1
+                g2 = grid[2] if len(grid) > 2 else 1
+                stream = torch._C._cuda_getCurrentRawStream(dev)
+                try:
+                    hit[0](grid[0], g1, g2, stream, hit[1], hit[2], None, None, None, *args, *consts)
+                    hit[3] = True
+                    self.stats["fast"] += 1
+                    return
+                except TypeError as exc:
+                    if hit[3]:
+                        raise
+                    disable(repr(exc))
+            else:
+                compiled = self.fn[tuple(grid)](*args, *consts, **opts)
+                self.stats["slow"] += 1
+                try:
+                    if hasattr(compiled, "result"):
+                        compiled = compiled.result()
+                    self.cache[key] = [compiled.run, compiled.function, compiled.packed_metadata, False]
+                except AttributeError as exc:
+                    disable(repr(exc))
+                return
+        self.fn[tuple(grid)](*args, *consts, **opts)
+        self.stats["slow"] += 1
 
-def compiled_entry(fk: FastKernel, args: tuple, consts: tuple, num_warps: int, num_stages: int):
+
+def compiled_entry(fk: FastKernel, args: tuple, consts: tuple, num_warps: int, num_stages: int,
+                   maxnreg: Optional[int] = None):
     """(run, function, packed_metadata) of the verified direct launch a FastKernel call with these
     arguments would make on the current device, or None (not compiled yet, not verified, the
     direct path off, or not a JITFunction). For callers that replay a launch with the same key."""
     if not (fk.jit and ENABLED):
         return None
-    hit = fk.cache.get((torch._C._cuda_getDevice(), num_warps, num_stages, consts, launch_key(args)))
+    stages = num_stages if maxnreg is None else (num_stages, maxnreg)
+    hit = fk.cache.get((torch._C._cuda_getDevice(), num_warps, stages, consts, launch_key(args)))
     if hit is None or not hit[3]:
         return None
     return hit[0], hit[1], hit[2]

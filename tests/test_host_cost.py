@@ -604,3 +604,40 @@ def test_recording_counts_jit_launch_entry_points(mocked_launches):
     for _ in range(4):
         f(torch.zeros(4))
     assert len(reached) == 4 and list(f.plans.values()) == [_host_plan._REFUSED]
+
+
+def test_fast_kernel_register_capped_launches(fake_cuda):
+    """maxnreg (ptxas register cap) is a launch option: its own cache entry, passed on a miss,
+    direct launches on hits."""
+    fn, fk = make_fast()
+    x = torch.zeros(8)
+    fk((1,), (x, 16, 0.5), (64, True), 4, 2)
+    fk((1,), (x, 16, 0.5), (64, True), 4, 2, maxnreg=128)  # not the uncapped entry
+    assert fn.log[-1][0] == "normal" and fn.log[-1][3] == {"num_warps": 4, "num_stages": 2, "maxnreg": 128}
+    fk((2,), (x, 32, 0.5), (64, True), 4, 2, maxnreg=128)
+    assert fn.log[-1][0] == "direct" and fn.log[-1][1][:3] == (2, 1, 1)
+    fk((1,), (x, 16, 0.5), (64, True), 4, 2, maxnreg=168)
+    assert fn.log[-1][0] == "normal"
+    assert fk.stats == {"fast": 1, "slow": 3}
+
+
+def test_replay_of_a_register_capped_launch(mocked_launches):
+    from dsv4_ops import _host_plan
+
+    fk = next(iter(_launch._REGISTRY.values()))
+    log = mocked_launches
+
+    def launcher(x):
+        out = torch.empty((2,), dtype=x.dtype)
+        fk((3,), (x, out, 5), (True,), 4, 2, maxnreg=128)
+        return out
+
+    f = _host_plan.planned(launcher)
+    for i in range(4):
+        x = torch.zeros(4)
+        del log[:]
+        f(x)
+        assert [_canon(e, (x,)) for e in log] == [(fk.name, (3, 1, 1), (("in", 0), ("alloc", (2,), (1,),
+                                                                                   torch.float32), 5, True))]
+    plan = next(p for p in f.plans.values() if isinstance(p, _host_plan._Plan))
+    assert plan.fast is not None and _host_plan.STATS["replay"] >= 2
