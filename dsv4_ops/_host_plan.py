@@ -63,6 +63,7 @@ _META = frozenset([
     _TENSOR.dim, _TENSOR.size, _TENSOR.stride, _TENSOR.get_device, _TENSOR.data_ptr, _TENSOR.storage_offset,
     _TENSOR.numel, _TENSOR.nelement, _TENSOR.element_size, _TENSOR.is_contiguous, _TENSOR.is_floating_point,
     _TENSOR.__len__, _TENSOR.itemsize.__get__,
+    torch.device,  # torch.device(...) of a device the key holds (check_tensor compares devices)
 ])  # each a function of the key (shape, strides, dtype, device, address); requires_grad is not
 _ALLOC = frozenset([torch.empty, _TENSOR.new_empty])
 _SAME = frozenset([_TENSOR.contiguous, _TENSOR.to])  # allowed when they return the tensor itself

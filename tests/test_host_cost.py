@@ -641,3 +641,56 @@ def test_replay_of_a_register_capped_launch(mocked_launches):
                                                                                    torch.float32), 5, True))]
     plan = next(p for p in f.plans.values() if isinstance(p, _host_plan._Plan))
     assert plan.fast is not None and _host_plan.STATS["replay"] >= 2
+
+
+def _op_inputs(name, T, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, cc, topk, tl, bs, cw, swa, sl, _, sink, scale, _, out = _fused_inputs(T, H, 40, 9, seed=seed)
+    ws = torch.empty(T * 49, 512, dtype=torch.bfloat16)
+    idx = torch.randint(-1, T * 49, (T, 49), generator=g, dtype=torch.int32)
+    s = 3
+    o_part = torch.randn(T, H, s, 512, generator=g)
+    lse_part = torch.randn(T, H, s, generator=g)
+    return {
+        "sparse_mla_split": (q, ws, idx, None, scale, s),
+        "merge_splits": (o_part, lse_part, sink),
+        "merge_splits_out": (o_part, lse_part, sink, out),
+        "sparse_mla_decode": (q, ws, idx, None, sink, scale, 0),
+        "sparse_mla_decode_out": (q, ws, idx, None, sink, scale, 0, out),
+        "dsv4_decode_indices": (topk, tl, swa, cc.shape[0] * bs, cw.shape[0] * bs),
+        "dsv4_decode_gather": (cc, topk, tl, bs, cw, swa, sl, bs, ws),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["sparse_mla_split", "merge_splits", "merge_splits_out", "sparse_mla_decode",
+                                  "sparse_mla_decode_out", "dsv4_decode_indices", "dsv4_decode_gather"])
+@pytest.mark.parametrize("T,H", [(1, 8), (3, 64)])
+def test_every_planned_decode_op_replays_its_launchers_launches(mocked_launches, name, T, H):
+    """The other decode ops with recorded plans: on fresh inputs, from the third call a replay, and
+    every call launches what the op's own launcher (``__wrapped__``) launches; tuple results too.
+    dsv4_decode_indices clamps the lengths with a torch kernel every call: its recording is
+    refused and the launcher keeps running (same launches)."""
+    replays = name != "dsv4_decode_indices"
+    from dsv4_ops import _host_plan
+    from dsv4_ops.registration import library
+
+    impl = library._DEFINED[name].cuda
+    log = mocked_launches
+    for call in range(4):
+        args = _op_inputs(name, T, H, seed=call)
+        del log[:]
+        r0 = _host_plan.STATS["replay"]
+        got = impl(*args)
+        replayed = _host_plan.STATS["replay"] - r0
+        got_launches = [_canon(e, args) for e in log]
+        del log[:]
+        want = impl.__wrapped__(*args)
+        assert got_launches == [_canon(e, args) for e in log] and got_launches, f"call {call}"
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        assert [(type(x), tuple(x.shape), x.stride(), x.dtype) for x in got_t] == \
+            [(type(x), tuple(x.shape), x.stride(), x.dtype) for x in want_t]
+        assert [any(x is a for a in args) for x in got_t] == [any(x is a for a in args) for x in want_t]
+        assert replayed == (replays and call >= 2), f"call {call}"
+    if not replays:
+        assert _host_plan._REFUSED in impl.plans.values()
