@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_ops import attention, decode_plan, dsv4_decode, reference  # noqa: E402
+from dsv4_ops import _host_plan, attention, decode_plan, dsv4_decode, reference  # noqa: E402
 from dsv4_ops.csrc_triton import sparse_mla_paged as _pk  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 from dsv4_ops.testing import assert_attention_close  # noqa: E402
@@ -88,6 +88,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
     try:
         saved = decode_plan.AUTO_V3_WINDOWS
         decode_plan.AUTO_V3_WINDOWS = ()
+        _host_plan.clear()
         os.environ[decode_plan.ENV_VAR] = "auto"
 
         def step():
@@ -96,6 +97,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
         step()
         row["step_us"] = time_graph_us(step, replays)
         decode_plan.AUTO_V3_WINDOWS = saved
+        _host_plan.clear()  # the recorded launch plans of the step run are not keyed on the windows
         row["auto_us"] = time_graph_us(step, replays)
         row["step/auto"] = row["step_us"] / row["auto_us"]
         os.environ.pop(decode_plan.ENV_VAR, None)

@@ -16,9 +16,9 @@ t0=$(date +%s)
 python3 -m pip install --no-deps --no-build-isolation -e . -q > "$OUT/logs/install.log" 2>&1 || { cat "$OUT/logs/install.log"; exit 1; }
 summary "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
 CONFIGS="${CONFIGS:-h16n32w4,kh16n32w4,gh16n32w4,kh32n32w8,kh16n32w8}"
-( timeout "${TEST_TIMEOUT:-60}" python3 -m pytest tests/test_decode_v3.py -q -m gpu -p no:cacheprovider -k "${PYTEST_K:-v4}" \
+( timeout "${TEST_TIMEOUT:-55}" python3 -m pytest tests/test_decode_v3.py -q -m gpu -p no:cacheprovider -k "${PYTEST_K:-v4}" \
     > "$OUT/logs/pytest_gpu.log" 2>&1; echo "pytest rc=$? $(tail -1 "$OUT/logs/pytest_gpu.log")" > "$OUT/logs/pytest.rc" ) &
-timeout 60 python3 benchmarks/bench_decode_v3.py --out "$OUT/logs" --name warmup --no-pipe --quick --configs "$CONFIGS" \
+timeout 55 python3 benchmarks/bench_decode_v3.py --out "$OUT/logs" --name warmup --no-pipe --quick --configs "$CONFIGS" \
   --shapes 1:64:512,256:128:512,64:8:512 > "$OUT/logs/warmup.log" 2>&1
 summary "warm-up rc=$? at $(( $(date +%s) - t0 )) s"
 wait

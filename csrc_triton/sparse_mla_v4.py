@@ -21,7 +21,8 @@ decode arithmetic, not the bytes or the MMA):
   acc_g = acc_g * alpha + dot * (2**8 c_g) in fp32; the RoPE dims as a bf16 dot of p.
 * Rows: 64 dims a group, so every load and dot tile is [BLOCK_N, 64] (7 code tiles + the
   RoPE tile), the scales one 8-byte load a record (ALIGN: 16-byte aligned pages, which the
-  launcher requires for this form as for v3).
+  launcher requires for this form as for v3). Block sizes are powers of two (vLLM's 64; the
+  launcher runs v3 otherwise), passed as shifts: no 64-bit division for the record offsets.
 
 Under the Triton interpreter q is fp16 (its bf16 tl.dot is wrong): the RoPE dot runs in q's
 dtype there. NATIVE (sm_89+) uses the same exact integer decode (no fp8 dtype either way).
@@ -35,7 +36,6 @@ import triton.language as tl
 from dsv4_ops import layout as _L
 
 from .kv_cache import ue8m0_to_f32
-from .sparse_mla_paged import _block_slots
 
 HEAD_DIM = _L.HEAD_DIM
 GROUP = 64
@@ -174,7 +174,7 @@ def _dsv4_decode_v4_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    ALIGN: tl.constexpr, PV_KEY: tl.constexpr, POW2: tl.constexpr,
+    ALIGN: tl.constexpr, PV_KEY: tl.constexpr,
 ):
     """Grid (T * S * G,) as sparse_mla_v3: program pid runs head group g = pid % G of token
     t = pid // (S*G) over the key blocks of split s = (pid // G) % S. DIRECT: out bf16 [T, H,
@@ -238,13 +238,9 @@ def _dsv4_decode_v4_kernel(
     b_u = tl.zeros([BLOCK_H], dtype=tl.float32)  # PV_KEY: NoPE acc units (true = acc * u * 2**8)
     o_e = tl.arange(0, 64)
     for blk in range(blk_lo, blk_hi):
-        if POW2:  # bs_c / bs_w hold log2 of the block sizes (the launcher's choice)
-            m_n, p_cache, o_data, o_scale = _block_rows(
-                blk, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
-        else:
-            m_n, p_cache, o_data, o_scale = _block_slots(
-                blk, True, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
-                BLOCK_N)
+        # bs_c / bs_w hold log2 of the (power-of-two) block sizes: the launcher runs v3 otherwise
+        m_n, p_cache, o_data, o_scale = _block_rows(
+            blk, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w, BLOCK_N)
         p_row = p_cache + o_data  # [BLOCK_N] pointers to the data rows
         if ALIGN:
             p_row = tl.multiple_of(p_row, 16)
@@ -413,4 +409,5 @@ V4_CANDIDATES = {
 for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168", "kh16n32w4", 168),
                            ("kh16n32w8r128", "kh16n32w8", 128), ("kh16n16w4r128", "kh16n16w4", 128)):
     V4_CANDIDATES[_name] = dict(V4_CANDIDATES[_base], maxnreg=_reg)
-V4_DISPATCHED = ()
+# The configs decode_plan.v3_config_name can pick (listed for the AOT compile).
+V4_DISPATCHED = ("kh16n32w4", "kh16n64w8")

@@ -669,18 +669,20 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
-    plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, config)
-    cfg = _dp.v3_config(config or _dp.v3_config_name(T, H, K1 + K2))
+    name = config or _dp.v3_config_name(T, H, K1 + K2)
+    cfg = _dp.v3_config(name)
+    pow2 = not (compressed_block_size & (compressed_block_size - 1) or swa_block_size & (swa_block_size - 1))
+    if "PV_KEY" in cfg and not pow2:  # the v4 kernel takes power-of-two block sizes (as shifts)
+        name = "h16n32w4"
+        cfg = _dp.v3_config(name)
+    plan = _dp.v3_plan(T, H, K1 + K2, _dp.num_sms(dev) if dev >= 0 else 108, num_splits, name)
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
-    if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode), same arguments
-        # power-of-two block sizes (vLLM's 64) go as shifts: no 64-bit division in the kernel
-        pow2 = not (compressed_block_size & (compressed_block_size - 1) or swa_block_size & (swa_block_size - 1))
-        if pow2:
-            scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
-                       scalars[3], swa_block_size.bit_length() - 1, scalars[5])
-        kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"], pow2)
+    if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode): block sizes as shifts
+        scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
+                   scalars[3], swa_block_size.bit_length() - 1, scalars[5])
+        kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"])
         if cfg.get("maxnreg") and _v4_kernel.jit:  # register-capped: the plain launch (no fast path for it)
             def kernel(grid, args, consts, num_warps, num_stages, _n=cfg["maxnreg"]):
                 _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages,
@@ -714,13 +716,16 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
     """Specializations of the fused paged kernel dsv4_decode_fused can pick: every head-group
     config x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials |
     direct with sink | direct); plus the PIPELINE configs (``fused-pipe[...]``, not dispatched
-    yet: benchmarked beside the default, kept compiling and spill-free)."""
+    yet: benchmarked beside the default, kept compiling and spill-free), and the dispatched v3
+    (``v3-...``) and v4 (``v4-...``: csrc_triton.sparse_mla_v4) configs of the v3 form."""
     specs = []
     configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
     configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
     configs += [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
+    configs += [(f"v4-{n}", _v4k.V4_CANDIDATES[n]["BLOCK_H"], _v4k.V4_CANDIDATES[n]) for n in _v4k.V4_DISPATCHED]
     for name, bh, cfg in configs:
-        v3 = name.startswith("v3-")
+        v3 = name.startswith(("v3-", "v4-"))
+        v4 = name.startswith("v4-")
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
                 for direct, has_sink in ((False, False), (True, True), (True, False)):
@@ -734,12 +739,19 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr", ("PIPE" if v3 else "PIPELINE"): "constexpr"}
+                           "DIRECT": "constexpr"}
+                    if not v4:
+                        sig["PIPE" if v3 else "PIPELINE"] = "constexpr"
                     if v3:
                         sig["ALIGN"] = "constexpr"
+                    if v4:
+                        sig["PV_KEY"] = "constexpr"
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
                               "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
-                    if v3:
+                    if v4:
+                        consts["ALIGN"] = True
+                        consts["PV_KEY"] = cfg["PV_KEY"]
+                    elif v3:
                         consts["PIPE"] = cfg["PIPE"]
                         consts["ALIGN"] = True
                     else:
@@ -751,6 +763,7 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                     lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
                     specs.append(KernelSpec(
                         "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
-                        _vk._dsv4_decode_v3_kernel if v3 else _pk._dsv4_decode_fused_kernel, sig, consts, variant,
+                        _v4k._dsv4_decode_v4_kernel if v4 else (_vk._dsv4_decode_v3_kernel if v3 else
+                                                                _pk._dsv4_decode_fused_kernel), sig, consts, variant,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     return specs

@@ -279,18 +279,51 @@ def v3_config(name: str) -> dict:
     return cfg
 
 
+# Which v3-form config auto runs, from the H200 sweeps (benchmarks/results/decode_v4.md, call 2
+# of 2026-12-01, same-run medians; decode_v3.md before it). (T_lo, T_hi, H_lo, H_hi, K, config),
+# first match wins; the v4 configs are csrc_triton.sparse_mla_v4's fp16-dot kernel:
+#   T 48..96, H <= 16, K 640: kh16n64w8 (64-key blocks, 8 warps; T = 64: 32.9 / 34.6 us vs v3's
+#       42.2 / 44.1 at H = 8 / 16; at T = 16 and 128 it lost to kh16n32w4, so the window stays
+#       around the one measured T)
+#   T 16..256, H <= 16, K 640: kh16n32w4 (T = 16: 15.6 / 16.5 vs 16.0 / 17.1; T = 128: 58.7 /
+#       61.2 vs 61.7 / 64.3; T = 256: 102 / 104 vs 111 / 112)
+#   T = 1, H = 128, K 640: kh16n64w8 (11.8 vs the step's 13.1 and v3's 12.7)
+#   T = 64, H = 64, K 256: kh16n32w4 (40.7 vs v3's 44.5)
+#   else v3 (sparse_mla_v3): 16-key blocks for one token at H <= 16 (T = 1: 8.0 vs 9.2-9.3 at 32
+#       keys, v3 or v4), 32-key blocks elsewhere (T = 4, H = 8: v3 9.6 vs v4 9.7).
+# Not dispatched (measured faster, but 108 KB of shared memory: over sm_86's 99 KB, and the AOT
+# table is one list for sm_80 and sm_86): kh32n64w8, 1.10-1.36x over the step at H = 64 from
+# T = 64 and at T = 4 (T = 64: 74.2 vs 93.2 us; K 256, T = 64: 32.5 vs 48.6).
+V3_CONFIG_WINDOWS = (
+    (48, 96, 1, 16, 640, "kh16n64w8"),
+    (16, 256, 1, 16, 640, "kh16n32w4"),
+    (1, 1, 128, 128, 640, "kh16n64w8"),
+    (64, 64, 64, 64, 256, "kh16n32w4"),
+)
+
+
 def v3_config_name(T: int, H: int, K: int = 640) -> str:
-    """The v3 launch config (sparse_mla_v3.V3_CANDIDATES) auto runs: 16-head groups at every
-    H (measured fastest or within 2% of it at 26 of 28 shapes, 32-head groups included), 16-key
-    blocks for a single token (more splits: T = 1, H <= 16: 8.2-8.6 us vs 9.3-9.6 at 32 keys)."""
+    """The v3-form launch config auto (and DSV4_AMPERE_DECODE_KERNEL=v3) runs for T tokens, H
+    heads, K keys: the first V3_CONFIG_WINDOWS match, else the v3 kernel's 16-key config for one
+    token at H <= 16 and its 32-key config elsewhere (sparse_mla_v3.V3_DISPATCHED)."""
+    for t_lo, t_hi, h_lo, h_hi, k, name in V3_CONFIG_WINDOWS:
+        if t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k:
+            return name
     return "h16n16w4" if T <= 1 and H <= 16 else "h16n32w4"
 
 
 def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> int:
-    """Split count of the v3 kernel: enough programs for V3_PROGRAMS_PER_SM a SM (one split
-    once T * groups fill them), at most one key block a split, snapped up to a balanced count."""
+    """Split count of the v3 form: 32-key blocks and below: enough programs for
+    V3_PROGRAMS_PER_SM a SM (one split once T * groups fill them), snapped up to a balanced
+    count; 64-key blocks (8-warp programs, one an SM by registers): at most one program an SM,
+    snapped down (measured: T = 64, H = 8: S = 2 beat 3; K 256, T = 64, H = 64: 1 beat 2); at
+    most one key block a split either way."""
     nb = _cdiv(max(K, 1), block_n)
-    want = min(nb, MAX_SPLITS, max(1, _cdiv(V3_PROGRAMS_PER_SM * sms, max(T, 1) * _cdiv(H, block_h))))
+    programs = max(T, 1) * _cdiv(H, block_h)
+    if block_n >= 64:
+        want = max(1, min(nb, MAX_SPLITS, sms // programs))
+        return max(s for s in balanced_splits(nb) + [1] if s <= want)
+    want = min(nb, MAX_SPLITS, max(1, _cdiv(V3_PROGRAMS_PER_SM * sms, programs)))
     if want >= nb:
         return min(nb, MAX_SPLITS)
     return min(s for s in balanced_splits(nb) + [nb] if s >= want)
@@ -326,9 +359,11 @@ def auto_is_fused(T: int, H: int, K: int) -> bool:
 # H = 64: 1.15x (T = 1, H = 128: 1.02x, left out). From H = 64 at T >= 4 the step stays
 # (v3 0.66-0.98x there), except the draft's K = 256 at T = 64, H = 64: 44.6-45.0 vs 48.8-49.0
 # us in both H200 calls (1.09x). Between the measured T the ratio held at every point, so the
-# window spans them; T > 256 (prefill-sized) keeps the step.
+# window spans them; T > 256 (prefill-sized) keeps the step. Added with the v4 configs
+# (decode_v4.md): T = 1, H = 128 (kh16n64w8 11.8 vs the step's 13.1 us).
 # Windows (T_lo, T_hi, H_lo, H_hi, K).
-AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640), (64, 64, 64, 64, 256))
+AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640), (64, 64, 64, 64, 256),
+                   (1, 1, 128, 128, 640))
 
 
 def auto_is_v3(T: int, H: int, K: int) -> bool:

@@ -97,9 +97,9 @@ def test_v4_lengths_no_sink_and_adversarial_slots(interpret, config, slot_dtype)
     run_and_check(args, 4, interpret, config)
 
 
-@pytest.mark.parametrize("bs", [(3, 5), (4, 6), (16, 8)], ids=["3-5", "4-6", "16-8"])
-def test_v4_block_sizes_division_and_shift_paths(interpret, bs):
-    """Power-of-two block sizes go to the kernel as shifts (POW2), others through the division."""
+@pytest.mark.parametrize("bs", [(2, 16), (16, 8), (1, 4)], ids=["2-16", "16-8", "1-4"])
+def test_v4_block_sizes_as_shifts(interpret, bs):
+    """Power-of-two block sizes reach the kernel as shifts (page = slot >> s, position = slot & mask)."""
     args = case(3, 8, 40, 9, seed=41, bs_c=bs[0], nb_c=7, bs_w=bs[1], nb_w=3, device=interpret)
     run_and_check(args, 1, interpret, "kh16n32w4")
     run_and_check(args, 2, interpret, "kh16n32w4")
@@ -206,14 +206,18 @@ def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
 
 
-@pytest.mark.parametrize("T,H,sms", [(1, 8, 132), (4, 64, 132), (64, 64, 132), (128, 8, 108), (256, 128, 132)])
+@pytest.mark.parametrize("T,H,sms", [(1, 8, 132), (4, 64, 132), (64, 64, 132), (128, 8, 108), (256, 128, 132),
+                                     (64, 8, 132), (64, 16, 108), (1, 128, 132), (16, 8, 132)])
 def test_v3_plan_is_static_and_sane(T, H, sms):
     p = decode_plan.v3_plan(T, H, 640, sms)
     nb = -(-640 // p.block_n)
     assert p.kernel == "v3" and 1 <= p.splits <= min(nb, 64) and p.direct == (p.splits == 1)
-    assert p.groups * p.block_h >= H and decode_plan.v3_config_name(T, H) in _vk.V3_DISPATCHED
-    # enough programs to fill the SMs, or one key block a split
-    assert T * p.groups * p.splits >= decode_plan.V3_PROGRAMS_PER_SM * sms or p.splits == min(nb, 64)
+    assert p.groups * p.block_h >= H
+    assert decode_plan.v3_config_name(T, H) in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
+    if p.block_n >= 64:  # 8-warp programs: at most one an SM, or one split
+        assert T * p.groups * p.splits <= sms or p.splits == 1
+    else:  # enough programs to fill the SMs, or one key block a split
+        assert T * p.groups * p.splits >= decode_plan.V3_PROGRAMS_PER_SM * sms or p.splits == min(nb, 64)
     assert decode_plan.v3_plan(T, H, 640, sms) == p
 
 
@@ -238,6 +242,57 @@ def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
     for r in results:
         assert r.shared_bytes <= aot.SMEM_LIMIT[r.arch] and r.registers <= 255
         assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+
+
+def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
+    """Every dispatched v4 specialization (csrc_triton.sparse_mla_v4) compiles for sm_80 and
+    sm_86, fits sm_86's 99 KB, holds no e4m3 cvt, and spills nothing."""
+    from dsv4_ops import aot
+
+    results = [r for r in aot_results if r.label.startswith("v4-") and r.variant == "portable"]
+    specs = [s for s in attention.aot_specs() if s.label.startswith("v4-") and s.variant == "portable"]
+    assert {s.label.split("[")[0][3:] for s in specs} == set(_v4k.V4_DISPATCHED)
+    assert len(specs) == 18 * len(_v4k.V4_DISPATCHED) and len(results) == 2 * len(specs)
+    failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert r.shared_bytes <= aot.SMEM_LIMIT[86] and r.registers <= 255
+        assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+
+
+@pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, "h16n16w4"), (4, 8, 640, "h16n32w4"), (16, 8, 640, "kh16n32w4"),
+                                        (64, 8, 640, "kh16n64w8"), (64, 16, 640, "kh16n64w8"),
+                                        (128, 16, 640, "kh16n32w4"), (256, 8, 640, "kh16n32w4"),
+                                        (1, 64, 640, "h16n32w4"), (1, 128, 640, "kh16n64w8"),
+                                        (64, 64, 256, "kh16n32w4"), (1, 8, 256, "h16n16w4"),
+                                        (16, 16, 256, "h16n32w4")])
+def test_v3_config_is_the_measured_winner(T, H, K, want):
+    """decode_v4.md (H200 call 2): the config v3_config_name picks at every measured dispatched shape."""
+    assert decode_plan.v3_config_name(T, H, K) == want
+
+
+def test_v3_splits_of_the_64_key_configs_are_the_measured_ones():
+    """decode_v4.md: kh16n64w8 at T = 64, H <= 16: S = 2 (of 1, 2, 3); T = 1, H = 128: S = 10."""
+    assert decode_plan.v3_plan(64, 8, 640, 132).splits == 2
+    assert decode_plan.v3_plan(64, 16, 640, 132).splits == 2
+    assert decode_plan.v3_plan(1, 128, 640, 132).splits == 10
+
+
+def test_v4_config_with_odd_block_sizes_runs_v3(interpret, monkeypatch):
+    """The v4 kernel takes power-of-two block sizes as shifts; with others the v3 kernel runs
+    (same results)."""
+    args = case(3, 8, 40, 9, seed=43, bs_c=3, nb_c=7, bs_w=5, nb_w=3, device=interpret)
+    launched = []
+    orig = type(attention._v4_kernel).__call__
+    monkeypatch.setattr(type(attention._v4_kernel), "__call__",
+                        lambda self, *a, **k: launched.append(self.name) or orig(self, *a, **k))
+    run_and_check(args, 1, interpret, "kh16n32w4")
+    run_and_check(args, 2, interpret, "kh16n32w4")
+    assert "_dsv4_decode_v3_kernel" in launched and "_dsv4_decode_v4_kernel" not in launched
+    launched.clear()
+    run_and_check(case(3, 8, 40, 9, seed=43, bs_c=4, nb_c=7, bs_w=8, nb_w=3, device=interpret), 1, interpret,
+                  "kh16n32w4")
+    assert launched == ["_dsv4_decode_v4_kernel"]
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -371,11 +426,12 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
 
 
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, True), (256, 16, 640, True), (1, 64, 640, True),
-                                        (4, 64, 640, False), (1, 128, 640, False), (64, 64, 640, False),
+                                        (4, 64, 640, False), (1, 128, 640, True), (64, 64, 640, False),
+                                        (2, 128, 640, False), (1, 96, 640, False),
                                         (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False),
                                         (64, 64, 256, True), (128, 128, 256, False)])
 def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
-    """decode_v3.md (H200, portable): v3 won at H <= 16 (every T, K 640; T <= 16 at K 256),
-    T = 1, H = 64 and T = 64, H = 64, K = 256; the step stays at H >= 64 from T = 4 (K 640),
-    T = 1 H = 128, and unmeasured T > 256."""
+    """decode_v3.md / decode_v4.md (H200, portable): the v3 form won at H <= 16 (every T, K 640;
+    T <= 16 at K 256), T = 1 with H = 64 or 128 (v4 kh16n64w8 at 128), T = 64, H = 64, K = 256;
+    the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256."""
     assert decode_plan.auto_is_v3(T, H, K) is want
