@@ -349,15 +349,14 @@ def _aligned(src: torch.Tensor, fp8: bool, s_blk: int, s_rec: int) -> bool:
 
 
 class _MaxnregLaunch:
-    """FastKernel's call signature over Triton's normal launch with a register cap (maxnreg):
-    for benchmark-only candidates (F16_CANDIDATES with MAXNREG; not dispatched, not in the AOT
-    table: they may spill)."""
+    """A FastKernel launch with a register cap (maxnreg): for benchmark-only candidates
+    (F16_CANDIDATES with MAXNREG; not dispatched, not in the AOT table: they may spill)."""
 
-    def __init__(self, fn, maxnreg: int):
-        self.fn, self.maxnreg = fn, maxnreg
+    def __init__(self, fk, maxnreg: int):
+        self.fk, self.maxnreg = fk, maxnreg
 
     def __call__(self, grid, args, consts, num_warps=4, num_stages=3):
-        self.fn[tuple(grid)](*args, *consts, num_warps=num_warps, num_stages=num_stages, maxnreg=self.maxnreg)
+        self.fk(grid, args, consts, num_warps, num_stages, maxnreg=self.maxnreg)
 
 
 def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits, out, variant, form=None):
@@ -378,7 +377,7 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
         consts = (bh, cfg["BLOCK_N"], variant == "native", topk_length is not None)
         kernel, extra = (_f16t_kernel if cfg.get("KT") else _f16_kernel), (True, _interpreting(), cfg["PREFETCH"])
         if cfg.get("MAXNREG") and not _interpreting():  # benchmark-only candidates: Triton's own launch
-            kernel = _MaxnregLaunch(_ak._v32_sparse_mla_f16_kernel, cfg["MAXNREG"])
+            kernel = _MaxnregLaunch(_f16_kernel, cfg["MAXNREG"])
     else:
         consts = (bh, cfg["BLOCK_N"], fp8, variant == "native", topk_length is not None)
         kernel, extra = (_w128_kernel, (True,)) if form == "w128" else (_attn_kernel, ())
