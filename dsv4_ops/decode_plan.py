@@ -89,8 +89,9 @@ def auto_heads_splits(T: int, H: int, sms: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """kernel 'tiles' or 'heads'; splits S; block_h / block_n / groups of the kernel's
-    programs (tiles: 16 heads x PARTITION_N keys); direct: heads with S == 1 (no merge)."""
+    """kernel 'tiles' or 'heads' (or 'fused' / 'v3'); splits S; block_h / block_n / groups of the
+    kernel's programs (tiles: 16 heads x PARTITION_N keys); direct: S == 1 (no merge); config:
+    the v3 form's launch config (its kernel: v3 or v4)."""
 
     kernel: str
     splits: int
@@ -98,6 +99,7 @@ class DecodePlan:
     block_n: int
     groups: int
     direct: bool
+    config: str = ""  # v3 form: the launch config (v3_config_name), so plans of different kernels differ
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -332,10 +334,11 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> i
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
     """The plan of the v3 kernel (kernel 'v3'); config: a V3_CANDIDATES name to force one
     (benchmarks), else v3_config_name(T, H); splits 0 = v3_splits."""
-    cfg = v3_config(config or v3_config_name(T, H, K))
+    name = config or v3_config_name(T, H, K)
+    cfg = v3_config(name)
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
     s = splits or v3_splits(T, H, K, sms, bh, bn)
-    return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1)
+    return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1, name)
 
 
 # Where auto runs the fused kernel in the composite: measured windows (T_lo, T_hi, H_max, K),
