@@ -240,6 +240,7 @@ def _sparse_mla_prefill_splitd_kernel(
     tl.store(p_o, (b_acc * b_scale[None, :, None]).to(ty), mask=m_h[None, :, None])
     tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
 
+
 # Launch configs per head-group size (BLOCK_H), as plain data. CANDIDATES: every config the
 # benchmark times (benchmarks/bench_sparse_prefill.py), each spill-free on sm_80 and sm_86 and
 # within sm_86's 99 KB of shared memory (AOT table, `python -m dsv4_ops.aot`); PREFILL_CONFIG:
@@ -278,12 +279,18 @@ CANDIDATES = {
          {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
 }
 # Measured (H200, portable, DISABLE_MMA_V3=1 so every dot is mma.sync as on sm_80; s_q 4096,
-# K 640; benchmarks/results/sparse_prefill.md, commit 5c4472f): the fastest per head group of
-# that run, bh16 bn64 w4 s2 (553 us at H = 8) and bh32 bn16 w4 s2 (3358 us at H = 64, two
-# 32-row groups); 64-row groups lost under mma.sync (5116-5253 us) and won only with Hopper's
-# wgmma (2922 us, sparse_prefill_wgmma.md), which sm_8x lacks. The IDX_AHEAD and split-d
-# configs are not measured yet.
-PREFILL_CONFIG = {16: CANDIDATES[16][0], 32: CANDIDATES[32][0]}
+# K 640, random workload; benchmarks/results/sparse_prefill.md, commit 49cd565), each also with
+# the SM's shared memory cut to an A100's 164 KB ("A100 smem"):
+#   H = 64: bh32 bn32 w4 s2 1955 us (A100 smem 1939), bn32 s3 ia 1967 (2673: one CTA a SM),
+#           bn16 w4 s2 (old dispatch) 3384, bn16 s4 ia 3155, split4 3589-3600, bh64 5111,
+#           bh64 split8 9704; H = 128 bh32 bn32 w4 s2 3870 (old 6561).
+#   H = 8:  bh16 bn64 s2 ia 497 (A100 smem 719), bn32 s3 ia 651 (650), bn64 s2 (old dispatch)
+#           551 (852), split4 1005-1128.
+# The launcher runs what is fastest with an A100's shared memory: bh16 bn32 s3 ia (H <= 16;
+# on an H200 bn64 s2 ia is 24% faster, but its two 84 KB CTAs do not fit an A100 SM) and bh32
+# bn32 w4 s2 (H > 16, as 32-row groups). Split-d lost: ncu shows 48% of its shared-memory
+# wavefronts are bank conflicts (the cross-warp reduction), against 1% for the 2-D kernel.
+PREFILL_CONFIG = {16: CANDIDATES[16][2], 32: CANDIDATES[32][2]}
 # The head group each H runs with: the smallest listed BLOCK_H >= H, else the last (H = 64 is
 # two 32-row groups, H = 128 four).
 BLOCK_H_STEPS = (16, 32)
