@@ -9,8 +9,9 @@ Dispatch (static shapes and alignment only, no host sync):
   - T x G >= PREFILL_MIN_WAVES x the device's SM count (G = cdiv(H, BLOCK_H) head groups;
     4 waves: below that the split-KV path balances better; a guess, NOT measured between
     T = 4 and T = 4096, where the prefill kernel won 1.0-1.9x: benchmarks/results/
-    sparse_prefill.md), int32 indices, and q / kv / out 16-byte aligned with row strides a multiple of 8 elements (the kernel's
-    vector-load hints assume it; vLLM's buffers always are): the prefill kernel, config
+    sparse_prefill.md), int32 indices, and q / kv / out 16-byte aligned with row strides a
+    multiple of 8 elements (the kernel's vector-load hints assume it; vLLM's buffers always
+    are): the prefill kernel, config
     ``PREFILL_CONFIG[block_h_for(H)]``;
   - otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices; odd views):
     ``dsv4_ops.attention.sparse_mla_decode`` (split-KV decode kernels + merge).
