@@ -587,7 +587,8 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     within the token's length), attended as sparse_mla_decode does with the sink.
     form: 'v1' (csrc_triton.sparse_mla_paged) | 'v3' (csrc_triton.sparse_mla_v3, 16-byte
     aligned caches only; else v1) | None (decode_plan.fused_form); config: a
-    sparse_mla_v3.V3_CANDIDATES name to force (benchmarks), '' = decode_plan.v3_config_name.
+    sparse_mla_v3.V3_CANDIDATES or sparse_mla_v4.V4_CANDIDATES name to force (benchmarks),
+    '' = decode_plan.v3_config_name.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
     """
     ok = (isinstance(q, torch.Tensor) and isinstance(topk_slots, torch.Tensor) and isinstance(swa_slots, torch.Tensor)

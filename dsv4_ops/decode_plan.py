@@ -8,6 +8,8 @@ step is decided here, from (T, H, K, SMs) alone, and each choice is pinned by a 
     heads   auto from AUTO_HEADS_MIN_T              auto_heads_splits (measured)  test_decode_v2/heads.py
     v1      auto_is_fused (AUTO_FUSED_WINDOWS)      fused_splits                  test_decode_fused.py
     v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (~1 program an SM)  test_decode_v3.py
+            config: v3_config_name (V3_CONFIG_WINDOWS: the v4 fp16-dot kernel, sparse_mla_v4,
+            where measured faster; else sparse_mla_v3)
 
 (the composite asks auto_is_v3, then auto_is_fused; the fused op's form is fused_form).
 
