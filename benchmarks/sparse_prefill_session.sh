@@ -27,7 +27,9 @@ pack
 DISABLE_MMA_V3=1 timeout "${BENCH_TIMEOUT:-90}" python3 benchmarks/bench_sparse_prefill.py --out "$R" > "$R/bench.log" 2>&1
 summary "bench (DISABLE_MMA_V3=1) rc=$?"
 pack
-SPARSE_PREFILL_A100_SMEM=0 SPARSE_PREFILL_BH=64 SPARSE_PREFILL_H=64 SPARSE_PREFILL_NAME=sparse_prefill_wgmma timeout "${WGMMA_TIMEOUT:-30}" \
+# env -u: the wgmma pass must not inherit a DISABLE_MMA_V3 exported by the caller (it did once:
+# the 16:21 run of 2026-12-01 timed this pass with mma.sync, and its table was discarded).
+env -u DISABLE_MMA_V3 SPARSE_PREFILL_A100_SMEM=0 SPARSE_PREFILL_BH=64 SPARSE_PREFILL_H=64 SPARSE_PREFILL_NAME=sparse_prefill_wgmma timeout "${WGMMA_TIMEOUT:-30}" \
   python3 benchmarks/bench_sparse_prefill.py --out "$R" > "$R/bench_wgmma.log" 2>&1
 summary "bench wgmma (bh64 only) rc=$?"
 pack
