@@ -722,4 +722,10 @@ F16_CANDIDATES = {
     "h16n32w8r128": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "PREFETCH": False, "PER_SM": 2,
                      "MAXNREG": 128},
 }
-F16_CONFIG = {16: F16_CANDIDATES["h16n32w4"], 32: F16_CANDIDATES["h32n32w8"]}
+# Measured (benchmarks/results/v32_decode.md, H200, 2026-12-01 16:26): 16 heads x 32 keys x 4
+# warps was the fastest f16 config at every shape from T = 16 (H 16 and 128) and within 6% of
+# the best at T = 1; 8-warp configs (1 program an SM) 1.4-1.9x slower, the register-capped
+# 8-warp one (2 an SM, spills) 1.05-1.12x, the transposed kernel 1.01-1.06x, 16-key blocks
+# 1.4-1.5x, the slot prefetch 1.00-1.03x; 32-head groups 1.12-1.74x slower. So every head count
+# runs 16-head groups (at H = 128: 8 groups).
+F16_CONFIG = {16: F16_CANDIDATES["h16n32w4"], 32: F16_CANDIDATES["h16n32w4"]}

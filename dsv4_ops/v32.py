@@ -202,13 +202,17 @@ def v32_kv_gather(kv_cache: torch.Tensor, slots: torch.Tensor, out: Optional[tor
 # ---- sparse attention ----
 
 
-def auto_form(fp8: bool, H: int) -> str:
-    """auto's form, from benchmarks/results/v32_{decode,prefill}.md (H200, portable,
-    mma.sync): over fp8 records w128 was faster or equal at every decode shape measured
-    (T = 1: 20.6 vs 27.9 us at H = 128, equal at H = 16; T = 16, H = 128: 314 vs 609 us; T = 64,
-    H = 16: 264 vs 332 us); over bf16 rows (prefill, T = 1024) w64 won at H = 16 (1009 vs 2034 us)
-    and w128 at H = 128 (8753 vs 13154 us)."""
-    return "w128" if fp8 or H > 16 else "w64"
+def auto_form(fp8: bool, H: int, T: int = 1) -> str:
+    """auto's form, from benchmarks/results/v32_{decode,prefill}.md (H200, portable, mma.sync,
+    K = 2048). fp8_ds_mla records: f16 at H <= 16 from T = 16 (2026-12-01 16:26 run: T = 16 / 64
+    / 128: 32.8 / 125 / 235 us against w128's 43.5 / 198 / 380, 1.33-1.62x), w128 at T = 1
+    (10.1 vs 11.6 us; T 2..15 were not measured and keep w128) and at H > 16 (the best f16
+    config, 16 heads x 32 keys x 4 warps, was within 3% of w128 at T 1..128: 216.7 vs 214.8 us
+    at T = 16, 1727 vs 1771 at T = 128). bf16 rows (prefill, T = 1024): w64 at H <= 16 (1007 vs
+    2032 us), w128 above (8751 vs 13151 us)."""
+    if fp8:
+        return "f16" if H <= 16 and T >= 16 else "w128"
+    return "w128" if H > 16 else "w64"
 
 
 def _interpreting() -> bool:
@@ -216,12 +220,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int = 16) -> str:
+def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int = 16, T: int = 1) -> str:
     """The kernel form: 'w64' (9 chunks of 64 dims), 'w128' (4 tiles of 128 + the 64 RoPE
     dims; aligned records only) or 'f16' (w128's tiles with the E4M3 codes as fp16 dot
     operands; aligned fp8_ds_mla records only; 'f16:<name>' picks a config of
     csrc_triton.sparse_mla_v32.F16_CANDIDATES). form / env DSV4_AMPERE_V32_FORM: w64 | w128 |
-    f16[:name] | auto (None: the env, default auto). auto: auto_form(fp8, H) when aligned;
+    f16[:name] | auto (None: the env, default auto). auto: auto_form(fp8, H, T) when aligned;
     f16 over bf16 rows runs auto's bf16 form; unaligned records: w64."""
     f = form or os.environ.get(FORM_ENV, "auto")
     base, _, cand = f.partition(":")
@@ -229,7 +233,7 @@ def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int
         raise ValueError(f"{FORM_ENV} / form: expected auto, w64, w128, f16 or f16:<one of "
                          f"{sorted(_ak.F16_CANDIDATES)}>, got {f!r}")
     if base == "auto":
-        f = auto_form(fp8, H)
+        f = auto_form(fp8, H, T)
     if f.startswith("f16") and not fp8:
         f = auto_form(False, H)
     return f if aligned else "w64"
@@ -366,7 +370,7 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
     bs, s_blk, s_rec, cap = geom
     indices, topk_length = _norm_idx(indices, topk_length, cap, K)
     variant = variant or variant_for(q)
-    form = form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H)
+    form = form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H, T)
     bh = _block_h(form, H)
     cfg = _config(form, _ak.block_h_for(H))
     G = -(-H // bh)
@@ -523,6 +527,7 @@ def aot_specs():
                                 f"{'direct' if direct else 'part'}]",
                             _ak._v32_sparse_mla_w128_kernel, wsig, wconsts, variant,
                             num_warps=wcfg["num_warps"], num_stages=wcfg["num_stages"]))
-                        if fp8:  # the f16 form: fp8_ds_mla records only
+                        if fp8 and bh == min(_ak.F16_CONFIG):  # the f16 form: fp8 records; one config
+                            assert all(c is _ak.F16_CONFIG[bh] for c in _ak.F16_CONFIG.values())
                             specs.append(f16_spec(variant, _ak.F16_CONFIG[bh], has_len, direct))
     return specs

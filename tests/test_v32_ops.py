@@ -427,6 +427,10 @@ def test_form_choice_and_unaligned_records_fall_back_to_w64(interpret, monkeypat
     assert v32.form_for(True, "w128") == "w128" and v32.form_for(False, "w128") == "w64"
     assert v32.form_for(True, "w64") == "w64"
     assert v32.form_for(True, "auto", True, 16) == "w128" and v32.form_for(True, "auto", False, 16) == "w64"
+    # auto over fp8 records: f16 at H <= 16 from T = 16, w128 at T = 1 and at H > 16 (measured)
+    assert v32.form_for(True, "auto", True, 16, 16) == "f16" and v32.form_for(True, "auto", True, 8, 128) == "f16"
+    assert v32.form_for(True, "auto", True, 128, 128) == "w128" and v32.form_for(False, "auto", True, 16, 64) == "w64"
+    assert v32.form_for(True, "auto", False, 16, 64) == "w64"
     assert v32.form_for(True, "auto", False, 128) == "w128" and v32.form_for(False, "auto", True, 128) == "w64"
     assert v32.form_for(True, "f16") == "f16" and v32.form_for(True, "f16:h16n16w4") == "f16:h16n16w4"
     assert v32.form_for(True, "f16", False, 16) == "w64" and v32.form_for(True, "f16", False, 128) == "w128"
@@ -481,8 +485,8 @@ def test_aot_every_v32_specialization_compiles_spill_free(aot_results):
     from dsv4_ops import aot
 
     want = sorted(s.label for s in v32.aot_specs() if s.variant == "portable")
-    # (insert, gather) x fmt x slots; attn (w64, w128) x fmt x bh x len x epi; f16 (fp8 only) x bh x len x epi
-    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 * 2 * 2
+    # (insert, gather) x fmt x slots; attn (w64, w128) x fmt x bh x len x epi; f16 (fp8, one config) x len x epi
+    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 * 2
     rows = [r for r in aot_results if r.label.startswith("v32_")]
     for arch in aot.AMPERE_ARCHS:
         assert sorted(r.label for r in rows if r.arch == arch) == want, f"sm_{arch}"
