@@ -55,6 +55,7 @@ SLOT_DTYPES = (torch.int64, torch.int32)
 # bf16 is the contract; fp16 is accepted so the kernels can run under the Triton interpreter.
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SPLITS = _ak.MAX_SPLITS
+FORMS = _ak.FORMS  # w64, w128, f16 (the kernel forms form_for can pick)
 
 _insert_kernel = fast(_ck._v32_kv_insert_kernel)
 _gather_kernel = fast(_ck._v32_kv_gather_kernel)
