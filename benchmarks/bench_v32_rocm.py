@@ -333,7 +333,7 @@ def shape_row(vr, run, rows, recs, T, H, K_, rates, timer, sms, state, dev):
     cases.append(("ours_bf16", run.ours(q, rows, idx, out), ref_bf16))
     cases.append(("ours_fp8", run.ours(q, recs, idx, out), ref_fp8))
     for fp8, key in ((False, "ours_bf16"), (True, "ours_fp8")):
-        form = v32.form_for(True, None, fp8, H)
+        form = v32.form_for(True, None, fp8, H, T)
         row[f"{key}_form"] = form
         row[f"{key}_splits"] = v32.num_splits_for(T, H, K_, sms, form)
     for name, fn, ref in cases:

@@ -54,6 +54,10 @@ NOT_SERVED = {
 SELECTABLE = {
     "_mqa_logits_v2_kernel": "the prefill indexer's v2 kernel: a MQA_CANDIDATES row once MQA_COMPRESSED_CONFIG "
                              "runs v3 (issue 18), the shipped kernel before",
+    "_sparse_mla_prefill_splitd_kernel": "sparse prefill's split-d kernel: CANDIDATES rows with SPLIT (measured "
+                                         "slower, 3.6 vs 1.96 ms at H = 64; benchmarks/results/sparse_prefill.md)",
+    "_v32_sparse_mla_f16t_kernel": "V3.2's transposed f16 decode: F16_CANDIDATES rows (benchmark candidates, not "
+                                   "auto's)",
 }
 # Engram table rows of a shard and hash columns: stand-ins (they only reach kernel ints, whose
 # classes the real values may differ in: unverified against a V4.1 checkpoint).

@@ -168,7 +168,7 @@ def t_signature(s: V32Shapes, sms: int) -> Callable[[int], tuple]:
     fp8 = s.cache_dtype == "fp8_ds_mla"
 
     def sig(T: int) -> tuple:
-        out = [ws.int_class(T), T % 16, v32.auto_form(fp8, H)]
+        out = [ws.int_class(T), T % 16, v32.auto_form(fp8, H, T)]
         out.extend(v32.num_splits_for(T, H, K, sms, f) for f in forms)
         out.extend(T % n == 0 for n in s.next_n)
         out.append(ws.int_class(indexer.paged_tiles_per_program(T, s.max_model_len)))
