@@ -242,6 +242,11 @@ def test_h200_real_kernels_and_decode_graph(tmp_path, model, private_graphs):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    if model == "v4":
+        # vLLM 0.33.0 runs V4's mHC boundaries as TileLang kernels on every CUDA GPU (the plugin
+        # replaces only the first layer's DeepGEMM prenorm GEMM); a serving host has tilelang
+        # (vLLM's CUDA requirement), the H200 image here does not: V4 on a GPU needs it
+        pytest.importorskip("tilelang", reason="vLLM's V4 mHC kernels are TileLang's (not in this image)")
     proc, report = run_driver(tmp_path, model=model, device="cuda", DSV4_AMPERE_DECODE_GRAPHS=private_graphs)
     assert proc.returncode == 0 and report is not None, proc.stderr[-6000:]
     for check in REPORT_CHECKS:
