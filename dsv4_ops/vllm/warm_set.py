@@ -661,6 +661,21 @@ def cached_build(cache_dir: str, shapes: ModelShapes, max_tokens: int, sms: int,
     return warm
 
 
+def serve_limits(vllm_config) -> dict:
+    """What every model's shapes read from the serve config besides the model: the cache's block
+    size and blocks, and the query rows a request has with speculative tokens (``next_n``)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    kw = {}
+    if getattr(cache, "block_size", None):
+        kw["block_size"] = int(cache.block_size)
+    if getattr(cache, "num_gpu_blocks", None):
+        kw["num_blocks"] = int(cache.num_gpu_blocks)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "num_speculative_tokens", None):
+        kw["next_n"] = (1, 1 + int(spec.num_speculative_tokens))
+    return kw
+
+
 def shapes_from_vllm_config(vllm_config):
     """ModelShapes of the model vLLM serves (DeepSeek-V3.2 / GLM-5: ``warm_set_v32.V32Shapes``),
     or None when it is none of those. Reads the HF config (heads, indexer heads and top-k,
@@ -674,7 +689,6 @@ def shapes_from_vllm_config(vllm_config):
 
         return warm_set_v32.shapes_from_vllm_config(vllm_config)
     v41 = "V41" in archs or getattr(hf, "engram_layer_ids", None) is not None
-    cache = getattr(vllm_config, "cache_config", None)
     rates = getattr(hf, "compress_rates", None) or {}
     kw = dict(name="DeepSeek-V4.1-Flash" if v41 else "DeepSeek-V4-Flash", engram=(256, 32) if v41 else None,
               tp=int(vllm_config.parallel_config.tensor_parallel_size),
@@ -691,13 +705,7 @@ def shapes_from_vllm_config(vllm_config):
     else:
         found = tuple(sorted({int(r) for r in (rates.values() if isinstance(rates, dict) else rates) if int(r) > 0}))
         kw.update(ratios=found or (4,), index_ratios=(4,), c128a=128 in found)
-    if getattr(cache, "block_size", None):
-        kw["block_size"] = int(cache.block_size)
-    if getattr(cache, "num_gpu_blocks", None):
-        kw["num_blocks"] = int(cache.num_gpu_blocks)
-    spec = getattr(vllm_config, "speculative_config", None)
-    if getattr(spec, "num_speculative_tokens", None):
-        kw["next_n"] = (1, 1 + int(spec.num_speculative_tokens))
+    kw.update(serve_limits(vllm_config))
     return ModelShapes(**kw)
 
 

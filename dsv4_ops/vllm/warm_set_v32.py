@@ -216,11 +216,5 @@ def shapes_from_vllm_config(vllm_config) -> Optional[V32Shapes]:
               tp=int(vllm_config.parallel_config.tensor_parallel_size),
               max_model_len=int(model_config.max_model_len),
               cache_dtype="auto" if dtype in ("auto", "bfloat16") else dtype)
-    if getattr(cache, "block_size", None):
-        kw["block_size"] = int(cache.block_size)
-    if getattr(cache, "num_gpu_blocks", None):
-        kw["num_blocks"] = int(cache.num_gpu_blocks)
-    spec = getattr(vllm_config, "speculative_config", None)
-    if getattr(spec, "num_speculative_tokens", None):
-        kw["next_n"] = (1, 1 + int(spec.num_speculative_tokens))
+    kw.update(ws.serve_limits(vllm_config))
     return V32Shapes(**kw)
