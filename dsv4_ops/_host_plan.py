@@ -513,37 +513,7 @@ def direct_ok(t: torch.Tensor) -> bool:
             and (t.is_cuda or DIRECT_CPU) and not _functorch_active() and not _profiler._is_profiler_enabled)
 
 
-# Called as observer(name, args, out) after every direct call (tests/e2e/counters.py counts the
-# ops vLLM's forward reached through this path, which torch.ops never sees); empty in serving.
+# Called as observer(name, args, out) after every direct call (``dsv4_decode._direct_op``;
+# tests/e2e/counters.py counts the ops vLLM's forward reached through this path, which torch.ops
+# never sees); empty in serving.
 DIRECT_OBSERVERS: List[Callable] = []
-
-
-def direct_op(name: str) -> Callable:
-    """A caller of ``torch.ops.dsv4_ampere.<name>`` that skips the dispatcher hop when
-    ``direct_ok(first argument)``: it then calls the op's registered CUDA kernel itself (the same
-    function the dispatcher would call). Positional arguments only."""
-    found = []
-
-    def resolve():
-        from .registration import library
-
-        row = library._DEFINED.get(name)
-        found[:] = [row.cuda if row is not None else None]
-
-    def call(*args):
-        if _is_compiling():  # traced: the op itself (Dynamo sees the fake impl)
-            return getattr(torch.ops.dsv4_ampere, name)(*args)
-        if not found:
-            resolve()
-        impl = found[0]
-        if impl is not None and direct_ok(args[0]):
-            out = impl(*args)
-            for observe in DIRECT_OBSERVERS:
-                observe(name, args, out)
-            return out
-        # looked up at each call, never cached: whoever stands in for torch.ops.dsv4_ampere (the
-        # warm set's tracer routes it to the launchers) is what a non-direct call reaches
-        return getattr(torch.ops.dsv4_ampere, name)(*args)
-
-    call.__name__ = name
-    return call

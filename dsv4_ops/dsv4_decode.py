@@ -12,7 +12,7 @@ attended) or the entry is past the token's length (j >= topk_length[t] / swa_len
 Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync, so the
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
 Host cost (issue 17: vLLM runs this eagerly for mixed prefill + decode batches, per layer per
-step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, functorch
+step): in plain eager CUDA calls (``_direct_op``, ``_host_plan.direct_ok``: no compile, mode, functorch
 transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the kernel
 choice is memoised per (T, H, K) and the environment it reads (``_host_plan.env_memo``); the
 ops themselves replay recorded launch plans (``_host_plan.planned``).
@@ -29,7 +29,7 @@ workspace, no gather launch; + the merge launch when it splits). Same semantics.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -37,10 +37,41 @@ from . import _host_plan
 from . import decode_plan as _dp
 from .layout import HEAD_DIM
 
-_fused_out = _host_plan.direct_op("dsv4_decode_fused_out")
-_decode_gather = _host_plan.direct_op("dsv4_decode_gather")
-_sparse_mla_decode = _host_plan.direct_op("sparse_mla_decode")
-_sparse_mla_decode_out = _host_plan.direct_op("sparse_mla_decode_out")
+def _direct_op(name: str) -> Callable:
+    """A caller of ``torch.ops.dsv4_ampere.<name>`` that skips the dispatcher hop when
+    ``direct_ok(first argument)``: it then calls the op's registered CUDA kernel itself (the same
+    function the dispatcher would call). Positional arguments only."""
+    found = []
+
+    def resolve():
+        from .registration import library
+
+        row = library._DEFINED.get(name)
+        found[:] = [row.cuda if row is not None else None]
+
+    def call(*args):
+        if _host_plan._is_compiling():  # traced: the op itself (Dynamo sees the fake impl)
+            return getattr(torch.ops.dsv4_ampere, name)(*args)
+        if not found:
+            resolve()
+        impl = found[0]
+        if impl is not None and _host_plan.direct_ok(args[0]):
+            out = impl(*args)
+            for observe in _host_plan.DIRECT_OBSERVERS:
+                observe(name, args, out)
+            return out
+        # looked up at each call, never cached: whoever stands in for torch.ops.dsv4_ampere (the
+        # warm set's tracer routes it to the launchers) is what a non-direct call reaches
+        return getattr(torch.ops.dsv4_ampere, name)(*args)
+
+    call.__name__ = name
+    return call
+
+
+_fused_out = _direct_op("dsv4_decode_fused_out")
+_decode_gather = _direct_op("dsv4_decode_gather")
+_sparse_mla_decode = _direct_op("sparse_mla_decode")
+_sparse_mla_decode_out = _direct_op("sparse_mla_decode_out")
 _is_compiling = torch.compiler.is_compiling
 
 
