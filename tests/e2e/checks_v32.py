@@ -7,9 +7,10 @@ So a wrong kernel shows even where the fp8 cache's rounding hides it in the logi
 ``IndexerChoice`` (attached to the recorder) checks the indexer's choice on the same calls: the
 physical rows each query attends to are the float64 top-k of sum_h w[t,h] relu(q[t,h] . k[j])
 over its request's causal keys, teacher-forced on vLLM's E4M3 indexer q and folded weights (what
-``fused_q`` returned) and the indexer K cache's bytes, wherever the k-th / (k+1)-th gap is clear
-of fp32 accumulation order; a query with <= top-k causal keys must attend to all of them; a
-shared-indexer layer must attend to its source layer's rows."""
+``fused_q`` returned) and the indexer K cache's bytes, up to fp32 accumulation order (keys tied
+with the k-th score may go either way; every row is checked, ties are counted); a query with
+<= top-k causal keys must attend to all of them; a shared-indexer layer must attend to its
+source layer's rows."""
 
 from __future__ import annotations
 
@@ -87,6 +88,19 @@ def decode_index_k_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tenso
     return codes.contiguous().view(torch.float8_e4m3fn).double() * scale.contiguous().view(torch.float32).double()
 
 
+def valid_top_k(score: torch.Tensor, chosen: List[int], k: int, rel_tol: float = 1e-5):
+    """Is ``chosen`` (key positions) a top-``k`` of ``score`` [N] f64, up to fp32 accumulation
+    order? Every key clearly above the k-th score is chosen, no chosen key is clearly below it, no
+    key twice. E4M3 codes make exact ties common: keys tied with the k-th may go either way.
+    Returns (valid, whether the k-th score is tied)."""
+    kth = float(score.sort(descending=True).values[k - 1])
+    tol = rel_tol * float(score.abs().max()) + 1e-9
+    must = set((score > kth + tol).nonzero().flatten().tolist())
+    ok = (len(set(chosen)) == len(chosen) == k and must <= set(chosen)
+          and bool((score[chosen] >= kth - tol).all()))
+    return ok, int(((score - kth).abs() <= tol).sum()) > 1
+
+
 class IndexerChoice:
     """See the module doc. ``wrap_fused_q`` records each indexer layer's (E4M3 q, folded weights);
     the driver calls ``set_step`` before each forward with the batch's tokens ([(rid, pos)] in
@@ -136,7 +150,7 @@ class IndexerChoice:
         icache = ix.k_cache.kv_cache.cpu()
         qf, w = self.q
         qf, w = qf[off:off + T], w[off:off + T]
-        checked = mismatched = long_rows = outside = 0
+        checked = mismatched = long_rows = outside = ties = 0
         for t, (rid, pos) in enumerate(toks):
             blk = self.blocks[rid]
             keys = torch.arange(pos + 1)
@@ -152,12 +166,11 @@ class IndexerChoice:
                 continue
             k = decode_index_k_rows(icache, slots)
             score = (torch.relu(torch.einsum("hd,nd->hn", qf[t], k)) * w[t][:, None]).sum(0)
-            srt = score.sort(descending=True)
-            gap = float(srt.values[self.topk - 1] - srt.values[self.topk])
-            if gap <= 1e-5 * float(srt.values.abs().max()) + 1e-9:   # fp32 accumulation order
-                continue
+            ok, tied = valid_top_k(score, chosen, self.topk)
+            ties += tied
             checked += 1
             long_rows += 1
-            mismatched += chosen != sorted(srt.indices[: self.topk].tolist())
+            mismatched += not ok
         self.results.append(dict(kind="indexer", step=self.step, layer=li, tokens=T, checked=checked,
-                                 mismatched=mismatched, long_rows=long_rows, outside_request=outside))
+                                 mismatched=mismatched, long_rows=long_rows, ties=ties,
+                                 outside_request=outside))

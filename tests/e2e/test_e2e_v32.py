@@ -104,7 +104,7 @@ def _check_indexer_choice(rep, long):
     layers = rep["indexer_layers"]
     assert {(c["step"], c["layer"]) for c in rows} == {(s, l) for s in STEPS for l in layers}, rows
     for c in rows:
-        assert c["mismatched"] == 0 and c["outside_request"] == 0 and c["checked"] >= c["tokens"] - 2, c
+        assert c["mismatched"] == 0 and c["outside_request"] == 0 and c["checked"] == c["tokens"], c
     if long:  # every step has queries past top-k, checked against the float64 top-k
         for step in STEPS:
             assert sum(c["long_rows"] for c in rows if c["step"] == step) > 0, (step, rows)
