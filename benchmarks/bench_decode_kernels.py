@@ -27,7 +27,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, in_green_context, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import attention, decode_plan, dsv4_decode, reference, split_heuristic  # noqa: E402
@@ -123,29 +123,12 @@ def step_rows(replays):
 
 
 def green_rows(kv, gbs, replays, sms=108):
-    """The kernel table on `sms` SMs in a green context (torch >= 2.10), or one row saying why not."""
-    gc_mod = getattr(torch.cuda, "green_contexts", None)
-    if gc_mod is None or not hasattr(gc_mod, "GreenContext"):
-        return [{"sms": sms, "error": "torch.cuda.green_contexts unavailable"}]
+    """The kernel table on `sms` SMs in a green context (common.in_green_context), or one row
+    saying why not."""
     try:
-        try:
-            ctx = gc_mod.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-        except TypeError:
-            ctx = gc_mod.GreenContext.create(sms, torch.cuda.current_device())
-    except Exception as exc:  # noqa: BLE001
-        return [{"sms": sms, "error": f"GreenContext.create: {exc!r}"[:200]}]
-    if hasattr(ctx, "Stream"):  # torch >= 2.12: work goes on the context's stream
-        stream = ctx.Stream()
-        with torch.cuda.stream(stream):
-            rows = kernel_rows(kv, sms, gbs, replays, sweep=False)
-        torch.cuda.synchronize()
-        return rows
-    ctx.set_context()  # torch 2.10/2.11: the context is current while the kernels run
-    try:
-        return kernel_rows(kv, sms, gbs, replays, sweep=False)
-    finally:
-        torch.cuda.synchronize()
-        ctx.pop_context()
+        return in_green_context(sms, lambda: kernel_rows(kv, sms, gbs, replays, sweep=False))
+    except RuntimeError as exc:
+        return [{"sms": sms, "error": repr(exc)[:200]}]
 
 
 def main():

@@ -1,7 +1,7 @@
 """Decode v3 (issue 17, batched regime) against today's decode step, in-graph. < 200 s on an H200.
 
     python benchmarks/bench_decode_v3.py --out DIR [--quick] [--configs a,b,...] [--name decode_v4]
-                                         [--shapes T:H:K1,...] [--no-pipe]
+                                         [--shapes T:H:K1,...] [--no-pipe] [--sms 108]
 
 Writes decode_v3.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H in {8, 16, 64,
 128}, K = 512 top-k + 128 window (and the draft's K = 128 + 128 at a few shapes):
@@ -36,7 +36,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, in_green_context, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import _host_plan, attention, decode_plan, dsv4_decode, reference  # noqa: E402
@@ -86,8 +86,8 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
     K = K1 + 128
     row = {"T": T, "H": H, "K": K}
     try:
-        saved = decode_plan.AUTO_V3_WINDOWS
-        decode_plan.AUTO_V3_WINDOWS = ()
+        saved = decode_plan.AUTO_V3_WINDOWS, decode_plan.AUTO_V3_SMEM_WINDOWS
+        decode_plan.AUTO_V3_WINDOWS = decode_plan.AUTO_V3_SMEM_WINDOWS = ()
         _host_plan.clear()
         os.environ[decode_plan.ENV_VAR] = "auto"
 
@@ -96,7 +96,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
 
         step()
         row["step_us"] = time_graph_us(step, replays)
-        decode_plan.AUTO_V3_WINDOWS = saved
+        decode_plan.AUTO_V3_WINDOWS, decode_plan.AUTO_V3_SMEM_WINDOWS = saved
         _host_plan.clear()  # the recorded launch plans of the step run are not keyed on the windows
         row["auto_us"] = time_graph_us(step, replays)
         row["step/auto"] = row["step_us"] / row["auto_us"]
@@ -168,6 +168,8 @@ def main():
     ap.add_argument("--no-pipe", action="store_true", help="skip the v1 PIPELINE column")
     ap.add_argument("--name", default="decode_v3", help="results file stem (decode_v4 for the fp16-dot round)")
     ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
+    ap.add_argument("--sms", type=int, default=0,
+                    help="run in a green context of this many SMs (108: an A100's), plans made for it")
     ns, rest = ap.parse_known_args()
     sys.argv = [sys.argv[0]] + (["--out", ns.out] if ns.out else []) + (["--quick"] if ns.quick else [])
     args = parse_args(__doc__.splitlines()[0])
@@ -176,7 +178,7 @@ def main():
     t0 = time.time()
     replays = 10 if args.quick else 20
     gbs = copy_bandwidth_gbs(256 << 20)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
+    sms = ns.sms or decode_plan.num_sms(torch.cuda.current_device())
     cc, cw = make_cache(1), make_cache(2)
     rows = []
     cols = (["T", "H", "K", "step_us", "auto_us", "step/auto", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs]
@@ -188,16 +190,22 @@ def main():
         shapes = [(1, 8, 512), (64, 64, 512), (128, 8, 512)]
     if ns.shapes:
         shapes = [tuple(int(x) for x in sh.split(":")) for sh in ns.shapes.split(",")]
-    for T, H, K1 in shapes:
-        rows.append(measure(cc, cw, T, H, K1, gbs, replays, sms, configs, not ns.no_pipe))
-        write_results(ns.name, args.out, rows, cols,  # after every row: a timeout keeps what ran
-                      notes=f"{os.environ.get('DSV4_AMPERE_IMPL')}, {sms} SMs, int32 slots, sink, no lengths; step = "
-                            f"the decode step of DSV4_AMPERE_DECODE_KERNEL=auto before v3; <cfg>_us: the v3 kernel, "
-                            f"best of a few split counts (<cfg>_S); floor: record bytes at the copy rate {gbs:.0f} "
-                            f"GB/s, mma flops at {MMA_TFLOPS:.0f} TFLOP/s or one launch; err: vs float64.")
-        if time.time() - t0 > float(os.environ.get("BENCH_BUDGET_S", "1e9")):
-            print("bench_decode_v3: time budget reached, stopping")
-            break
+    green = f" (a green context of {sms} SMs on this GPU)" if ns.sms else ""
+
+    def sweep():
+        for T, H, K1 in shapes:
+            rows.append(measure(cc, cw, T, H, K1, gbs, replays, sms, configs, not ns.no_pipe))
+            write_results(ns.name, args.out, rows, cols,  # after every row: a timeout keeps what ran
+                          notes=f"{os.environ.get('DSV4_AMPERE_IMPL')}, {sms} SMs{green}, int32 slots, sink, no "
+                                f"lengths; step = the decode step of DSV4_AMPERE_DECODE_KERNEL=auto before v3; "
+                                f"<cfg>_us: the v3 kernel, best of a few split counts (<cfg>_S); floor: record bytes "
+                                f"at the copy rate {gbs:.0f} GB/s (all SMs), mma flops at {MMA_TFLOPS:.0f} TFLOP/s or "
+                                f"one launch; err: vs float64.")
+            if time.time() - t0 > float(os.environ.get("BENCH_BUDGET_S", "1e9")):
+                print("bench_decode_v3: time budget reached, stopping")
+                break
+
+    in_green_context(sms, sweep) if ns.sms else sweep()
     print(f"bench_decode_v3: {time.time() - t0:.1f} s")
 
 

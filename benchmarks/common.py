@@ -116,3 +116,39 @@ def write_results(name: str, out_dir: str, rows: List[Dict[str, object]], column
             pass
     print(md)
     return md
+
+
+def in_green_context(sms: int, fn: Callable[[], object]):
+    """fn() run on ``sms`` SMs of the current device in a torch.cuda green context (an A100's
+    108 on the H200), with decode_plan's DSV4_AMPERE_SMS set to the same count so plans are made
+    for it. Raises RuntimeError where green contexts are unavailable."""
+    gc_mod = getattr(torch.cuda, "green_contexts", None)
+    if gc_mod is None or not hasattr(gc_mod, "GreenContext"):
+        raise RuntimeError("torch.cuda.green_contexts unavailable")
+    try:
+        try:
+            ctx = gc_mod.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        except TypeError:
+            ctx = gc_mod.GreenContext.create(sms, torch.cuda.current_device())
+    except Exception as exc:  # noqa: BLE001 - any failure to create one: the caller says why
+        raise RuntimeError(f"GreenContext.create: {exc!r}") from exc
+    saved = os.environ.get("DSV4_AMPERE_SMS")
+    os.environ["DSV4_AMPERE_SMS"] = str(sms)
+    try:
+        if hasattr(ctx, "Stream"):  # torch >= 2.12: work goes on the context's stream
+            with torch.cuda.stream(ctx.Stream()):
+                out = fn()
+            torch.cuda.synchronize()
+            return out
+        ctx.set_context()  # torch 2.10 / 2.11: the context is current while the kernels run
+        try:
+            return fn()
+        finally:
+            torch.cuda.synchronize()
+            ctx.pop_context()
+    finally:
+        if saved is None:
+            os.environ.pop("DSV4_AMPERE_SMS", None)
+        else:
+            os.environ["DSV4_AMPERE_SMS"] = saved
+

@@ -33,7 +33,9 @@ class KernelSpec:
     """One kernel specialization a launcher can pick.
 
     variant: 'portable' (what sm_8x runs) or 'native' (sm_89+); signature maps every
-    argument name to a Triton type ('*u8', 'i32', ...) or 'constexpr'.
+    argument name to a Triton type ('*u8', 'i32', ...) or 'constexpr'; archs: the archs it is
+    dispatched on and compiled for (empty: every arch), for a config whose shared memory only
+    some hold (``archs_holding``).
     """
 
     op: str
@@ -44,6 +46,17 @@ class KernelSpec:
     variant: str
     num_warps: int = 4
     num_stages: int = 3
+    archs: tuple = ()
+
+
+def compiled_for(spec: "KernelSpec", arch: int) -> bool:
+    """Whether the AOT check compiles ``spec`` for sm_<arch> (its archs, or every arch)."""
+    return not spec.archs or arch in spec.archs
+
+
+def archs_holding(smem_bytes: int, archs: Sequence[int] = AMPERE_ARCHS) -> tuple:
+    """The archs whose blocks may opt into ``smem_bytes`` of shared memory (SMEM_LIMIT)."""
+    return tuple(a for a in archs if SMEM_LIMIT[a] >= smem_bytes)
 
 
 def optional_pointer(signature: Dict[str, str], constexprs: Dict[str, object], name: str,
@@ -142,7 +155,8 @@ def check(archs: Sequence[int] = AMPERE_ARCHS, variants: Sequence[str] = ("porta
         if out.returncode not in (0, 1):
             raise RuntimeError(f"AOT subprocess failed ({out.returncode}):\n{out.stderr[-2000:]}")
         return [AotResult(**row) for row in json.loads(out.stdout)]
-    return [compile_spec(spec, arch) for arch in archs for spec in all_specs() if spec.variant in variants]
+    return [compile_spec(spec, arch) for arch in archs for spec in all_specs()
+            if spec.variant in variants and compiled_for(spec, arch)]
 
 
 def format_results(results: Sequence[AotResult]) -> str:

@@ -629,7 +629,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     if out is None:
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     if form is None:
-        form = _dp.fused_form(T, H, K1 + K2)
+        form = _dp.fused_form(T, H, K1 + K2, _dp.smem_per_block(q.get_device()))
     if form == "v3" and not (compressed_cache.data_ptr() % 16 or swa_cache.data_ptr() % 16
                              or compressed_cache.stride(0) % 16 or swa_cache.stride(0) % 16):
         return _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
@@ -670,7 +670,7 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
-    name = config or _dp.v3_config_name(T, H, K1 + K2)
+    name = config or _dp.v3_config_name(T, H, K1 + K2, _dp.smem_per_block(dev))
     cfg = _dp.v3_config(name)
     pow2 = not (compressed_block_size & (compressed_block_size - 1) or swa_block_size & (swa_block_size - 1))
     if "PV_KEY" in cfg and not pow2:  # the v4 kernel takes power-of-two block sizes (as shifts)
@@ -724,9 +724,13 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
     configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
     configs += [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
     configs += [(f"v4-{n}", _v4k.V4_CANDIDATES[n]["BLOCK_H"], _v4k.V4_CANDIDATES[n]) for n in _v4k.V4_DISPATCHED]
+    from .aot import archs_holding
+
     for name, bh, cfg in configs:
         v3 = name.startswith(("v3-", "v4-"))
         v4 = name.startswith("v4-")
+        need = _v4k.V4_SMEM_BYTES.get(name[3:], 0) if v4 else 0
+        archs = archs_holding(need) if need else ()
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
                 for direct, has_sink in ((False, False), (True, True), (True, False)):
@@ -766,5 +770,5 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                         "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
                         _v4k._dsv4_decode_v4_kernel if v4 else (_vk._dsv4_decode_v3_kernel if v3 else
                                                                 _pk._dsv4_decode_fused_kernel), sig, consts, variant,
-                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], archs=archs))
     return specs

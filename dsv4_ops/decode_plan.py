@@ -155,12 +155,59 @@ def mode() -> str:
     return batch_invariant_mode(m) if batch_invariant() else m
 
 
-@functools.lru_cache(maxsize=16)
+# Plans for this many SMs instead of the device's count: a green context or an MPS share runs
+# on fewer SMs than the device properties report (benchmarks: 108, an A100's count, on the H200).
+SMS_ENV = "DSV4_AMPERE_SMS"
+
+
 def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (cached; 108 on an A100, 132 on an H200)."""
+    """Streaming multiprocessors a plan counts on: DSV4_AMPERE_SMS when set (read at each
+    call; the recorded launch plans keep what they were planned with), else the device's
+    (cached; 108 on an A100, 132 on an H200)."""
+    forced = os.environ.get(SMS_ENV)
+    if forced:
+        if not forced.strip().isdigit() or int(forced) < 1:
+            raise ValueError(f"{SMS_ENV}: expected a positive SM count, got {forced!r}")
+        return int(forced)
+    return _device_sms(device_index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_sms(device_index: int) -> int:
     import torch
 
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+# Shared memory a block may opt into where no CUDA device is current (the CPU, the interpreter,
+# fake tensors): an A100's, the arch the plan is written for.
+DEFAULT_SMEM_BYTES = 163 * 1024
+_SMEM: dict = {}  # device index -> bytes (a plain dict: traced code reads it as a constant)
+
+
+def known_smem(device_index: int) -> int:
+    """smem_per_block's cached figure for the device, or DEFAULT_SMEM_BYTES before it was asked:
+    no device query (traced code: torch.compile reads it as a constant)."""
+    return _SMEM.get(device_index, DEFAULT_SMEM_BYTES)
+
+
+def smem_per_block(device_index: int = -1) -> int:
+    """Bytes of shared memory a block may opt into on CUDA device ``device_index`` (cached; 163
+    KiB on an A100, 99 KiB on sm_86, 227 KiB on an H200); -1 (a CPU tensor's index): the
+    current CUDA device where CUDA is initialised, else DEFAULT_SMEM_BYTES."""
+    got = _SMEM.get(device_index)
+    if got is None:
+        import torch
+
+        if not torch.cuda.is_available():  # fake CUDA tensors on a CPU machine (the warm-set trace)
+            return DEFAULT_SMEM_BYTES
+        if device_index < 0:
+            if not torch.cuda.is_initialized():
+                return DEFAULT_SMEM_BYTES
+            return smem_per_block(torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(device_index)
+        got = _SMEM[device_index] = int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SMEM_BYTES)
+    return got
 
 
 def balanced_splits(nb: int) -> list:
@@ -306,10 +353,42 @@ V3_CONFIG_WINDOWS = (
 )
 
 
-def v3_config_name(T: int, H: int, K: int = 640) -> str:
+# Windows (T_lo, T_hi, H_lo, H_hi, K, config) where auto runs the v3 form with a config whose
+# shared memory (sparse_mla_v4.V4_SMEM_BYTES) only some Ampere parts hold: taken where the
+# device's blocks may opt into it (an A100: 163 KiB), else the shape keeps its other choice.
+# From the H200 sweep (decode_v4.md, 132 SMs, kh32n64w8 against the workspace step): H = 64, K 640:
+# T = 4 14.5 vs 16.5 us, T = 64 74.2 vs 93.2, T = 128 150 vs 172, T = 256 295 vs 324 (T = 16
+# even, T = 1 slower); K 256: T = 64, H = 64 32.5 vs 40.7 (kh16n32w4), T = 128, H = 128 132 vs 149.
+AUTO_V3_SMEM_WINDOWS: tuple = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 64, 640, "kh32n64w8"),
+                               (64, 64, 64, 64, 256, "kh32n64w8"), (128, 128, 128, 128, 256, "kh32n64w8"))
+
+
+def config_fits(name: str, smem: int) -> bool:
+    """Whether a v3-form config's shared memory fits ``smem`` bytes a block."""
+    from .csrc_triton import sparse_mla_v4 as _v4k
+
+    return _v4k.V4_SMEM_BYTES.get(name, 0) <= smem
+
+
+def _smem_window(T: int, H: int, K: int, smem: int) -> str:
+    """The AUTO_V3_SMEM_WINDOWS config for (T, H, K) that fits ``smem`` (-1: the current
+    device's, smem_per_block), or ''."""
+    for t_lo, t_hi, h_lo, h_hi, k, name in AUTO_V3_SMEM_WINDOWS:
+        if t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k:
+            if config_fits(name, smem if smem >= 0 else smem_per_block(-1)):
+                return name
+    return ""
+
+
+def v3_config_name(T: int, H: int, K: int = 640, smem: int = -1) -> str:
     """The v3-form launch config auto (and DSV4_AMPERE_DECODE_KERNEL=v3) runs for T tokens, H
-    heads, K keys: the first V3_CONFIG_WINDOWS match, else the v3 kernel's 16-key config for one
-    token at H <= 16 and its 32-key config elsewhere (sparse_mla_v3.V3_DISPATCHED)."""
+    heads, K keys on a device of ``smem`` bytes of shared memory a block (-1: the current
+    device's): an AUTO_V3_SMEM_WINDOWS config that fits, else the first V3_CONFIG_WINDOWS match,
+    else the v3 kernel's 16-key config for one token at H <= 16 and its 32-key config elsewhere
+    (sparse_mla_v3.V3_DISPATCHED)."""
+    big = _smem_window(T, H, K, smem)
+    if big:
+        return big
     for t_lo, t_hi, h_lo, h_hi, k, name in V3_CONFIG_WINDOWS:
         if t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k:
             return name
@@ -371,17 +450,20 @@ AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640)
                    (1, 1, 128, 128, 640))
 
 
-def auto_is_v3(T: int, H: int, K: int) -> bool:
-    """Whether auto runs the v3 kernel in the composite (a measured window holds T, H, K)."""
-    return any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
-               for t_lo, t_hi, h_lo, h_hi, k in AUTO_V3_WINDOWS)
+def auto_is_v3(T: int, H: int, K: int, smem: int = -1) -> bool:
+    """Whether auto runs the v3 kernel in the composite: a measured window holds T, H, K
+    (AUTO_V3_WINDOWS, or AUTO_V3_SMEM_WINDOWS where its config fits ``smem`` bytes a block;
+    -1: the current device's)."""
+    return (any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
+                for t_lo, t_hi, h_lo, h_hi, k in AUTO_V3_WINDOWS)
+            or bool(AUTO_V3_SMEM_WINDOWS and _smem_window(T, H, K, smem)))
 
 
-def fused_form(T: int, H: int, K: int) -> str:
+def fused_form(T: int, H: int, K: int, smem: int = -1) -> str:
     """Which kernel op dsv4_decode_fused_out runs: 'v3' under DSV4_AMPERE_DECODE_KERNEL=v3 or
-    where auto_is_v3, else 'v1' (csrc_triton.sparse_mla_paged)."""
+    where auto_is_v3 (``smem`` as there), else 'v1' (csrc_triton.sparse_mla_paged)."""
     m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    return "v3" if m == "v3" or (m == "auto" and auto_is_v3(T, H, K)) else "v1"
+    return "v3" if m == "v3" or (m == "auto" and auto_is_v3(T, H, K, smem)) else "v1"
 
 
 # ---- batch invariance (issue 19): DSV4_AMPERE_BATCH_INVARIANT=1 ----

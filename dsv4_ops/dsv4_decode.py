@@ -110,26 +110,27 @@ def _aligned(cache) -> bool:
     return isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.stride(0) % 16 == 0
 
 
-def _choice(kernel_mode: str, T: int, H: int, K: int) -> str:
+def _choice(kernel_mode: str, T: int, H: int, K: int, smem: int) -> str:
     """'fused' (the fused op), 'v3' (the fused op when both caches are 16-byte aligned, else the
-    workspace step) or 'workspace', for the mode and the static shapes."""
+    workspace step) or 'workspace', for the mode, the static shapes and the device's shared
+    memory a block (decode_plan.smem_per_block)."""
     if kernel_mode in ("fused", "v3"):
         return "fused"
     if kernel_mode == "auto":
         if _dp.auto_is_fused(T, H, K):
             return "fused"
-        if _dp.auto_is_v3(T, H, K):
+        if _dp.auto_is_v3(T, H, K, smem):
             return "v3"
     return "workspace"
 
 
-def _route(T: int, H: int, K: int, fused_windows_id: int, v3_windows_id: int) -> str:
+def _route(T: int, H: int, K: int, smem: int, windows: tuple) -> str:
     """_choice under the current DSV4_AMPERE_DECODE_KERNEL mode; the windows' identities are
-    arguments so that the memo below follows a test that swaps them."""
-    return _choice(_dp.mode(), T, H, K)
+    an argument so that the memo below follows a test that swaps them."""
+    return _choice(_dp.mode(), T, H, K, smem)
 
 
-_route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, windows) and the env it reads
+_route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, smem, windows) and the env it reads
 
 
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
@@ -158,10 +159,11 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                          f"{tuple(topk_slots.shape) if isinstance(topk_slots, torch.Tensor) else type(topk_slots)}")
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     rows = T * (K1 + K2)
-    if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass)
-        choice = _choice(_dp.mode(), T, q.shape[1], K1 + K2)
+    if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass, no device query)
+        choice = _choice(_dp.mode(), T, q.shape[1], K1 + K2, _dp.known_smem(q.get_device()))
     else:
-        choice = _route_memo(T, q.shape[1], K1 + K2, id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS))
+        choice = _route_memo(T, q.shape[1], K1 + K2, _dp.smem_per_block(q.get_device()),
+                             (id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS), id(_dp.AUTO_V3_SMEM_WINDOWS)))
     if choice == "fused" or (choice == "v3" and _aligned(compressed_cache) and _aligned(swa_cache)):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:

@@ -24,7 +24,6 @@ they capture into CUDA graphs.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -45,16 +44,14 @@ _splitd_kernel = fast(_pk._sparse_mla_prefill_splitd_kernel)
 PREFILL_MIN_WAVES = 4  # programs (T x G) per SM at which the prefill kernel takes over (module doc)
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def num_sms_of(t: torch.Tensor) -> int:
-    """SMs of t's CUDA device; on the CPU (interpreter) an A100's 108."""
+    """SMs of t's CUDA device (decode_plan.num_sms: DSV4_AMPERE_SMS overrides it); on the CPU
+    (interpreter) an A100's 108."""
     if t.device.type != "cuda":
         return 108
-    return _num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    from .decode_plan import num_sms
+
+    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def uses_prefill_kernel(T: int, H: int, index_dtype: torch.dtype, sms: int) -> bool:

@@ -70,7 +70,8 @@ import dataclasses, json, multiprocessing, os
 from concurrent.futures import ProcessPoolExecutor
 from dsv4_ops import aot
 specs = aot.all_specs()
-jobs = [(i, a) for a in aot.AMPERE_ARCHS for i, s in enumerate(specs) if s.variant == "portable"]
+jobs = [(i, a) for a in aot.AMPERE_ARCHS for i, s in enumerate(specs)
+        if s.variant == "portable" and aot.compiled_for(s, a)]
 native_enc = [i for i, s in enumerate(specs) if s.variant == "native" and s.op == "e4m3_encode"]
 jobs += [(i, 80) for i in native_enc] + [(i, 90) for i in native_enc if "exact,fp32" in specs[i].label]
 def compile_one(job):

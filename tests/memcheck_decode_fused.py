@@ -6,8 +6,9 @@ Each tensor gets its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and pages
 exactly (no slack after the last record), so a read past a cache is an error the sanitizer
 reports. Slots: out of range, negative, int32 / int64 extremes, repeated; lengths negative
 and past K; an empty window cache. Both variants (native on sm_89+; MEMCHECK_VARIANTS=portable
-for one), five forms (v1 default, v1 PIPELINE, v3: csrc_triton.sparse_mla_v3, and the fp16-dot
-kernel csrc_triton.sparse_mla_v4 in both PV modes, configs kh16n32w4 / gh16n32w4; the caches
+for one), seven forms (v1 default, v1 PIPELINE, v3: csrc_triton.sparse_mla_v3, and the fp16-dot
+kernel csrc_triton.sparse_mla_v4 in both PV modes, configs kh16n32w4 / gh16n32w4, and its
+64-key configs kh16n64w8 / kh32n64w8 (the latter needs 108 KB of shared memory); the caches
 here are 16-byte aligned; MEMCHECK_FORMS=v3,kh16n32w4 for a subset), direct and split; exits
 non-zero when a result differs from the float64 reference.
 """
@@ -54,7 +55,7 @@ def main() -> int:
         q = torch.randn(T, H, 512, generator=g).to(torch.bfloat16).cuda()
         sink = torch.randn(H, generator=g).cuda()
         for variant in variants:
-            forms = ("default", "pipe", "v3", "kh16n32w4", "gh16n32w4")
+            forms = ("default", "pipe", "v3", "kh16n32w4", "gh16n32w4", "kh16n64w8", "kh32n64w8")
             if os.environ.get("MEMCHECK_FORMS"):
                 forms = [f for f in forms if f in os.environ["MEMCHECK_FORMS"].split(",")]
             for form in forms:

@@ -246,25 +246,67 @@ def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
 
 def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
     """Every dispatched v4 specialization (csrc_triton.sparse_mla_v4) compiles for sm_80 and
-    sm_86, fits sm_86's 99 KB, holds no e4m3 cvt, and spills nothing."""
+    sm_86, fits sm_86's 99 KB, holds no e4m3 cvt, and spills nothing; a config of
+    V4_SMEM_BYTES compiles for the archs that hold it only (sm_80), within its declared bytes
+    and over sm_86's limit (else it would not need the gate)."""
     from dsv4_ops import aot
 
     results = [r for r in aot_results if r.label.startswith("v4-") and r.variant == "portable"]
     specs = [s for s in attention.aot_specs() if s.label.startswith("v4-") and s.variant == "portable"]
     assert {s.label.split("[")[0][3:] for s in specs} == set(_v4k.V4_DISPATCHED)
-    assert len(specs) == 18 * len(_v4k.V4_DISPATCHED) and len(results) == 2 * len(specs)
+    assert len(specs) == 18 * len(_v4k.V4_DISPATCHED)
+    assert len(results) == sum(len(s.archs or aot.AMPERE_ARCHS) for s in specs)
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     for r in results:
-        assert r.shared_bytes <= aot.SMEM_LIMIT[86] and r.registers <= 255
+        name = r.label.split("[")[0][3:]
+        need = _v4k.V4_SMEM_BYTES.get(name)
+        assert r.shared_bytes <= (need or aot.SMEM_LIMIT[86]) and r.registers <= 255, r
         assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+        if need:
+            assert r.arch == 80 and r.shared_bytes > aot.SMEM_LIMIT[86], r
+    for name in _v4k.V4_SMEM_BYTES:
+        assert name in _v4k.V4_DISPATCHED
+        assert {r.arch for r in results if r.label.startswith(f"v4-{name}[")} == {80}
+
+
+def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
+    """AUTO_V3_SMEM_WINDOWS: kh32n64w8 (108 KB) runs where the device's blocks hold it (an A100,
+    an H200), never on sm_86 (99 KB), where the shape keeps its other choice; the composite
+    routes by the same rule."""
+    from dsv4_ops import dsv4_decode
+
+    monkeypatch.delenv(decode_plan.ENV_VAR, raising=False)
+    a100, sm86, h200 = 163 * 1024, 99 * 1024, 227 * 1024
+    for T, H, K in [w[:1] + w[2:3] + w[4:5] for w in decode_plan.AUTO_V3_SMEM_WINDOWS]:
+        for smem in (a100, h200):
+            assert decode_plan.v3_config_name(T, H, K, smem) == "kh32n64w8"
+            assert decode_plan.auto_is_v3(T, H, K, smem) and decode_plan.fused_form(T, H, K, smem) == "v3"
+            assert dsv4_decode._choice("auto", T, H, K, smem) == "v3"
+        assert decode_plan.v3_config_name(T, H, K, sm86) != "kh32n64w8"
+        base = any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
+                   for t_lo, t_hi, h_lo, h_hi, k in decode_plan.AUTO_V3_WINDOWS)
+        assert decode_plan.auto_is_v3(T, H, K, sm86) == base
+        assert dsv4_decode._choice("auto", T, H, K, sm86) == ("v3" if base else "workspace")
+    # no CUDA device here: the plan is made for an A100's 163 KiB
+    assert decode_plan.smem_per_block(-1) == decode_plan.DEFAULT_SMEM_BYTES == a100
+
+
+def test_sms_env_overrides_the_device_count(monkeypatch):
+    """DSV4_AMPERE_SMS plans for a green context / MPS share; a bad value is an error."""
+    monkeypatch.setenv(decode_plan.SMS_ENV, "108")
+    assert decode_plan.num_sms(0) == 108
+    for bad in ("0", "-3", "a100"):
+        monkeypatch.setenv(decode_plan.SMS_ENV, bad)
+        with pytest.raises(ValueError, match=decode_plan.SMS_ENV):
+            decode_plan.num_sms(0)
 
 
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, "h16n16w4"), (4, 8, 640, "h16n32w4"), (16, 8, 640, "kh16n32w4"),
                                         (64, 8, 640, "kh16n64w8"), (64, 16, 640, "kh16n64w8"),
                                         (128, 16, 640, "kh16n32w4"), (256, 8, 640, "kh16n32w4"),
                                         (1, 64, 640, "h16n32w4"), (1, 128, 640, "kh16n64w8"),
-                                        (64, 64, 256, "kh16n32w4"), (1, 8, 256, "h16n16w4"),
+                                        (64, 64, 256, "kh32n64w8"), (64, 64, 640, "kh32n64w8"), (1, 8, 256, "h16n16w4"),
                                         (16, 16, 256, "h16n32w4")])
 def test_v3_config_is_the_measured_winner(T, H, K, want):
     """decode_v4.md (H200 call 2): the config v3_config_name picks at every measured dispatched shape."""
@@ -433,5 +475,6 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
 def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
     """decode_v3.md / decode_v4.md (H200, portable): the v3 form won at H <= 16 (every T, K 640;
     T <= 16 at K 256), T = 1 with H = 64 or 128 (v4 kh16n64w8 at 128), T = 64, H = 64, K = 256;
-    the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256."""
-    assert decode_plan.auto_is_v3(T, H, K) is want
+    the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
+    whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
+    assert decode_plan.auto_is_v3(T, H, K, 99 * 1024) is want

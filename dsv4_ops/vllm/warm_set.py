@@ -464,9 +464,10 @@ def routed_ops():
 # 'cuda' (they take their CPU defaults): while tracing, get_device() of a meta tensor is 0
 # and these answer for a device of ``sms`` SMs.
 SM_SOURCES = {
-    "dsv4_ops.decode_plan:num_sms": "decode, fused and v3 plans (attention, v32 via get_device())",
+    "dsv4_ops.decode_plan:num_sms": "decode, fused and v3 plans (attention, v32 via get_device()), sparse "
+                                     "prefill's kernel-or-split rule (sparse_prefill.num_sms_of, patched)",
+    "dsv4_ops.decode_plan:_device_sms": "num_sms's device query (num_sms, patched, no longer calls it)",
     "dsv4_ops.engram:_sm_count": "Engram persistent grid (engram.default_programs, patched for meta tensors)",
-    "dsv4_ops.sparse_prefill:_num_sms": "sparse prefill's kernel-or-split rule (sparse_prefill.num_sms_of, patched)",
     "dsv4_ops.indexer:_sm_count": "decode indexer tiles a program (only where qc.is_cuda; tiles_per_prog is "
                                   "do_not_specialize and a grid size: no key depends on it)",
 }

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 17's legs no earlier device call reached, in one call (~3.5 min on a warm H200):
+#   A (in parallel with B): the GPU tests of tests/test_decode_v3.py never run on a GPU: every v4
+#     config (kh32n64w8, the shared-memory-gated one, included) against float64, CUDA-graph replay
+#     == eager through v4 configs, torch.compile(fullgraph=True), int64 adversarial slots;
+#   B: compute-sanitizer memcheck of the fused path on adversarial slots (MEMCHECK_FORMS);
+#   C (alone on the GPU): the decode sweep in a green context of 108 SMs (an A100's count), plans
+#     made for 108 (bench_decode_v3.py --sms 108 --name decode_v4_108sm), shapes in priority order.
+# usage: bash benchmarks/gpu_verify_108sm.sh   env: T_TESTS (90), T_MEM (100), BENCH_BUDGET_S (60),
+#        MEMCHECK_FORMS, SHAPES, CONFIGS, DSV4_BENCH_COMMIT. Results: $OUT/results.tgz, logs: $OUT/logs.tgz.
+set -u -o pipefail
+OUT="${OUT:-/tmp/dsv4_out}"
+mkdir -p "$OUT/logs" "$OUT/results"
+export PYTHONUNBUFFERED=1 DSV4_AMPERE_IMPL=portable DISABLE_MMA_V3=1
+summary() { echo "$*" | tee -a "$OUT/results/summary.txt"; }
+t0=$(date +%s)
+python3 -m pip install --no-deps --no-build-isolation -e . -q > "$OUT/logs/install.log" 2>&1 || { cat "$OUT/logs/install.log"; exit 1; }
+summary "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
+( timeout "${T_TESTS:-90}" python3 -m pytest tests/test_decode_v3.py -q -m gpu -p no:cacheprovider -n 6 -rf \
+    -k "(v4_matches_reference or graph_replay or torch_compile or int64 or every_dispatched) and portable" \
+    > "$OUT/logs/pytest_gpu.log" 2>&1; echo "decode v3/v4 GPU tests rc=$? $(tail -1 "$OUT/logs/pytest_gpu.log")" \
+    > "$OUT/logs/pytest.rc" ) &
+( MEMCHECK_VARIANTS=portable MEMCHECK_FORMS="${MEMCHECK_FORMS:-kh16n32w4,kh32n64w8,v3}" timeout "${T_MEM:-100}" \
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/memcheck_decode_fused.py \
+    > "$OUT/logs/memcheck.log" 2>&1
+  echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|memcheck_decode_fused|FAIL' "$OUT/logs/memcheck.log" | tail -3 | tr '\n' ' ')" \
+    > "$OUT/logs/memcheck.rc" ) &
+wait
+summary "$(cat "$OUT/logs/pytest.rc") at $(( $(date +%s) - t0 )) s"
+summary "$(cat "$OUT/logs/memcheck.rc") at $(( $(date +%s) - t0 )) s"
+SHAPES="${SHAPES:-64:64:512,128:64:512,4:64:512,256:64:512,64:8:512,128:8:512,16:64:512,64:64:128,128:128:128,64:128:512,16:8:512,256:8:512}"
+BENCH_BUDGET_S="${BENCH_BUDGET_S:-60}" timeout $(( ${BENCH_BUDGET_S:-60} + 25 )) python3 benchmarks/bench_decode_v3.py \
+  --out "$OUT/results" --name decode_v4_108sm --no-pipe --sms 108 --configs "${CONFIGS:-kh16n32w4,kh16n64w8,kh32n64w8}" \
+  --shapes "$SHAPES" > "$OUT/logs/bench.log" 2>&1
+summary "108-SM bench rc=$? at $(( $(date +%s) - t0 )) s: $(grep -c "'T'" "$OUT/logs/bench.log") rows"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
