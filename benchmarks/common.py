@@ -121,7 +121,8 @@ def write_results(name: str, out_dir: str, rows: List[Dict[str, object]], column
 def in_green_context(sms: int, fn: Callable[[], object]):
     """fn() run on ``sms`` SMs of the current device in a torch.cuda green context (an A100's
     108 on the H200), with decode_plan's DSV4_AMPERE_SMS set to the same count so plans are made
-    for it. Raises RuntimeError where green contexts are unavailable."""
+    for it. Raises RuntimeError where green contexts are unavailable or cannot confine torch's
+    launches (torch < 2.12)."""
     gc_mod = getattr(torch.cuda, "green_contexts", None)
     if gc_mod is None or not hasattr(gc_mod, "GreenContext"):
         raise RuntimeError("torch.cuda.green_contexts unavailable")
@@ -132,20 +133,19 @@ def in_green_context(sms: int, fn: Callable[[], object]):
             ctx = gc_mod.GreenContext.create(sms, torch.cuda.current_device())
     except Exception as exc:  # noqa: BLE001 - any failure to create one: the caller says why
         raise RuntimeError(f"GreenContext.create: {exc!r}") from exc
+    if not hasattr(ctx, "Stream"):
+        # torch 2.10 / 2.11 offer set_context() only: measured on the H200, kernels launched on
+        # torch's streams then still ran on every SM (decode_v4_splits.md: 108-SM plans timed like
+        # the 132-SM sweep where one program an SM needs two waves on 108), so refuse
+        raise RuntimeError(f"torch {torch.__version__}: no GreenContext.Stream(); set_context() does not "
+                           "confine kernels launched on torch's streams (benchmarks/results/decode_v4_splits.md)")
     saved = os.environ.get("DSV4_AMPERE_SMS")
     os.environ["DSV4_AMPERE_SMS"] = str(sms)
-    try:
-        if hasattr(ctx, "Stream"):  # torch >= 2.12: work goes on the context's stream
-            with torch.cuda.stream(ctx.Stream()):
-                out = fn()
-            torch.cuda.synchronize()
-            return out
-        ctx.set_context()  # torch 2.10 / 2.11: the context is current while the kernels run
-        try:
-            return fn()
-        finally:
-            torch.cuda.synchronize()
-            ctx.pop_context()
+    try:  # torch >= 2.12: work goes on the context's stream (not yet run here)
+        with torch.cuda.stream(ctx.Stream()):
+            out = fn()
+        torch.cuda.synchronize()
+        return out
     finally:
         if saved is None:
             os.environ.pop("DSV4_AMPERE_SMS", None)

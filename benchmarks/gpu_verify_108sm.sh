@@ -6,6 +6,8 @@
 #   B: compute-sanitizer memcheck of the fused path on adversarial slots (MEMCHECK_FORMS);
 #   C (alone on the GPU): the decode sweep in a green context of 108 SMs (an A100's count), plans
 #     made for 108 (bench_decode_v3.py --sms 108 --name decode_v4_108sm), shapes in priority order.
+#     Ran once (2026-12-01, torch 2.11): the context did not confine the kernels (results renamed
+#     decode_v4_splits.md); bench_decode_v3 --sms now refuses torch < 2.12.
 # usage: bash benchmarks/gpu_verify_108sm.sh   env: T_TESTS (90), T_MEM (100), BENCH_BUDGET_S (60),
 #        MEMCHECK_FORMS, SHAPES, CONFIGS, DSV4_BENCH_COMMIT. Results: $OUT/results.tgz, logs: $OUT/logs.tgz.
 set -u -o pipefail

@@ -311,11 +311,14 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 
 
 # ---- decode v3 (csrc_triton.sparse_mla_v3, issue 17): the fused read, 4 x 128-dim chunks ----
-# Programs aimed at per SM when T * groups alone does not fill the SMs. Measured
-# (benchmarks/results/decode_v3.md, H200, 16 heads x 32 keys x 4 warps): among the plan's count
-# for 2 a SM, half and twice it, the best was the count for ~1 a SM at every T (T = 16: 10 of
-# 20 blocks; T = 128: 2; T = 256: 1).
-V3_PROGRAMS_PER_SM = 1
+# Split counts of the 4-warp (32-key and smaller) configs: the balanced count with the fewest key
+# blocks on the busiest SM, two programs resident an SM (V3_RESIDENT_PER_SM), ties to fewer
+# splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gives the
+# measured best count at every measured shape (decode_v3.md, decode_v4.md: T = 1..4: one block a
+# split; T = 16, H <= 16: 10 of 20; T = 128: 2; T = 256: 1; K 256, T = 64, H = 64: 1) and S = 4 at
+# T = 16, H = 64, where the earlier rule (~1 program an SM) gave 3: 30.6 vs 39.1 us
+# (decode_v4_splits.md, same call as the step's 37.9).
+V3_RESIDENT_PER_SM = 2
 
 
 def v3_config(name: str) -> dict:
@@ -340,6 +343,8 @@ def v3_config(name: str) -> dict:
 #       61.2 vs 61.7 / 64.3; T = 256: 102 / 104 vs 111 / 112)
 #   T = 1, H = 128, K 640: kh16n64w8 (11.8 vs the step's 13.1 and v3's 12.7)
 #   T = 64, H = 64, K 256: kh16n32w4 (40.7 vs v3's 44.5)
+#   T = 16, H = 64, K 640: kh16n32w4 at S = 4 (30.6 vs the step's 37.9, kh16n64w8 33.4, kh32n64w8
+#       33.5; decode_v4_splits.md)
 #   else v3 (sparse_mla_v3): 16-key blocks for one token at H <= 16 (T = 1: 8.0 vs 9.2-9.3 at 32
 #       keys, v3 or v4), 32-key blocks elsewhere (T = 4, H = 8: v3 9.6 vs v4 9.7).
 # Not dispatched (measured faster, but 108 KB of shared memory: over sm_86's 99 KB, and the AOT
@@ -348,6 +353,7 @@ def v3_config(name: str) -> dict:
 V3_CONFIG_WINDOWS = (
     (48, 96, 1, 16, 640, "kh16n64w8"),
     (16, 256, 1, 16, 640, "kh16n32w4"),
+    (16, 16, 64, 64, 640, "kh16n32w4"),
     (1, 1, 128, 128, 640, "kh16n64w8"),
     (64, 64, 64, 64, 256, "kh16n32w4"),
 )
@@ -396,20 +402,18 @@ def v3_config_name(T: int, H: int, K: int = 640, smem: int = -1) -> str:
 
 
 def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> int:
-    """Split count of the v3 form: 32-key blocks and below: enough programs for
-    V3_PROGRAMS_PER_SM a SM (one split once T * groups fill them), snapped up to a balanced
-    count; 64-key blocks (8-warp programs, one an SM by registers): at most one program an SM,
-    snapped down (measured: T = 64, H = 8: S = 2 beat 3; K 256, T = 64, H = 64: 1 beat 2); at
-    most one key block a split either way."""
+    """Split count of the v3 form. 64-key blocks (8-warp programs, one an SM by registers): at
+    most one program an SM, snapped down (measured: T = 64, H = 8: S = 2 beat 3; K 256, T = 64,
+    H = 64: 1 beat 2). Smaller blocks: the balanced count minimising cdiv(programs * S,
+    V3_RESIDENT_PER_SM * sms) * cdiv(nb, S), the fewest splits among equals (see above)."""
     nb = _cdiv(max(K, 1), block_n)
     programs = max(T, 1) * _cdiv(H, block_h)
+    cands = [s for s in balanced_splits(nb) if s <= nb] or [1]
     if block_n >= 64:
         want = max(1, min(nb, MAX_SPLITS, sms // programs))
-        return max(s for s in balanced_splits(nb) + [1] if s <= want)
-    want = min(nb, MAX_SPLITS, max(1, _cdiv(V3_PROGRAMS_PER_SM * sms, programs)))
-    if want >= nb:
-        return min(nb, MAX_SPLITS)
-    return min(s for s in balanced_splits(nb) + [nb] if s >= want)
+        return max(s for s in cands + [1] if s <= want)
+    slots = V3_RESIDENT_PER_SM * sms
+    return min(cands, key=lambda s: (_cdiv(programs * s, slots) * _cdiv(nb, s), s))
 
 
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
@@ -444,10 +448,11 @@ def auto_is_fused(T: int, H: int, K: int) -> bool:
 # (v3 0.66-0.98x there), except the draft's K = 256 at T = 64, H = 64: 44.6-45.0 vs 48.8-49.0
 # us in both H200 calls (1.09x). Between the measured T the ratio held at every point, so the
 # window spans them; T > 256 (prefill-sized) keeps the step. Added with the v4 configs
-# (decode_v4.md): T = 1, H = 128 (kh16n64w8 11.8 vs the step's 13.1 us).
+# (decode_v4.md): T = 1, H = 128 (kh16n64w8 11.8 vs the step's 13.1 us). With the split counts of
+# the wave rule (v3_splits): T = 16, H = 64 (kh16n32w4 at S = 4: 30.6 vs 37.9 us, decode_v4_splits.md).
 # Windows (T_lo, T_hi, H_lo, H_hi, K).
 AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640), (64, 64, 64, 64, 256),
-                   (1, 1, 128, 128, 640))
+                   (1, 1, 128, 128, 640), (16, 16, 64, 64, 640))
 
 
 def auto_is_v3(T: int, H: int, K: int, smem: int = -1) -> bool:

@@ -216,8 +216,11 @@ def test_v3_plan_is_static_and_sane(T, H, sms):
     assert decode_plan.v3_config_name(T, H) in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
     if p.block_n >= 64:  # 8-warp programs: at most one an SM, or one split
         assert T * p.groups * p.splits <= sms or p.splits == 1
-    else:  # enough programs to fill the SMs, or one key block a split
-        assert T * p.groups * p.splits >= decode_plan.V3_PROGRAMS_PER_SM * sms or p.splits == min(nb, 64)
+    else:  # no balanced count puts fewer key blocks on the busiest SM (2 programs resident an SM)
+        def busiest(s):
+            return -(-T * p.groups * s // (decode_plan.V3_RESIDENT_PER_SM * sms)) * -(-nb // s)
+        assert p.splits in decode_plan.balanced_splits(nb)
+        assert all(busiest(p.splits) <= busiest(s) for s in decode_plan.balanced_splits(nb))
     assert decode_plan.v3_plan(T, H, 640, sms) == p
 
 
@@ -305,12 +308,24 @@ def test_sms_env_overrides_the_device_count(monkeypatch):
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, "h16n16w4"), (4, 8, 640, "h16n32w4"), (16, 8, 640, "kh16n32w4"),
                                         (64, 8, 640, "kh16n64w8"), (64, 16, 640, "kh16n64w8"),
                                         (128, 16, 640, "kh16n32w4"), (256, 8, 640, "kh16n32w4"),
-                                        (1, 64, 640, "h16n32w4"), (1, 128, 640, "kh16n64w8"),
+                                        (1, 64, 640, "h16n32w4"), (1, 128, 640, "kh16n64w8"), (16, 64, 640, "kh16n32w4"),
                                         (64, 64, 256, "kh32n64w8"), (64, 64, 640, "kh32n64w8"), (1, 8, 256, "h16n16w4"),
                                         (16, 16, 256, "h16n32w4")])
 def test_v3_config_is_the_measured_winner(T, H, K, want):
     """decode_v4.md (H200 call 2): the config v3_config_name picks at every measured dispatched shape."""
     assert decode_plan.v3_config_name(T, H, K) == want
+
+
+@pytest.mark.parametrize("T,H,K,config,want", [(1, 8, 640, "h16n16w4", 40), (4, 8, 640, "h16n32w4", 20),
+                                               (1, 64, 640, "h16n32w4", 20), (16, 8, 640, "kh16n32w4", 10),
+                                               (16, 16, 640, "kh16n32w4", 10), (128, 8, 640, "kh16n32w4", 2),
+                                               (128, 16, 640, "kh16n32w4", 2), (256, 8, 640, "kh16n32w4", 1),
+                                               (16, 128, 640, "kh16n32w4", 2), (16, 64, 640, "kh16n32w4", 4),
+                                               (64, 64, 256, "kh16n32w4", 1), (16, 16, 256, "h16n32w4", 8)])
+def test_v3_splits_of_the_32_key_configs_are_the_measured_ones(T, H, K, config, want):
+    """decode_v3.md / decode_v4.md / decode_v4_splits.md (H200, 132 SMs): the best split count
+    measured at each shape (T = 16, H = 64: S = 4 30.6 us against S = 3 39.1)."""
+    assert decode_plan.v3_plan(T, H, K, 132, 0, config).splits == want
 
 
 def test_v3_splits_of_the_64_key_configs_are_the_measured_ones():
@@ -469,12 +484,14 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
 
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, True), (256, 16, 640, True), (1, 64, 640, True),
                                         (4, 64, 640, False), (1, 128, 640, True), (64, 64, 640, False),
+                                        (16, 64, 640, True), (8, 64, 640, False), (32, 64, 640, False),
                                         (2, 128, 640, False), (1, 96, 640, False),
                                         (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False),
                                         (64, 64, 256, True), (128, 128, 256, False)])
 def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
     """decode_v3.md / decode_v4.md (H200, portable): the v3 form won at H <= 16 (every T, K 640;
-    T <= 16 at K 256), T = 1 with H = 64 or 128 (v4 kh16n64w8 at 128), T = 64, H = 64, K = 256;
+    T <= 16 at K 256), T = 1 with H = 64 or 128 (v4 kh16n64w8 at 128), T = 64, H = 64, K = 256,
+    T = 16, H = 64 (decode_v4_splits.md: kh16n32w4 at S = 4);
     the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
     whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
     assert decode_plan.auto_is_v3(T, H, K, 99 * 1024) is want
