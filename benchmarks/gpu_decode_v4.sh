@@ -7,14 +7,7 @@
 #   D: compute-sanitizer memcheck of MEMCHECK_FORMS, when set.
 # usage: bash benchmarks/gpu_decode_v4.sh   env: CONFIGS, SHAPES, PYTEST_K, NCU_CASES, MEMCHECK_FORMS,
 #        BENCH_BUDGET_S (80), DSV4_BENCH_COMMIT. Results: $OUT/results.tgz, logs: $OUT/logs.tgz.
-set -u -o pipefail
-OUT="${OUT:-/tmp/dsv4_out}"
-mkdir -p "$OUT/logs" "$OUT/results"
-export PYTHONUNBUFFERED=1 DSV4_AMPERE_IMPL=portable DISABLE_MMA_V3=1
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-t0=$(date +%s)
-python3 -m pip install --no-deps --no-build-isolation -e . -q > "$OUT/logs/install.log" 2>&1 || { cat "$OUT/logs/install.log"; exit 1; }
-summary "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
+source "$(dirname "$0")/gpu_preamble.sh"
 CONFIGS="${CONFIGS:-h16n32w4,kh16n32w4,gh16n32w4,kh32n32w8,kh16n32w8}"
 ( timeout "${TEST_TIMEOUT:-55}" python3 -m pytest tests/test_decode_v3.py -q -m gpu -p no:cacheprovider -k "${PYTEST_K:-v4}" \
     > "$OUT/logs/pytest_gpu.log" 2>&1; echo "pytest rc=$? $(tail -1 "$OUT/logs/pytest_gpu.log")" > "$OUT/logs/pytest.rc" ) &

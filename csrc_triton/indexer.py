@@ -44,7 +44,7 @@ def _round_bf16(b_x):
 
 @triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization (issue 19)
 def _indexer_k_insert_kernel(
-    k_ptr,  # bf16 [N, 128], row stride stride_k_0, dims contiguous
+    k_ptr,  # bf16 or fp32 [N, 128], row stride stride_k_0, dims contiguous
     cache_ptr,  # uint8 [num_blocks, page_bytes]
     slot_ptr,  # int64 or int32 [n_tokens]
     n_tokens,

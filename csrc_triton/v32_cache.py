@@ -45,7 +45,7 @@ def _slot_records(slot_ptr, o_i, n, block_size, stride_blk, stride_rec, capacity
 
 @triton.jit
 def _v32_kv_insert_kernel(
-    kv_c_ptr,  # bf16 [N, 512], row stride stride_kvc, dims contiguous
+    kv_c_ptr,  # bf16 [N, 512] (fp32 too when FP8), row stride stride_kvc, dims contiguous
     k_pe_ptr,  # bf16 [N, 64], row stride stride_kpe, dims contiguous
     cache_ptr,  # uint8 (FP8) or bf16 (auto) [num_blocks, block_size, 656 | 576]
     slot_ptr,  # int64 / int32 [n]
@@ -57,7 +57,8 @@ def _v32_kv_insert_kernel(
     """Grid (cdiv(n, TOKENS),): each program writes the records of TOKENS tokens.
 
     FP8, per 128-dim tile: e = max(ceil(log2(amax / 448)), -13) exactly (integer bit work,
-    equal to vLLM's exp2f(ceilf(log2f(max(amax / 448, 1e-4)))) for every bf16 amax), the
+    equal to vLLM's exp2f(ceilf(log2f(max(amax / 448, 1e-4)))) for every bf16 amax; an fp32
+    row is quantized as it is, as vLLM's fused norm + RoPE writer does), the
     fp32 scale 2**e at bytes 512 + 4*tile, codes e4m3(x * 2**-e) (exact scaling, RNE,
     saturating); RoPE dims copied as 16-bit words. auto: the 576 dims copied as 16-bit words.
     """

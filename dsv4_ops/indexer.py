@@ -85,7 +85,7 @@ def _check_int(name: str, v, lo: int = 0) -> None:
 def check_k_insert_args(k, cache, slot_mapping, block_size) -> Tuple[torch.Tensor, int]:
     """ValueError naming the bad argument; returns (2-D uint8 page view, block_size)."""
     flat, block_size = layout.indexer_cache_pages(cache, block_size)
-    check_tensor("k", k, dtypes=(torch.bfloat16,), ndim=2, device=flat.device)
+    check_tensor("k", k, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=flat.device)
     check_last_dim("k", k, D)
     if k.stride(1) != 1:
         raise ValueError(f"k: expected contiguous dims (stride(1) == 1), got strides {k.stride()}")
@@ -99,7 +99,8 @@ def indexer_k_insert(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
                      variant: Optional[str] = None, config: Optional[dict] = None) -> None:
     """Quantize indexer keys into the paged indexer cache, in place.
 
-    k: bf16 [N, 128] (normed and roped; rows may be strided). cache: uint8 (or float8) [num_blocks,
+    k: bf16 [N, 128] (normed and roped; rows may be strided), or fp32 (quantized as it is, as
+    vLLM's V3.2 fused norm + RoPE writer does from its registers). cache: uint8 (or float8) [num_blocks,
     page_bytes] or vLLM's [num_blocks, block_size, 132] / [num_blocks, block_size, 1, 132];
     page_bytes = stride(0) >= block_size * 132. slot_mapping int64/int32 [M], M <= N: row i
     goes to slot slot_mapping[i]; slots outside [0, num_blocks * block_size) are skipped.
@@ -360,12 +361,13 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 # ---------------------------------------------------------------------------------------
 
 
-def _k_insert_spec(variant, slot_ty, cfg, tag=""):
+def _k_insert_spec(variant, slot_ty, cfg, tag="", k_ty="bf16"):
     from .aot import KernelSpec
 
     return KernelSpec(
-        "indexer_k_insert", f"k_insert[{variant},{slot_ty}{tag}]", _k._indexer_k_insert_kernel,
-        {"k_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": f"*{slot_ty}", "n_tokens": "i32",
+        "indexer_k_insert", f"k_insert[{variant},{slot_ty}{',fp32 k' if k_ty == 'fp32' else ''}{tag}]",
+        _k._indexer_k_insert_kernel,
+        {"k_ptr": f"*{k_ty}", "cache_ptr": "*u8", "slot_ptr": f"*{slot_ty}", "n_tokens": "i32",
          "stride_k_0": "i32", "page_bytes": "i32", "block_size": "i32", "capacity": "i64",
          "MODE": "constexpr", "TOKENS": "constexpr"},
         {"MODE": encode_mode(True, variant), "TOKENS": cfg["TOKENS"]}, variant, num_warps=cfg["num_warps"])
@@ -446,6 +448,7 @@ def aot_specs():
     for variant in ("portable", "native"):
         for slot_ty in ("i64", "i32"):
             specs.append(_k_insert_spec(variant, slot_ty, _k.K_INSERT_CONFIG))
+            specs.append(_k_insert_spec(variant, slot_ty, _k.K_INSERT_CONFIG, k_ty="fp32"))
         for w_ty in ("bf16", "fp32"):
             specs.append(_q_quant_spec(variant, w_ty, _k.Q_QUANT_CONFIG))
         for compressed in (False, True):

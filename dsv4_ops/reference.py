@@ -384,7 +384,7 @@ def _ref_pow2_f32(e: torch.Tensor) -> torch.Tensor:
 
 
 def ref_indexer_pack_rows(k: torch.Tensor):
-    """bf16 [N, 128] -> (uint8 codes [N, 128], float32 scales [N]): e = UE8M0 exponent of the
+    """bf16 or fp32 [N, 128] -> (uint8 codes [N, 128], float32 scales [N]): e = UE8M0 exponent of the
     row amax, codes e4m3(k / 2**e) (RNE), scale 2**e."""
     x = k.to(torch.float64)
     e = ref_ue8m0_exponent(x.abs().amax(dim=1))
@@ -393,7 +393,7 @@ def ref_indexer_pack_rows(k: torch.Tensor):
 
 
 def ref_indexer_k_insert(k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Write the indexer row of k[i] (bf16 [N, 128]) at slot slot_mapping[i] ([M], M <= N) of the
+    """Write the indexer row of k[i] (bf16 or fp32 [N, 128]) at slot slot_mapping[i] ([M], M <= N) of the
     indexer cache (any form ``layout.indexer_cache_pages`` takes), in place; slots outside
     [0, num_blocks * block_size) are skipped."""
     flat, block_size = _kvl.indexer_cache_pages(cache, block_size)
@@ -541,8 +541,10 @@ def _slots_valid(slots: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def v32_quantize_rows(kv_c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """bf16 kv_c [N, 512] -> (codes uint8 [N, 512], scales fp32 [N, 4]) exactly as vLLM 0.33.0's
-    concat_and_cache_ds_mla_kernel: per 128-dim tile s = max(amax / 448, 1e-4) (fp32),
+    """bf16 (or fp32) kv_c [N, 512] -> (codes uint8 [N, 512], scales fp32 [N, 4]) exactly as vLLM
+    0.33.0's concat_and_cache_ds_mla_kernel (and, for fp32 rows, its fused norm + RoPE writer,
+    which takes amax * (1 / 448): the same exponent unless amax / 448 is within an fp32 ulp of a
+    power of two): per 128-dim tile s = max(amax / 448, 1e-4) (fp32),
     scale = 2 ** ceil(log2(s)), codes = e4m3(satfinite(x / scale)), round to nearest even."""
     x = kv_c.to(torch.float32).reshape(-1, _kvl.V32_NUM_TILES, _kvl.V32_TILE)
     amax = x.abs().amax(dim=-1)  # [N, 4]
@@ -557,7 +559,7 @@ def ref_v32_kv_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Te
                       slot_mapping: torch.Tensor) -> None:
     """Write the records of tokens 0..M-1 (M = slot_mapping.numel()) in place.
 
-    kv_c bf16 [N, 512], k_pe bf16 [N, 64] (or [N, 1, 64]); kv_cache as accepted by
+    kv_c bf16 [N, 512] (fp32 too for fp8_ds_mla), k_pe bf16 [N, 64] (or [N, 1, 64]); kv_cache as accepted by
     ``layout.v32_cache_pages``. A slot < 0 or >= num_blocks * block_size is skipped.
     fp8_ds_mla: bytes [0, 512) codes, [512, 528) the 4 fp32 scales, [528, 656) k_pe raw.
     auto: the row cat(kv_c, k_pe).

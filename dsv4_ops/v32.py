@@ -99,7 +99,10 @@ def _geometry(c: torch.Tensor) -> Tuple[int, int, int, int]:
 def check_insert_args(kv_c, k_pe, kv_cache, slot_mapping):
     """ValueError naming the bad argument of v32_kv_insert; returns (cache view, format, k_pe 2-D)."""
     c, fmt = cache_view(kv_cache)
-    check_tensor("kv_c", kv_c, dtypes=(torch.bfloat16,), ndim=2, device=c.device, device_of="kv_cache")
+    # fp32 latents for fp8_ds_mla: quantized straight from fp32, as vLLM's fused writer does from
+    # its registers (a bf16 step first would round some codes twice)
+    kv_dtypes = (torch.bfloat16, torch.float32) if fmt == "fp8_ds_mla" else (torch.bfloat16,)
+    check_tensor("kv_c", kv_c, dtypes=kv_dtypes, ndim=2, device=c.device, device_of="kv_cache")
     check_last_dim("kv_c", kv_c, L.V32_NOPE_DIM)
     check_tensor("k_pe", k_pe, dtypes=(torch.bfloat16,), device=c.device, device_of="kv_cache")
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
@@ -120,11 +123,12 @@ def v32_kv_insert(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor
                   variant: Optional[str] = None) -> None:
     """Write tokens 0..M-1 (M = slot_mapping.shape[0]) into their records, in place.
 
-    kv_c bf16 [N, 512], k_pe bf16 [N, 64] or [N, 1, 64] (rows may be strided, dims
-    contiguous); kv_cache uint8 [num_blocks, block_size, 656] (fp8_ds_mla; float8_e4m3fn and
-    [.., 1, 656] views accepted) or bf16 [num_blocks, block_size, 576] (auto); slot_mapping
-    int64/int32 [M], M <= N. fp8_ds_mla: byte-identical to vLLM 0.33.0's writer (module doc);
-    auto: the row cat(kv_c, k_pe). A slot < 0 or >= num_blocks * block_size is skipped.
+    kv_c bf16 [N, 512] (fp32 too for fp8_ds_mla), k_pe bf16 [N, 64] or [N, 1, 64] (rows may be
+    strided, dims contiguous); kv_cache uint8 [num_blocks, block_size, 656] (fp8_ds_mla;
+    float8_e4m3fn and [.., 1, 656] views accepted) or bf16 [num_blocks, block_size, 576] (auto);
+    slot_mapping int64/int32 [M], M <= N. fp8_ds_mla: byte-identical to vLLM 0.33.0's writers
+    (module doc): from bf16 rows as concat_and_cache_ds_mla, from fp32 rows as the fused
+    norm + RoPE kernel; auto: the row cat(kv_c, k_pe). A slot < 0 or >= num_blocks * block_size is skipped.
     variant: 'portable' / 'native'; None picks from the op table. Never syncs the host.
     """
     c, fmt, k_pe = check_insert_args(kv_c, k_pe, kv_cache, slot_mapping)
@@ -485,14 +489,16 @@ def aot_specs():
             fmt = "fp8" if fp8 else "bf16"
             cache_ty = "*u8" if fp8 else "*bf16"
             for slot_ty in ("i64", "i32"):
-                specs.append(KernelSpec(
-                    "v32_kv_insert", f"v32_insert[{variant},{fmt},{slot_ty}]", _ck._v32_kv_insert_kernel,
-                    {"kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "cache_ptr": cache_ty, "slot_ptr": f"*{slot_ty}",
-                     "n": "i32", "stride_kvc": "i32", "stride_kpe": "i32", "block_size": "i32",
-                     "stride_blk": "i32", "stride_rec": "i32", "capacity": "i32",
-                     "FP8": "constexpr", "MODE": "constexpr", "TOKENS": "constexpr"},
-                    {"FP8": fp8, "MODE": encode_mode(True, variant), "TOKENS": ins["TOKENS"]}, variant,
-                    num_warps=ins["num_warps"]))
+                for kv_ty in (("bf16", "fp32") if fp8 else ("bf16",)):
+                    specs.append(KernelSpec(
+                        "v32_kv_insert", f"v32_insert[{variant},{fmt},{slot_ty}" + (",fp32 kv]" if kv_ty == "fp32" else "]"),
+                        _ck._v32_kv_insert_kernel,
+                        {"kv_c_ptr": f"*{kv_ty}", "k_pe_ptr": "*bf16", "cache_ptr": cache_ty, "slot_ptr": f"*{slot_ty}",
+                         "n": "i32", "stride_kvc": "i32", "stride_kpe": "i32", "block_size": "i32",
+                         "stride_blk": "i32", "stride_rec": "i32", "capacity": "i32",
+                         "FP8": "constexpr", "MODE": "constexpr", "TOKENS": "constexpr"},
+                        {"FP8": fp8, "MODE": encode_mode(True, variant), "TOKENS": ins["TOKENS"]}, variant,
+                        num_warps=ins["num_warps"]))
                 specs.append(KernelSpec(
                     "v32_kv_gather", f"v32_gather[{variant},{fmt},{slot_ty}]", _ck._v32_kv_gather_kernel,
                     {"cache_ptr": cache_ty, "slot_ptr": f"*{slot_ty}", "out_ptr": "*bf16", "n": "i32",

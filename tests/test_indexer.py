@@ -10,8 +10,10 @@ same -inf mask), CUDA-graph replay on new inputs == eager, top-512 sets.
 """
 
 import math
+import os
 
 import pytest
+
 import torch
 
 from dsv4_ops import indexer, layout
@@ -407,6 +409,22 @@ def test_paged_tiles_per_program_one_wave():
         assert indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
 
 
+def test_kernel_k_insert_of_fp32_rows(interpret):
+    """fp32 keys (what vLLM's V3.2 fused writer quantizes from its registers) are quantized as
+    they are: bit-equal to the reference on the fp32 rows, not to the bf16-rounded rows'."""
+    bs, nb = 4, 3
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    k = torch.randn(10, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (10, 1), generator=g))
+    slots = torch.tensor([0, 11, -1, 5, 6, 7, 1, 2, 3, 4])
+    got = make_cache(nb, bs, pad=8).to(interpret)
+    want, via_bf16 = got.cpu().clone(), got.cpu().clone()
+    indexer.indexer_k_insert(k.to(interpret), got, slots.to(interpret), bs)
+    ref_indexer_k_insert(k, want, slots, bs)
+    ref_indexer_k_insert(k.bfloat16(), via_bf16, slots, bs)
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(got.cpu(), via_bf16)
+
+
 def test_kernel_k_insert_candidates(interpret):
     from dsv4_ops.csrc_triton import indexer as K
 
@@ -469,7 +487,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="needs block_size"):
         indexer.indexer_k_insert(k, torch.zeros(2, 600, dtype=torch.uint8), torch.tensor([0]), 0)
     with pytest.raises(ValueError, match="k:"):
-        indexer.indexer_k_insert(k.float(), cache, torch.tensor([0]), 4)
+        indexer.indexer_k_insert(k.half(), cache, torch.tensor([0]), 4)
     with pytest.raises(ValueError, match="too small"):
         indexer.indexer_k_insert(k, torch.zeros(2, 500, dtype=torch.uint8), torch.tensor([0]), 4)
     with pytest.raises(ValueError, match="multiples of 4"):

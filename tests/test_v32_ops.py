@@ -260,6 +260,28 @@ def test_insert_is_bit_identical_to_the_vllm_writer(interpret, fmt, slot_dtype):
             assert torch.equal(untouched, before.reshape(cap, -1)[~written.to(dev)])
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_insert_of_fp32_rows_quantizes_them_as_they_are(interpret, slot_dtype):
+    """fp8_ds_mla from fp32 latents (what vLLM's fused norm + RoPE writer quantizes): bit-equal to
+    the reference on the same fp32 rows, and not a bf16 rounding first (some codes differ from
+    the bf16 rows' record); an fp32 row into a bf16 cache is refused."""
+    dev = interpret
+    nb, bs, n = 4, 8, 24
+    g = rng(31)
+    x = (torch.randn(n, 512, generator=g) * torch.exp2(torch.randint(-8, 8, (n, 1), generator=g))).to(dev)
+    _, k_pe = make_kv(n, 32, dev)
+    slots = torch.randperm(nb * bs, generator=rng(33))[:n].to(dev)
+    slots[2] = -1
+    got, want, via_bf16 = (make_cache("fp8_ds_mla", nb, bs, 34, dev) for _ in range(3))
+    v32.v32_kv_insert(x, k_pe, got, slots.to(slot_dtype))
+    R.ref_v32_kv_insert(x.cpu(), k_pe.cpu(), want, slots.cpu())
+    assert torch.equal(cache_bits(got).cpu(), cache_bits(want).cpu())
+    R.ref_v32_kv_insert(x.cpu().bfloat16(), k_pe.cpu(), via_bf16, slots.cpu())
+    assert not torch.equal(cache_bits(got).cpu(), cache_bits(via_bf16).cpu())
+    with pytest.raises(ValueError, match="kv_c"):
+        v32.v32_kv_insert(x, k_pe, make_cache("auto", nb, bs, 35, dev), slots)
+
+
 def test_insert_exponent_for_every_bf16_amax(interpret):
     """One 128-dim tile per positive finite bf16 value as its amax (the rest of the tile
     smaller): the kernel's scales and codes equal the vLLM-semantics writer's."""
@@ -304,7 +326,9 @@ def test_bad_arguments_raise_value_error_naming_them():
     c = torch.zeros(2, 4, 656, dtype=torch.uint8)
     kv_c, k_pe = make_kv(3, 1)
     with pytest.raises(ValueError, match="kv_c"):
-        v32.v32_kv_insert(kv_c.float(), k_pe, c, torch.arange(3))
+        v32.v32_kv_insert(kv_c.half(), k_pe, c, torch.arange(3))
+    with pytest.raises(ValueError, match="kv_c"):  # fp32 latents: fp8_ds_mla only
+        v32.v32_kv_insert(kv_c.float(), k_pe, torch.zeros(2, 4, 576, dtype=torch.bfloat16), torch.arange(3))
     with pytest.raises(ValueError, match="k_pe"):
         v32.v32_kv_insert(kv_c, k_pe[:, :32], c, torch.arange(3))
     with pytest.raises(ValueError, match="slot_mapping"):
@@ -485,8 +509,9 @@ def test_aot_every_v32_specialization_compiles_spill_free(aot_results):
     from dsv4_ops import aot
 
     want = sorted(s.label for s in v32.aot_specs() if s.variant == "portable")
-    # (insert, gather) x fmt x slots; attn (w64, w128) x fmt x bh x len x epi; f16 (fp8, one config) x len x epi
-    assert len(want) == 2 * 2 * 2 + 2 * 2 * 2 * 2 * 2 + 2 * 2
+    # (insert, gather) x fmt x slots, + the fp8 insert of fp32 rows x slots; attn (w64, w128) x fmt x bh x len x epi;
+    # f16 (fp8, one config) x len x epi
+    assert len(want) == 2 * 2 * 2 + 2 + 2 * 2 * 2 * 2 * 2 + 2 * 2
     rows = [r for r in aot_results if r.label.startswith("v32_")]
     for arch in aot.AMPERE_ARCHS:
         assert sorted(r.label for r in rows if r.arch == arch) == want, f"sm_{arch}"

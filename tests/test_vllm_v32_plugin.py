@@ -318,9 +318,17 @@ def test_fused_norm_rope_writes_both_caches(monkeypatch, fmt, interleave):
         + lb.double()
     ref_k = _vllm_rope(ln[:, None].float(), pos, cache, neox=not interleave, rotary_dim=64)[:, 0]
     torch.testing.assert_close(ik_out.double(), ref_k, atol=3e-2, rtol=1e-2)
-    expect = torch.full_like(idx_cache, 0xAB)
-    torch.ops.dsv4_ampere.indexer_k_insert(ik_out, expect, slots, bs)
-    assert torch.equal(idx_cache, expect)  # exactly the quantized rows checked above, slot -1 skipped
+    # the indexer cache holds the E4M3 rows of that K (quantized from fp32, as vLLM's writer does:
+    # byte for byte against vLLM's kernel in tests/test_v32_writer.py); slot -1 skipped
+    keep = slots >= 0
+    codes, scales = R.ref_indexer_read_rows(idx_cache, bs, slots[keep] // bs, slots[keep] % bs)
+    got = codes.view(torch.float8_e4m3fn).double() * scales.double()[:, None]
+    torch.testing.assert_close(got, ref_k[keep].double(), atol=2e-2, rtol=2 ** -4)
+    untouched_idx = torch.ones(nb * bs, dtype=torch.bool)
+    untouched_idx[slots[keep]] = False
+    flat = idx_cache.view(nb, -1)
+    data = flat[:, : bs * 128].reshape(nb * bs, 128)
+    assert bool((data[untouched_idx] == 0xAB).all())
 
 
 def test_fused_norm_rope_refuses_other_cache_formats():

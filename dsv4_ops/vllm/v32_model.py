@@ -18,11 +18,12 @@ sm_8x is ``dsv4_ops.vllm.v32_backend`` (registered by the plugin), and the index
 Numerics against vLLM's kernels (sm_90 reference):
 - RMSNorm / LayerNorm / RoPE: fp32, as the kernels; the sums are in torch's order, so results
   can differ from Triton's tree reduction by an ulp before the bf16/fp8 rounding.
-- The fp8 caches are written from bf16 rows (``v32_kv_insert`` and ``indexer_k_insert`` take
-  bf16, like vLLM's C++ ``concat_and_cache_mla`` / ``indexer_k_quant_and_cache``); the fused
-  Triton writer quantizes its fp32 registers, so a byte can differ where the bf16 rounding
-  moves a value across an E4M3 rounding boundary (double rounding). Indexer Q is quantized
-  from fp32 exactly as the kernel does (RNE, no bf16 step).
+- The fp8 caches are quantized from the fp32 norm / RoPE results, as the fused Triton writer
+  quantizes its fp32 registers (``v32_kv_insert`` and ``indexer_k_insert`` take fp32 rows; a
+  bf16 step first rounded ~1.5% of the codes twice, one E4M3 step off). The bf16 cache and the
+  RoPE dims are rounded once to bf16, as there. Indexer Q is quantized from fp32 exactly as the
+  kernel does (RNE, no bf16 step). Checked byte for byte against vLLM's own kernel run under
+  the Triton interpreter (``tests/test_v32_writer.py``).
 
 No host sync, static shapes: the functions capture into CUDA graphs. vLLM is never imported.
 """
@@ -119,7 +120,8 @@ def fused_norm_rope(positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w
     q_c_out.copy_(_rms_norm(q_c, q_rms_norm_w, q_rms_eps))
 
     cos, sin = _cos_sin(k_rope_cos_sin_cache, positions)
-    kv_n = _rms_norm(kv_c, kv_rms_norm_w, kv_rms_eps).to(kv_c.dtype)
+    kv32 = _rms_norm(kv_c, kv_rms_norm_w, kv_rms_eps)
+    kv_n = kv32.to(kv_c.dtype)
     pe = rope_interleaved(k_pe.reshape(T, -1), cos, sin).to(k_pe.dtype)
     if kv_c_out is not None:
         kv_c_out.copy_(kv_n)
@@ -128,7 +130,9 @@ def fused_norm_rope(positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w
     write_caches = slot_mapping is not None and (mla_kv_cache is not None or indexer_k_cache is not None)
     if mla_kv_cache is not None and slot_mapping is not None and mla_kv_cache.numel() > 0:
         _check_mla_cache_dtype(mla_kv_cache_dtype)
-        torch.ops.dsv4_ampere.v32_kv_insert(kv_n, pe, mla_kv_cache, slot_mapping[:T])
+        # fp8_ds_mla is quantized from the fp32 norm, as vLLM's kernel does from its registers
+        fp8 = mla_kv_cache_dtype == "fp8_ds_mla"
+        torch.ops.dsv4_ampere.v32_kv_insert(kv32 if fp8 else kv_n, pe, mla_kv_cache, slot_mapping[:T])
 
     if not has_indexer:
         return q_c_out
@@ -145,7 +149,7 @@ def fused_norm_rope(positions, q_c, q_rms_norm_w, q_rms_eps, kv_c, kv_rms_norm_w
             raise NotImplementedError("dsv4_ops (sm_8x): the shuffled indexer-K layout is a ROCm reader's")
         isl = (slot_mapping if indexer_slot_mapping is None else indexer_slot_mapping)[:T].to(torch.int64)
         isl = torch.where(slot_mapping[:T] >= 0, isl, torch.full_like(isl, -1))
-        torch.ops.dsv4_ampere.indexer_k_insert(k.to(torch.bfloat16), indexer_k_cache, isl, indexer_k_cache.shape[1])
+        torch.ops.dsv4_ampere.indexer_k_insert(k.float().contiguous(), indexer_k_cache, isl, indexer_k_cache.shape[1])
     return q_c_out
 
 
