@@ -7,8 +7,9 @@ step is decided here, from (T, H, K, SMs) alone, and each choice is pinned by a 
     tiles   auto below AUTO_HEADS_MIN_T             tile_splits (pinned table)    test_split_heuristic.py
     heads   auto from AUTO_HEADS_MIN_T              auto_heads_splits (measured)  test_decode_v2/heads.py
     v1      auto_is_fused (AUTO_FUSED_WINDOWS)      fused_splits                  test_decode_fused.py
-    v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (~1 program an SM)  test_decode_v3.py
-            config: v3_config_name (V3_CONFIG_WINDOWS: the v4 fp16-dot kernel, sparse_mla_v4,
+    v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (busiest SM's keys) test_decode_v3.py
+            config: v3_config_name (AUTO_V3_SMEM_WINDOWS where the device's shared memory
+            holds the config, then V3_CONFIG_WINDOWS: the v4 fp16-dot kernel, sparse_mla_v4,
             where measured faster; else sparse_mla_v3)
 
 (the composite asks auto_is_v3, then auto_is_fused; the fused op's form is fused_form).
@@ -347,9 +348,8 @@ def v3_config(name: str) -> dict:
 #       33.5; decode_v4_splits.md)
 #   else v3 (sparse_mla_v3): 16-key blocks for one token at H <= 16 (T = 1: 8.0 vs 9.2-9.3 at 32
 #       keys, v3 or v4), 32-key blocks elsewhere (T = 4, H = 8: v3 9.6 vs v4 9.7).
-# Not dispatched (measured faster, but 108 KB of shared memory: over sm_86's 99 KB, and the AOT
-# table is one list for sm_80 and sm_86): kh32n64w8, 1.10-1.36x over the step at H = 64 from
-# T = 64 and at T = 4 (T = 64: 74.2 vs 93.2 us; K 256, T = 64: 32.5 vs 48.6).
+# kh32n64w8 (108 KB of shared memory, over sm_86's 99 KB; 1.10-1.36x over the step at H = 64
+# from T = 64 and at T = 4) runs only where it fits: AUTO_V3_SMEM_WINDOWS below, ahead of these.
 V3_CONFIG_WINDOWS = (
     (48, 96, 1, 16, 640, "kh16n64w8"),
     (16, 256, 1, 16, 640, "kh16n32w4"),
