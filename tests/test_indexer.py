@@ -593,6 +593,10 @@ def test_gpu_k_insert_and_q_quant_bit_exact(variant):
     torch.ops.dsv4_ampere.indexer_k_insert(k, base, slots, bs)
     ref_indexer_k_insert(k, want, slots, bs)
     assert torch.equal(base, want)
+    k32 = torch.randn(8192, D, generator=rng(11)) * torch.exp2(torch.randint(-12, 12, (8192, 1), generator=rng(12)))
+    torch.ops.dsv4_ampere.indexer_k_insert(k32.cuda(), base, slots, bs)  # fp32 rows (V3.2's fused writer)
+    ref_indexer_k_insert(k32.cuda(), want, slots, bs)
+    assert torch.equal(base, want)
     g = rng(10)
     T, H = 4096, 64
     q = (torch.randn(T, H, D, generator=g) * torch.exp(torch.empty(T, H, 1).uniform_(-10, 10, generator=g))).to(torch.bfloat16)

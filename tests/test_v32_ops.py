@@ -683,6 +683,13 @@ def test_gpu_insert_bit_identical_large(variant):
         v32.v32_kv_insert(kv_c, k_pe, c1, slots)
         R.ref_v32_kv_insert(kv_c, k_pe, c2, slots)
         assert torch.equal(cache_bits(c1), cache_bits(c2)), fmt
+    # fp32 latents (the fused norm + RoPE writer's rows), spread over many binades
+    x = torch.randn(cap, 512, device="cuda") * torch.exp2(torch.randint(-12, 12, (cap, 1), device="cuda"))
+    c1 = make_cache("fp8_ds_mla", nb, bs, 93, "cuda")
+    c2 = c1.clone()
+    v32.v32_kv_insert(x, k_pe, c1, slots)
+    R.ref_v32_kv_insert(x, k_pe, c2, slots)
+    assert torch.equal(cache_bits(c1), cache_bits(c2)), "fp32 rows"
 
 
 @pytest.mark.gpu
