@@ -281,7 +281,7 @@ def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
 
     monkeypatch.delenv(decode_plan.ENV_VAR, raising=False)
     a100, sm86, h200 = 163 * 1024, 99 * 1024, 227 * 1024
-    for T, H, K in [w[:1] + w[2:3] + w[4:5] for w in decode_plan.AUTO_V3_SMEM_WINDOWS]:
+    for T, _, H, _, K, _ in decode_plan.AUTO_V3_SMEM_WINDOWS:  # each window's lowest T and H
         for smem in (a100, h200):
             assert decode_plan.v3_config_name(T, H, K, smem) == "kh32n64w8"
             assert decode_plan.auto_is_v3(T, H, K, smem) and decode_plan.fused_form(T, H, K, smem) == "v3"
