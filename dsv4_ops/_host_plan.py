@@ -135,13 +135,10 @@ def _fast_replay(specs, trace, inputs, allocs, result):
 
     def src(v, tag):
         if isinstance(v, _TENSOR):
-            for i, t in enumerate(inputs):
-                if t is v:
-                    return f"a[{i}]"
-            for j, t in enumerate(allocs):
-                if t is v:
-                    return f"m{j}"
-            raise LookupError
+            name = _source(v, inputs, allocs, alloc="m{}")  # the allocations are locals m0, m1, ...
+            if name is None:
+                raise LookupError
+            return name
         ns[tag] = v
         return tag
 
@@ -208,14 +205,15 @@ def _key(args) -> tuple:
     return tuple(k)
 
 
-def _source(x, inputs, allocs):
-    """'a[i]' / 'm[j]' for a tensor from the call's inputs / the launcher's allocations, or None."""
+def _source(x, inputs, allocs, alloc: str = "m[{}]"):
+    """'a[i]' for a tensor from the call's inputs, ``alloc`` formatted with j for the launcher's
+    j-th allocation, or None."""
     for i, t in enumerate(inputs):
         if t is x:
             return f"a[{i}]"
     for j, t in enumerate(allocs):
         if t is x:
-            return f"m[{j}]"
+            return alloc.format(j)
     return None
 
 
