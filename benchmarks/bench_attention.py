@@ -87,7 +87,7 @@ def bench_sweep(args, replays):
                    "within_5pct"],
                   notes="Portable variant, sparse_mla_decode (split + merge) graph-replayed; every split count "
                         "1..max_splits(K). The JSON holds the whole sweep per shape (sweep_us). "
-                        "Pinned table: tests/test_split_heuristic.py.")
+                        "Pinned table: tests/test_decode_splits.py.")
     return rows
 
 

@@ -5,13 +5,13 @@
 Rows per (variant, T, H), K = 512 top-k + 128 window, block size 64, eager tight loop of N
 calls synchronised once at the end (bench_host_cost.eager_us):
 - ``direct``: ``dsv4_ops.vllm.attention.ampere_decode`` (what ``_forward_decode`` calls);
-- ``graph (keyed)``: ``decode_graph.graphed_ampere_decode``: key build + lookup + replay, the
+- ``graph (keyed)``: ``decode_graph.graphed`` of ``ampere_decode``: key build + lookup + replay, the
   path ``DSV4_AMPERE_DECODE_GRAPHS=1`` takes (after its one capture);
 - ``bare replay``: ``CUDAGraph.replay()`` of the same graph (the floor of the graph path);
 - ``key only``: the key build alone (host Python, no GPU work);
 plus ``first_call_ms`` (eager + capture + instantiate, once per key) and the cache's
 hits / captures (a graph row with captures != 1 means the replay path was not measured).
-Floors and predictions: benchmarks/NOTES.md, "private CUDA graph of the decode step".
+Floors and predictions: docs/journal/notes.md, "private CUDA graph of the decode step".
 Writes decode_graph.{json,md} under DIR.
 """
 
@@ -71,13 +71,13 @@ def bench(args):
                     vattn.ampere_decode(*a)  # compile outside the first-call timer
                     sync()
                     t0 = time.perf_counter()
-                    dg.graphed_ampere_decode(cache, *a)
+                    dg.graphed(cache, vattn.ampere_decode, *a)
                     sync()
                     first_ms = (time.perf_counter() - t0) * 1e3
                     graph = next(iter(cache.graphs.values()))
                     paths = {
                         "direct": lambda: vattn.ampere_decode(*a),
-                        "graph (keyed)": lambda: dg.graphed_ampere_decode(cache, *a),
+                        "graph (keyed)": lambda: dg.graphed(cache, vattn.ampere_decode, *a),
                         "bare replay": graph.replay,
                         "key only": lambda: dg.args_key(a) + (dg.context_key(0),),
                     }

@@ -13,7 +13,7 @@ kernel on exactly the bytes one lookup reads (the latency-bound floor at that si
 (3) a device copy (HBM). T = tokens, C = hash columns per rank (V4.1 assumption: 2-gram and
 3-gram x 8 heads = 16 columns; 2 per rank at TP = 8).
 
-Floors and predictions: benchmarks/NOTES.md ("Engram lookup").
+Floors and predictions: docs/journal/notes.md ("Engram lookup").
 """
 
 from __future__ import annotations

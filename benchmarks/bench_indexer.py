@@ -13,7 +13,7 @@ Cases (portable and, on sm_89+, native):
   q quant  indexer_q_quant, 4096 tokens x 64 heads (262144 rows of 128); bytes: 256 in + 128 + 4
            out a row, + weights. Goal >= 70% of copy bandwidth.
   k insert indexer_k_insert, 262144 rows to random slots; bytes: 256 in + 132 out a row. Goal >= 70%.
-Floors and predictions: benchmarks/NOTES.md ("indexer"). Usage: python benchmarks/bench_indexer.py --out DIR
+Floors and predictions: docs/journal/notes.md ("indexer"). Usage: python benchmarks/bench_indexer.py --out DIR
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from common import copy_bandwidth_gbs, parse_args, time_graph_us, time_us, write
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import attention, sparse_prefill  # noqa: E402
-from dsv4_ops.csrc_triton import sparse_mla_prefill as pk  # noqa: E402
+from dsv4_ops.csrc_triton import sparse_prefill as pk  # noqa: E402
 
 D, S_Q, K, N_RANDOM = 512, 4096, 640, 16384
 SM_SCALE = D ** -0.5

@@ -108,7 +108,7 @@ def invariant_rows(quick: bool, emit=lambda rows: None):
             # reads the row once per head group, at 4 TB/s, plus three in-graph launches (gather,
             # heads, merge) of ~0.9 us. Prediction: decode_plan's own heads + merge cost model
             # (heads_time_us) for the invariant split count, plus the gather at the floor's bytes.
-            from dsv4_ops.csrc_triton import sparse_mla_heads as hk
+            from dsv4_ops.csrc_triton.decode import heads as hk
 
             groups = -(-H // hk.block_h_for(H))
             gather_us = T * 640 * (584 + 1024) / decode_plan.BANDWIDTH_BPS * 1e6

@@ -41,7 +41,7 @@ from common import copy_bandwidth_gbs, time_graph_us, time_us, write_results  # 
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import v32  # noqa: E402
-from dsv4_ops.csrc_triton import sparse_mla_v32 as _ak  # noqa: E402
+from dsv4_ops.csrc_triton import v32_attention as _ak  # noqa: E402
 from dsv4_ops.decode_plan import num_sms  # noqa: E402
 
 QK, DV, REC = 576, 512, 656

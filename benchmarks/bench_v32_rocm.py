@@ -271,7 +271,7 @@ def check(fn, out, ref):
 
 def compiled_lines(vr):
     """One line per kernel Triton compiled in this run (registers, spills, shared memory)."""
-    from dsv4_ops.csrc_triton import sparse_mla_v32 as ak
+    from dsv4_ops.csrc_triton import v32_attention as ak
 
     fns = [vr._sparse_attn_prefill_ragged_kernel, vr._sparse_attn_decode_ragged_bf16_partial_kernel,
            vr._sparse_attn_decode_reduce_kernel]

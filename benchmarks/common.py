@@ -135,10 +135,10 @@ def in_green_context(sms: int, fn: Callable[[], object]):
         raise RuntimeError(f"GreenContext.create: {exc!r}") from exc
     if not hasattr(ctx, "Stream"):
         # torch 2.10 / 2.11 offer set_context() only: measured on the H200, kernels launched on
-        # torch's streams then still ran on every SM (decode_v4_splits.md: 108-SM plans timed like
+        # torch's streams then still ran on every SM (decode_paged_f16dot_splits.md: 108-SM plans timed like
         # the 132-SM sweep where one program an SM needs two waves on 108), so refuse
         raise RuntimeError(f"torch {torch.__version__}: no GreenContext.Stream(); set_context() does not "
-                           "confine kernels launched on torch's streams (benchmarks/results/decode_v4_splits.md)")
+                           "confine kernels launched on torch's streams (benchmarks/results/decode_paged_f16dot_splits.md)")
     saved = os.environ.get("DSV4_AMPERE_SMS")
     os.environ["DSV4_AMPERE_SMS"] = str(sms)
     try:  # torch >= 2.12: work goes on the context's stream (not yet run here)

@@ -1,6 +1,6 @@
 """One sparse-prefill launch at issue 17's shape (s_q 4096, K 640, random workload) for Nsight
 Compute: a warm-up launch (compiles), then the launch to profile (``--launch-skip 1
---launch-count 1``). benchmarks/sparse_prefill_session.sh runs it under ncu for the fastest
+--launch-count 1``). benchmarks/device/sparse_prefill.sh runs it under ncu for the fastest
 2-D and the fastest split-d config of the benchmark's H = 64 rows (``--pick``).
 
     python benchmarks/sparse_prefill_ncu.py --config 32,4 [--H 64]
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pick(path: str) -> None:
     """The fastest 2-D and the fastest split-d config at H = 64, random workload, H200 smem."""
-    from dsv4_ops.csrc_triton import sparse_mla_prefill as pk
+    from dsv4_ops.csrc_triton import sparse_prefill as pk
 
     rows = [r for r in json.load(open(path))["rows"]
             if r["H"] == 64 and r["workload"] == "random" and r["kernel"].startswith("prefill bh")

@@ -42,7 +42,7 @@ def _round_bf16(b_x):
     return b_bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization
 def _indexer_k_insert_kernel(
     k_ptr,  # bf16 or fp32 [N, 128], row stride stride_k_0, dims contiguous
     cache_ptr,  # uint8 [num_blocks, page_bytes]
@@ -279,7 +279,7 @@ def _paged_mqa_logits_kernel(
         tl.store(p_out + o_n, b_l, mask=o_n < max_ctx)
 
 
-# ---- v2 kernels (benchmarks/NOTES.md "Indexer v2") ----------------------------------------
+# ---- v2 kernels (docs/journal/notes.md "Indexer v2") ----------------------------------------
 
 
 @triton.jit
@@ -367,7 +367,7 @@ def _mqa_store_row(p_row, b_l, o_n, m_n, b_ks, b_ke, n0, out_cols, COMPRESSED: t
         tl.store(p_row + o_n, b_l, mask=m_n)
 
 
-@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization
 def _mqa_logits_v2_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, out_ptr,
     M, N, n_heads, out_cols,
@@ -432,7 +432,7 @@ def _mqa_logits_v2_kernel(
                            r_ks, r_ke, n0, out_cols, COMPRESSED, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization
 def _paged_mqa_logits_v2_kernel(
     q_ptr, w_ptr, cache_ptr, ctx_ptr, bt_ptr, out_ptr,
     next_n, n_heads, max_ctx, num_blocks, bt_cols, block_size, page_bytes,
@@ -490,7 +490,7 @@ def _paged_mqa_logits_v2_kernel(
         tl.store(p_out + o_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=o_n < max_ctx)
 
 
-# ---- v3 kernels (issue 18; benchmarks/NOTES.md "Indexer v3") ------------------------------
+# ---- v3 kernels (docs/journal/notes.md, "Indexer v3") ------------------------------
 
 
 @triton.jit
@@ -521,7 +521,7 @@ def _paged_tile_logits(b_k, b_sc, b_qt, b_w, NATIVE: tl.constexpr, BITS: tl.cons
     return (tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1) * _dot_unscale(NATIVE)) * b_sc
 
 
-@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["tiles_per_prog"])  # data-dependent count: one specialization
 def _paged_mqa_logits_v3_kernel(
     q_ptr, w_ptr, cache_ptr, ctx_ptr, bt_ptr, out_ptr,
     next_n, n_heads, max_ctx, num_blocks, bt_cols, block_size, page_bytes,
@@ -608,7 +608,7 @@ def _paged_mqa_logits_v3_kernel(
         tl.store(p_out + o_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=o_n < max_ctx)
 
 
-@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["M"])  # data-dependent count: one specialization
 def _mqa_logits_v3_kernel(
     q_ptr, w_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, out_ptr,
     M, N, n_heads, out_cols,
@@ -700,7 +700,7 @@ def _mqa_store_rows(out_ptr, m64, b_l, o_n, m_n, r_ks, r_ke, m_rows, n0, out_col
 
 # Launch configs as plain data (same on every capability; no run-time autotune).
 # "KERNEL" picks the kernel variant: 1 = the first kernels above, 2 = the v2 kernels
-# (q quant: 2 = the pairs kernel), 3 = the v3 kernels (decode, prefill; issue 18). benchmarks/sweep_indexer.py times every row of
+# (q quant: 2 = the pairs kernel), 3 = the v3 kernels (decode, prefill). benchmarks/sweep_indexer.py times every row of
 # *_CANDIDATES on the GPU and prints the dict to ship; every candidate row AOT-compiles for
 # sm_80 and sm_86 without spills (`python -m dsv4_ops.aot --candidates`).
 # Shipped: the best of the H200 sweep (portable, in-graph; benchmarks/results/sweep_indexer.md):
@@ -721,7 +721,7 @@ MQA_COMPRESSED_CONFIG = {"KERNEL": 3, "BLOCK_M": 32, "BLOCK_N": 64, "DOT_N": 128
 PAGED_CONFIG = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2,
                 "TARGET_PROGRAMS": 864,  # ~8 programs an SM on an A100 (108 SMs)
                 "MAX_TILES_PER_PROGRAM": 64}
-# decode, H_BLOCK >= 64 (V4's 64 heads), issue 18: v3 (page ids two tiles ahead), 128 keys x 4
+# decode, H_BLOCK >= 64 (V4's 64 heads): v3 (page ids two tiles ahead), 128 keys x 4
 # warps, 2 programs an SM x the SM count: 0.75 / 0.70 / 0.66x the time of PAGED_CONFIG at
 # B = 1 / 8 / 64 on the H200 (258 -> 170 us at B = 64, 32K keys). Caveat: 4 warps lower
 # tl.dot to wgmma on the H200 (mma.sync with 2 warps, and always on sm_80), so the A100 gain
@@ -735,12 +735,12 @@ K_INSERT_CANDIDATES = [
 Q_QUANT_CANDIDATES = [dict(Q_QUANT_CONFIG)] + [
     {"KERNEL": 2, "HEADS": h, "num_warps": w} for h, w in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
 ]
-MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG),  # (the v2 row below was the shipped one before issue 18)
+MQA_CANDIDATES = [dict(MQA_COMPRESSED_CONFIG),  # (benchmarks/results/indexer_candidates.md)
                   {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}] + [  # (MQA_CONFIG, 64 x 8 warps, spills compressed on sm_86)
     {"KERNEL": 2, "BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
     for m, n, w, st in ((16, 128, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2), (32, 128, 8, 2), (64, 256, 8, 2),
                         (32, 64, 4, 2), (64, 128, 8, 3))
-] + [  # issue 18: v3, ROWS = DOT_N / H_BLOCK query rows a dot (DOT_N 128: 2 rows at H = 64, 4 at H = 32;
+] + [  # v3, ROWS = DOT_N / H_BLOCK query rows a dot (DOT_N 128: 2 rows at H = 64, 4 at H = 32;
     # BLOCK_N 128 x DOT_N 128 spills 8-24 B at H = 32 on sm_80/86, so those two are H = 64 candidates only)
     {"KERNEL": 3, "BLOCK_M": m, "BLOCK_N": n, "DOT_N": dn, "num_warps": w, "num_stages": 2}
     for m, n, dn, w in ((32, 64, 128, 4), (32, 128, 128, 8), (32, 128, 64, 4))
@@ -752,7 +752,7 @@ PAGED_CANDIDATES = [dict(PAGED_CONFIG), dict(PAGED_CONFIG_WIDE)] + [
     # (64 keys x 4 warps spills 24 B on sm_86: not a candidate)
     for n, w, st, tp in ((64, 2, 2, 864), (128, 4, 2, 864), (128, 4, 2, 432), (128, 4, 3, 432), (128, 8, 2, 432),
                          (128, 8, 3, 864), (256, 8, 2, 432), (64, 2, 3, 1728))
-] + [  # issue 18: v3 (page ids two tiles ahead) and one resident wave (PROGRAMS_PER_SM x the SM count)
+] + [  # v3 (page ids two tiles ahead) and one resident wave (PROGRAMS_PER_SM x the SM count)
     # (CODES_AHEAD, the next tile's codes in flight too, spills at H = 64: sm_80 108 B, sm_86 72-112 B)
     {"KERNEL": k, "BLOCK_N": n, "num_warps": w, "num_stages": 2, "TARGET_PROGRAMS": tp, "MAX_TILES_PER_PROGRAM": 64,
      **({"PROGRAMS_PER_SM": pps} if pps else {})}

@@ -71,7 +71,7 @@ def _record_offsets(slot_ptr, o_i, n, page_bytes, block_size, capacity):
     return m_valid, o_data, o_scale
 
 
-@triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["n_tokens"])  # data-dependent count: one specialization
 def _kv_cache_insert_kernel(
     kv_ptr,  # bf16 [N, 512], row stride stride_kv_0, dims contiguous
     cache_ptr,  # uint8 [num_blocks, page_bytes]
@@ -118,7 +118,7 @@ def _kv_cache_insert_kernel(
     tl.store(p_dst[:, None] + o_r[None, :], b_rope, mask=m_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["n"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["n"])  # data-dependent count: one specialization
 def _kv_cache_gather_kernel(
     cache_ptr,  # uint8 [num_blocks, page_bytes]
     slot_ptr,  # int64 or int32 [n], any order, repeats allowed
@@ -166,7 +166,7 @@ INSERT_CONFIG = {"TOKENS": 4, "num_warps": 2}  # benchmarks/results/kv_cache_con
 GATHER_CONFIG = {"ROWS": 16, "num_warps": 4}  # benchmarks/results/kv_cache_configs.md
 
 
-@triton.jit(do_not_specialize=["T"])  # data-dependent count: one specialization (issue 19)
+@triton.jit(do_not_specialize=["T"])  # data-dependent count: one specialization
 def _dsv4_decode_gather_kernel(
     cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
     topk_ptr,  # int32/int64 [T, K1] compressed slots, row stride stride_topk_t

@@ -1,4 +1,4 @@
-"""Recorded launch plans: a launcher's Python runs once per input layout, not once per call (issue 17).
+"""Recorded launch plans: a launcher's Python runs once per input layout, not once per call.
 
 vLLM runs the attention region eagerly for mixed prefill + decode batches, so every layer pays
 the host cost of the decode op every step; most of it is Python that gives the same answer
@@ -26,7 +26,8 @@ kernel) so that:
 The key is everything the launcher's decisions may depend on: for each tensor argument its
 class, shape, strides, dtype, device index, address % 16 and storage offset % 16 (which
 tensor arguments are the same object, when any are); every other argument by class and value; the
-current CUDA device; the values of the environment variables the recording read (the
+current CUDA device; the in-process overrides (``envs.override_key()``); the values of the
+environment variables the recording read (the
 variable names are learnt during recordings, read from the raw environ dict, ~0.1 us each).
 Every check the launcher makes is a function of the key (it reads no tensor values: launchers
 never sync), so a key that passed the checks once passes them every time; a key that failed
@@ -48,10 +49,10 @@ from typing import Callable, Dict, List
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _launch
+from . import _launch, envs
 
-ENV_VAR = "DSV4_AMPERE_HOST_PLAN"
-ENABLED = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off")
+ENV_VAR = envs.HOST_PLAN
+ENABLED = envs.get(ENV_VAR)
 FAST_REPLAY = True  # generate one replay function per plan when every launch is direct
 MAX_KEYS = 1024  # per launcher; the table is cleared when it grows past this
 STATS = {"record": 0, "replay": 0, "refused": 0}
@@ -180,7 +181,7 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _key(args) -> tuple:
     """The layout key of a call (module doc). Runs on every call: kept to plain C calls."""
-    k = [torch._C._cuda_getDevice()]
+    k = [torch._C._cuda_getDevice(), envs._OVERRIDE_KEY]
     if _ENV_KEYS:
         env = _ENVIRON
         if env is not None:
@@ -468,7 +469,7 @@ def env_memo(fn: Callable) -> Callable:
         if env is None:
             return fn(*args)
         get = env.get
-        k = (args, tuple([get(n) for n in names]))
+        k = (args, envs._OVERRIDE_KEY, tuple([get(n) for n in names]))
         v = table.get(k, _MISS)
         if v is _MISS:
             v, read = _read_env_logged(fn, args)
@@ -476,7 +477,7 @@ def env_memo(fn: Callable) -> Callable:
             if new:
                 names.extend(new)
                 table.clear()
-                k = (args, tuple([get(n) for n in names]))
+                k = (args, envs._OVERRIDE_KEY, tuple([get(n) for n in names]))
             if len(table) >= MAX_KEYS:
                 table.clear()
             table[k] = v
@@ -491,8 +492,8 @@ def env_memo(fn: Callable) -> Callable:
 
 # ---- calling an op's CUDA kernel without the dispatcher hop -----------------------------------
 
-DIRECT_ENV_VAR = "DSV4_AMPERE_DIRECT_OPS"
-DIRECT = os.environ.get(DIRECT_ENV_VAR, "1").strip().lower() not in ("0", "false", "off")
+DIRECT_ENV_VAR = envs.DIRECT_OPS
+DIRECT = envs.get(DIRECT_ENV_VAR)
 DIRECT_CPU = False  # benchmarks/bench_host_cost.py --mock: CPU tensors take the CUDA kernel too
 _tf_mode = torch._C._is_torch_function_mode_enabled
 _dispatch_stack = torch._C._len_torch_dispatch_stack

@@ -31,14 +31,15 @@ any step of the direct path fails on a new triton (it then disables itself for t
 
 from __future__ import annotations
 
-import os
 from threading import get_ident as _get_ident
 from typing import Dict, Optional, Sequence
 
 import torch
 
-ENV_VAR = "DSV4_AMPERE_FAST_LAUNCH"
-ENABLED = os.environ.get(ENV_VAR, "1").strip() not in ("0", "false", "off")
+from . import envs
+
+ENV_VAR = envs.FAST_LAUNCH
+ENABLED = envs.get(ENV_VAR)
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 

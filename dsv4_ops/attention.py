@@ -14,7 +14,7 @@ Partial layout (between the two kernels)
   lse_part float32 [T, H, S]    contiguous: the split's natural-log LSE of its scaled scores
   An empty split (no valid key in its share) has o = 0 and lse = -inf. Split s of token t
   covers key blocks [floor(s*nb/S), floor((s+1)*nb/S)) of PARTITION_N = 16 positions, with
-  nb = cdiv(min(topk_length[t], K), 16) (see csrc_triton.sparse_mla).
+  nb = cdiv(min(topk_length[t], K), 16) (see csrc_triton.decode.tiles).
 
 Launchers never sync the host and allocate only their outputs, so they capture into CUDA
 graphs; the split count comes from static shapes (dsv4_ops.decode_plan).
@@ -31,12 +31,12 @@ from ._checks import check_last_dim, check_tensor
 from ._launch import fast
 from . import kv_cache as _kv
 from .csrc_triton import kv_cache as _kk
-from .csrc_triton import merge as _mk
-from .csrc_triton import sparse_mla as _sk
-from .csrc_triton import sparse_mla_heads as _hk
-from .csrc_triton import sparse_mla_paged as _pk
-from .csrc_triton import sparse_mla_v3 as _vk
-from .csrc_triton import sparse_mla_v4 as _v4k
+from .csrc_triton.decode import merge as _mk
+from .csrc_triton.decode import tiles as _sk
+from .csrc_triton.decode import heads as _hk
+from .csrc_triton.decode import paged_chunk64 as _pk
+from .csrc_triton.decode import paged_chunk128 as _vk
+from .csrc_triton.decode import paged_f16dot as _v4k
 from . import decode_plan as _dp
 from .decode_plan import tile_splits as _heuristic_splits
 from .dispatch import variant_for
@@ -265,7 +265,7 @@ def _decode_plan(T: int, H: int, K: int, q: torch.Tensor, kernel_mode: str, num_
 
 
 def _launch_heads(q, kv, indices, topk_length, sink, sm_scale, plan, out, variant):
-    """The heads kernel (csrc_triton.sparse_mla_heads); one split writes out/lse directly,
+    """The heads kernel (csrc_triton.decode.heads); one split writes out/lse directly,
     more write the partials and merge. Inputs already checked; indices int32."""
     T, H = q.shape[0], q.shape[1]
     K = indices.shape[1]
@@ -585,9 +585,9 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     out bf16 [T, H, 512] (dims unit-stride) or None (allocated).
     Semantics: dsv4_decode_gather's valid entries (slot in [0, capacity) of its cache and
     within the token's length), attended as sparse_mla_decode does with the sink.
-    form: 'v1' (csrc_triton.sparse_mla_paged) | 'v3' (csrc_triton.sparse_mla_v3, 16-byte
+    form: 'v1' (csrc_triton.decode.paged_chunk64) | 'v3' (csrc_triton.decode.paged_chunk128, 16-byte
     aligned caches only; else v1) | None (decode_plan.fused_form); config: a
-    sparse_mla_v3.V3_CANDIDATES or sparse_mla_v4.V4_CANDIDATES name to force (benchmarks),
+    paged_chunk128.V3_CANDIDATES or paged_f16dot.V4_CANDIDATES name to force (benchmarks),
     '' = decode_plan.v3_config_name.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
     """
@@ -665,8 +665,8 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
 
 def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots, swa_length,
                swa_block_size, sink, sm_scale, num_splits, out, variant, config):
-    """The v3 form over 16-byte aligned caches, inputs checked: csrc_triton.sparse_mla_v3 or, for a
-    sparse_mla_v4 config (decode_plan.v3_config), the fp16-dot kernel of the same contract."""
+    """The v3 form over 16-byte aligned caches, inputs checked: csrc_triton.decode.paged_chunk128 or, for a
+    paged_f16dot config (decode_plan.v3_config), the fp16-dot kernel of the same contract."""
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
@@ -680,7 +680,7 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
-    if "PV_KEY" in cfg:  # csrc_triton.sparse_mla_v4 (the fp16-dot decode): block sizes as shifts
+    if "PV_KEY" in cfg:  # csrc_triton.decode.paged_f16dot (the fp16-dot decode): block sizes as shifts
         scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
                    scalars[3], swa_block_size.bit_length() - 1, scalars[5])
         kernel, consts_tail = _v4_kernel, (True, cfg["PV_KEY"])
@@ -718,7 +718,7 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
     config x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials |
     direct with sink | direct); plus the PIPELINE configs (``fused-pipe[...]``, not dispatched
     yet: benchmarked beside the default, kept compiling and spill-free), and the dispatched v3
-    (``v3-...``) and v4 (``v4-...``: csrc_triton.sparse_mla_v4) configs of the v3 form."""
+    (``v3-...``) and v4 (``v4-...``: csrc_triton.decode.paged_f16dot) configs of the v3 form."""
     specs = []
     configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
     configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]

@@ -1,36 +1,36 @@
 """Which sparse-MLA decode kernel runs, with how many splits: static shapes only, no host sync.
 
-The one home of the decode plan (issue 17): every kernel choice and split count of a decode
+The one home of the decode plan: every kernel choice and split count of a decode
 step is decided here, from (T, H, K, SMs) alone, and each choice is pinned by a test:
 
     kernel  chosen by                               splits by                     tests
-    tiles   auto below AUTO_HEADS_MIN_T             tile_splits (pinned table)    test_split_heuristic.py
-    heads   auto from AUTO_HEADS_MIN_T              auto_heads_splits (measured)  test_decode_v2/heads.py
-    v1      auto_is_fused (AUTO_FUSED_WINDOWS)      fused_splits                  test_decode_fused.py
-    v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (busiest SM's keys) test_decode_v3.py
+    tiles   auto below AUTO_HEADS_MIN_T             tile_splits (pinned table)    test_decode_splits.py
+    heads   auto from AUTO_HEADS_MIN_T              auto_heads_splits (measured)  test_decode_gather/heads.py
+    v1      auto_is_fused (AUTO_FUSED_WINDOWS)      fused_splits                  test_decode_paged_chunk64.py
+    v3      auto_is_v3 (AUTO_V3_WINDOWS), first     v3_splits (busiest SM's keys) test_decode_paged.py
             config: v3_config_name (AUTO_V3_SMEM_WINDOWS where the device's shared memory
-            holds the config, then V3_CONFIG_WINDOWS: the v4 fp16-dot kernel, sparse_mla_v4,
-            where measured faster; else sparse_mla_v3)
+            holds the config, then V3_CONFIG_WINDOWS: the v4 fp16-dot kernel, paged_f16dot,
+            where measured faster; else paged_chunk128)
 
 (the composite asks auto_is_v3, then auto_is_fused; the fused op's form is fused_form).
 
     DSV4_AMPERE_DECODE_KERNEL = auto | tiles | heads | fused | v3   (read at each call; default auto)
-      tiles  the split-KV tile kernel (csrc_triton.sparse_mla: 16-head tiles x 16-key
+      tiles  the split-KV tile kernel (csrc_triton.decode.tiles: 16-head tiles x 16-key
              blocks, every key re-read cdiv(H, 16) times) + the merge; splits from
              ``tile_splits`` below
-      heads  csrc_triton.sparse_mla_heads: one program per (token, split, head group of
+      heads  csrc_triton.decode.heads: one program per (token, split, head group of
              BLOCK_H <= 32 rows) reads each key block once for its group; one split writes
              the final out + lse in its epilogue (no merge launch)
-      v3     (the composite only) the fused op with csrc_triton.sparse_mla_v3 (4 x 128-dim
+      v3     (the composite only) the fused op with csrc_triton.decode.paged_chunk128 (4 x 128-dim
              chunks, records prefetched a block ahead; ``v3_plan``)
-      fused  (the composite dsv4_decode_attention only) csrc_triton.sparse_mla_paged: the
+      fused  (the composite dsv4_decode_attention only) csrc_triton.decode.paged_chunk64: the
              heads structure reading the paged fp8 records by slot, no workspace and no
              gather launch (op dsv4_decode_fused_out; ``fused_plan``); a direct
              sparse_mla_decode call treats it as auto
       auto   tiles below T = 64, heads from T = 64 with measured split counts
              (``AUTO_HEADS_MIN_T``, ``auto_heads_splits``: benchmarks/results/decode_kernels.md);
              in the composite, v3 where ``auto_is_v3`` says so (H <= 16 and a few more
-             shapes, benchmarks/results/decode_v3.md; 16-byte aligned pages), else v1
+             shapes, benchmarks/results/decode_paged_chunk128.md; 16-byte aligned pages), else v1
              fused where ``auto_is_fused`` (measured) says so
 
 The heads split count minimises a cost model (constants: H200 guesses, NOT measured; refit
@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
-from .csrc_triton import sparse_mla_heads as _hk
-from .csrc_triton.sparse_mla import MAX_SPLITS, PARTITION_N
-from .csrc_triton.sparse_mla import SPLIT_CONFIG as _SPLIT_CONFIG
+from . import envs
+from .csrc_triton.decode import heads as _hk
+from .csrc_triton.decode.tiles import MAX_SPLITS, PARTITION_N
+from .csrc_triton.decode.tiles import SPLIT_CONFIG as _SPLIT_CONFIG
 
-ENV_VAR = "DSV4_AMPERE_DECODE_KERNEL"
+ENV_VAR = envs.DECODE_KERNEL
 MODES = ("auto", "tiles", "heads", "fused", "v3")
 HEAD_DIM = 512
 
@@ -119,7 +119,7 @@ def _cdiv(a: int, b: int) -> int:
 # small W the merge and the per-program q load dominate, and at large W more programs hide
 # the gather latency. Fitted to the H200 sweep of the portable kernel
 # (benchmarks/results/attention_split_sweep.md): the 14 pinned shapes of
-# tests/test_split_heuristic.py land within 5% of the best count measured there. Not tuned
+# tests/test_decode_splits.py land within 5% of the best count measured there. Not tuned
 # on an A100 (108 SMs instead of 132): the pinned table is the thing to re-measure there.
 TILE_BLOCK_H = _SPLIT_CONFIG["portable"]["BLOCK_H"]
 TARGET_STEPS = ((8, 128), (32, 256))  # (largest W, programs in all) steps of the target
@@ -150,26 +150,22 @@ def tile_splits(T: int, H: int, K: int) -> int:
 
 def mode() -> str:
     """The DSV4_AMPERE_DECODE_KERNEL value (ValueError on an unknown one)."""
-    m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{ENV_VAR}: expected one of {', '.join(MODES)}, got {m!r}")
+    m = envs.get(ENV_VAR)
     return batch_invariant_mode(m) if batch_invariant() else m
 
 
 # Plans for this many SMs instead of the device's count: a green context or an MPS share runs
 # on fewer SMs than the device properties report (benchmarks: 108, an A100's count, on the H200).
-SMS_ENV = "DSV4_AMPERE_SMS"
+SMS_ENV = envs.SMS
 
 
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors a plan counts on: DSV4_AMPERE_SMS when set (read at each
     call; the recorded launch plans keep what they were planned with), else the device's
     (cached; 108 on an A100, 132 on an H200)."""
-    forced = os.environ.get(SMS_ENV)
-    if forced:
-        if not forced.strip().isdigit() or int(forced) < 1:
-            raise ValueError(f"{SMS_ENV}: expected a positive SM count, got {forced!r}")
-        return int(forced)
+    forced = envs.get(SMS_ENV)
+    if forced is not None:
+        return forced
     return _device_sms(device_index)
 
 
@@ -281,9 +277,9 @@ def _plan(T: int, H: int, K: int, sms: int, kernel_mode: str = "auto", splits: i
     return tiles_plan(T, H, K, splits)
 
 
-# ---- the fused paged decode (csrc_triton.sparse_mla_paged, issue 17) ----
+# ---- the fused paged decode (csrc_triton.decode.paged_chunk64) ----
 # Programs aimed at per SM when T * groups alone does not fill the SMs. Measured
-# (decode_fused.md): the plan's count was the best of the sweep at T <= 4 with H <= 16 (20
+# (decode_paged_chunk64.md): the plan's count was the best of the sweep at T <= 4 with H <= 16 (20
 # splits); from T = 16 or H = 64 fewer splits measured faster (the kernel is slow there and
 # not dispatched, so the table is left as it is).
 FUSED_PROGRAMS_PER_SM = 2
@@ -292,7 +288,7 @@ FUSED_PROGRAMS_PER_SM = 2
 def fused_splits(T: int, H: int, K: int, sms: int) -> int:
     """Split count of the fused kernel: enough programs for FUSED_PROGRAMS_PER_SM a SM, at
     most one key block a split, snapped up to a balanced count."""
-    from .csrc_triton import sparse_mla_paged as _pk
+    from .csrc_triton.decode import paged_chunk64 as _pk
 
     bh = _pk.block_h_for(H)
     nb = _cdiv(max(K, 1), _pk.FUSED_CONFIG[bh]["BLOCK_N"])
@@ -304,29 +300,29 @@ def fused_splits(T: int, H: int, K: int, sms: int) -> int:
 def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
     """The plan of the fused kernel for T tokens, H heads, K = K1 + K2 key positions on
     ``sms`` SMs; splits 0 = fused_splits, else forced (1..MAX_SPLITS)."""
-    from .csrc_triton import sparse_mla_paged as _pk
+    from .csrc_triton.decode import paged_chunk64 as _pk
 
     bh = _pk.block_h_for(H)
     s = splits or fused_splits(T, H, K, sms)
     return DecodePlan("fused", s, bh, _pk.FUSED_CONFIG[bh]["BLOCK_N"], _cdiv(H, bh), s == 1)
 
 
-# ---- decode v3 (csrc_triton.sparse_mla_v3, issue 17): the fused read, 4 x 128-dim chunks ----
+# ---- decode v3 (csrc_triton.decode.paged_chunk128): the fused read, 4 x 128-dim chunks ----
 # Split counts of the 4-warp (32-key and smaller) configs: the balanced count with the fewest key
 # blocks on the busiest SM, two programs resident an SM (V3_RESIDENT_PER_SM), ties to fewer
 # splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gives the
-# measured best count at every measured shape (decode_v3.md, decode_v4.md: T = 1..4: one block a
+# measured best count at every measured shape (decode_paged_chunk128.md, decode_paged_f16dot.md: T = 1..4: one block a
 # split; T = 16, H <= 16: 10 of 20; T = 128: 2; T = 256: 1; K 256, T = 64, H = 64: 1) and S = 4 at
 # T = 16, H = 64, where the earlier rule (~1 program an SM) gave 3: 30.6 vs 39.1 us
-# (decode_v4_splits.md, same call as the step's 37.9).
+# (decode_paged_f16dot_splits.md, same call as the step's 37.9).
 V3_RESIDENT_PER_SM = 2
 
 
 def v3_config(name: str) -> dict:
-    """The launch config of a v3-form name: sparse_mla_v3.V3_CANDIDATES (bf16 decode) or
-    sparse_mla_v4.V4_CANDIDATES (fp16 dots; its configs carry PV_KEY). KeyError if neither."""
-    from .csrc_triton import sparse_mla_v3 as _vk
-    from .csrc_triton import sparse_mla_v4 as _v4k
+    """The launch config of a v3-form name: paged_chunk128.V3_CANDIDATES (bf16 decode) or
+    paged_f16dot.V4_CANDIDATES (fp16 dots; its configs carry PV_KEY). KeyError if neither."""
+    from .csrc_triton.decode import paged_chunk128 as _vk
+    from .csrc_triton.decode import paged_f16dot as _v4k
 
     cfg = _vk.V3_CANDIDATES.get(name) or _v4k.V4_CANDIDATES.get(name)
     if cfg is None:
@@ -334,9 +330,9 @@ def v3_config(name: str) -> dict:
     return cfg
 
 
-# Which v3-form config auto runs, from the H200 sweeps (benchmarks/results/decode_v4.md, call 2
-# of 2026-12-01, same-run medians; decode_v3.md before it). (T_lo, T_hi, H_lo, H_hi, K, config),
-# first match wins; the v4 configs are csrc_triton.sparse_mla_v4's fp16-dot kernel:
+# Which v3-form config auto runs, from the H200 sweeps (benchmarks/results/decode_paged_f16dot.md, call 2
+# same-run medians; decode_paged_chunk128.md before it). (T_lo, T_hi, H_lo, H_hi, K, config),
+# first match wins; the v4 configs are csrc_triton.decode.paged_f16dot's fp16-dot kernel:
 #   T 48..96, H <= 16, K 640: kh16n64w8 (64-key blocks, 8 warps; T = 64: 32.9 / 34.6 us vs v3's
 #       42.2 / 44.1 at H = 8 / 16; at T = 16 and 128 it lost to kh16n32w4, so the window stays
 #       around the one measured T)
@@ -345,8 +341,8 @@ def v3_config(name: str) -> dict:
 #   T = 1, H = 128, K 640: kh16n64w8 (11.8 vs the step's 13.1 and v3's 12.7)
 #   T = 64, H = 64, K 256: kh16n32w4 (40.7 vs v3's 44.5)
 #   T = 16, H = 64, K 640: kh16n32w4 at S = 4 (30.6 vs the step's 37.9, kh16n64w8 33.4, kh32n64w8
-#       33.5; decode_v4_splits.md)
-#   else v3 (sparse_mla_v3): 16-key blocks for one token at H <= 16 (T = 1: 8.0 vs 9.2-9.3 at 32
+#       33.5; decode_paged_f16dot_splits.md)
+#   else v3 (paged_chunk128): 16-key blocks for one token at H <= 16 (T = 1: 8.0 vs 9.2-9.3 at 32
 #       keys, v3 or v4), 32-key blocks elsewhere (T = 4, H = 8: v3 9.6 vs v4 9.7).
 # kh32n64w8 (108 KB of shared memory, over sm_86's 99 KB; 1.10-1.36x over the step at H = 64
 # from T = 64 and at T = 4) runs only where it fits: AUTO_V3_SMEM_WINDOWS below, ahead of these.
@@ -360,9 +356,9 @@ V3_CONFIG_WINDOWS = (
 
 
 # Windows (T_lo, T_hi, H_lo, H_hi, K, config) where auto runs the v3 form with a config whose
-# shared memory (sparse_mla_v4.V4_SMEM_BYTES) only some Ampere parts hold: taken where the
+# shared memory (paged_f16dot.V4_SMEM_BYTES) only some Ampere parts hold: taken where the
 # device's blocks may opt into it (an A100: 163 KiB), else the shape keeps its other choice.
-# From the H200 sweep (decode_v4.md, 132 SMs, kh32n64w8 against the workspace step): H = 64, K 640:
+# From the H200 sweep (decode_paged_f16dot.md, 132 SMs, kh32n64w8 against the workspace step): H = 64, K 640:
 # T = 4 14.5 vs 16.5 us, T = 64 74.2 vs 93.2, T = 128 150 vs 172, T = 256 295 vs 324 (T = 16
 # even, T = 1 slower); K 256: T = 64, H = 64 32.5 vs 40.7 (kh16n32w4), T = 128, H = 128 132 vs 149.
 AUTO_V3_SMEM_WINDOWS: tuple = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 64, 640, "kh32n64w8"),
@@ -371,7 +367,7 @@ AUTO_V3_SMEM_WINDOWS: tuple = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 6
 
 def config_fits(name: str, smem: int) -> bool:
     """Whether a v3-form config's shared memory fits ``smem`` bytes a block."""
-    from .csrc_triton import sparse_mla_v4 as _v4k
+    from .csrc_triton.decode import paged_f16dot as _v4k
 
     return _v4k.V4_SMEM_BYTES.get(name, 0) <= smem
 
@@ -391,7 +387,7 @@ def v3_config_name(T: int, H: int, K: int = 640, smem: int = -1) -> str:
     heads, K keys on a device of ``smem`` bytes of shared memory a block (-1: the current
     device's): an AUTO_V3_SMEM_WINDOWS config that fits, else the first V3_CONFIG_WINDOWS match,
     else the v3 kernel's 16-key config for one token at H <= 16 and its 32-key config elsewhere
-    (sparse_mla_v3.V3_DISPATCHED)."""
+    (paged_chunk128.V3_DISPATCHED)."""
     big = _smem_window(T, H, K, smem)
     if big:
         return big
@@ -427,7 +423,7 @@ def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "")
 
 
 # Where auto runs the fused kernel in the composite: measured windows (T_lo, T_hi, H_max, K),
-# benchmarks/results/decode_fused.md (H200, portable, in-graph, same-run ratio against the
+# benchmarks/results/decode_paged_chunk64.md (H200, portable, in-graph, same-run ratio against the
 # workspace step): T = 4, H = 8 / 16, K = 640: 10.2 / 10.6 us against 12.1 / 12.5 (1.18x /
 # 1.17x). Everywhere else it measured even (T = 1, H <= 16: 1.00-1.02x) or slower (0.26-0.99x
 # from T = 16 or H = 64; the draft's K = 256: 0.96x at T = 1), so auto keeps the workspace
@@ -441,15 +437,15 @@ def auto_is_fused(T: int, H: int, K: int) -> bool:
 
 
 # Where auto runs the v3 kernel (the fused op's other form): measured windows,
-# benchmarks/results/decode_v3.md (H200, portable, in-graph, same-run ratio against
+# benchmarks/results/decode_paged_chunk128.md (H200, portable, in-graph, same-run ratio against
 # the step before it): H <= 16, K = 640 at every T measured (1, 4, 16, 64, 128, 256): 1.11-1.36x
 # (T = 128, H = 8: 62.2 vs 81.4 us); the draft's K = 256 at T = 1 and 16: 1.27 / 1.45x; T = 1,
 # H = 64: 1.15x (T = 1, H = 128: 1.02x, left out). From H = 64 at T >= 4 the step stays
 # (v3 0.66-0.98x there), except the draft's K = 256 at T = 64, H = 64: 44.6-45.0 vs 48.8-49.0
 # us in both H200 calls (1.09x). Between the measured T the ratio held at every point, so the
 # window spans them; T > 256 (prefill-sized) keeps the step. Added with the v4 configs
-# (decode_v4.md): T = 1, H = 128 (kh16n64w8 11.8 vs the step's 13.1 us). With the split counts of
-# the wave rule (v3_splits): T = 16, H = 64 (kh16n32w4 at S = 4: 30.6 vs 37.9 us, decode_v4_splits.md).
+# (decode_paged_f16dot.md): T = 1, H = 128 (kh16n64w8 11.8 vs the step's 13.1 us). With the split counts of
+# the wave rule (v3_splits): T = 16, H = 64 (kh16n32w4 at S = 4: 30.6 vs 37.9 us, decode_paged_f16dot_splits.md).
 # Windows (T_lo, T_hi, H_lo, H_hi, K).
 AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640), (64, 64, 64, 64, 256),
                    (1, 1, 128, 128, 640), (16, 16, 64, 64, 640))
@@ -466,22 +462,22 @@ def auto_is_v3(T: int, H: int, K: int, smem: int = -1) -> bool:
 
 def fused_form(T: int, H: int, K: int, smem: int = -1) -> str:
     """Which kernel op dsv4_decode_fused_out runs: 'v3' under DSV4_AMPERE_DECODE_KERNEL=v3 or
-    where auto_is_v3 (``smem`` as there), else 'v1' (csrc_triton.sparse_mla_paged)."""
-    m = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    where auto_is_v3 (``smem`` as there), else 'v1' (csrc_triton.decode.paged_chunk64)."""
+    m = envs.get(ENV_VAR)
     return "v3" if m == "v3" or (m == "auto" and auto_is_v3(T, H, K, smem)) else "v1"
 
 
-# ---- batch invariance (issue 19): DSV4_AMPERE_BATCH_INVARIANT=1 ----
+# ---- batch invariance: DSV4_AMPERE_BATCH_INVARIANT=1 ----
 # Default plans depend on T (tiles below AUTO_HEADS_MIN_T, split counts from T), so a
 # token's bits depend on how many tokens share its batch. With the switch on, every T runs
 # the heads kernel with a split count fixed by (H, K) alone: a token's output no longer
 # depends on the rest of the batch (int32 indices: int64 runs the tiles as always).
-BATCH_INVARIANT_ENV = "DSV4_AMPERE_BATCH_INVARIANT"
+BATCH_INVARIANT_ENV = envs.BATCH_INVARIANT
 
 
 def batch_invariant() -> bool:
     """True when DSV4_AMPERE_BATCH_INVARIANT is 1 / true / on (read at each call)."""
-    return os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower() in ("1", "true", "on")
+    return envs.get(BATCH_INVARIANT_ENV)
 
 
 def batch_invariant_mode(m: str) -> str:

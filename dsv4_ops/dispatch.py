@@ -14,12 +14,13 @@ forcing ``portable`` on an H200 runs exactly the kernels an A100 would run.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple, Union
 
 import torch
 
-ENV_VAR = "DSV4_AMPERE_IMPL"
+from . import envs
+
+ENV_VAR = envs.IMPL
 KERNEL_VARIANTS = ("portable", "native")
 _OVERRIDES = ("auto",) + KERNEL_VARIANTS
 
@@ -57,10 +58,7 @@ def native_fp8_available(capability: Tuple[int, int]) -> bool:
 
 def impl_override() -> str:
     """The value of DSV4_AMPERE_IMPL (auto when unset); ValueError on anything else."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _OVERRIDES:
-        raise ValueError(f"{ENV_VAR} must be one of {_OVERRIDES}, got {value!r}")
-    return value
+    return envs.get(ENV_VAR)
 
 
 def kernel_variant(capability: Tuple[int, int]) -> str:
@@ -104,7 +102,7 @@ def variant_for(t: torch.Tensor) -> str:
     CUDA: the op table (with the DSV4_AMPERE_IMPL override). CPU tensors only reach a kernel
     under the Triton interpreter: portable unless the override says otherwise.
     """
-    override = os.environ.get(ENV_VAR, "auto")
+    override = envs.raw(ENV_VAR)
     if t.device.type == "cuda":
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return _cuda_variant(index, override)

@@ -11,7 +11,7 @@ attended) or the entry is past the token's length (j >= topk_length[t] / swa_len
 
 Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync, so the
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
-Host cost (issue 17: vLLM runs this eagerly for mixed prefill + decode batches, per layer per
+Host cost (vLLM runs this eagerly for mixed prefill + decode batches, per layer per
 step): in plain eager CUDA calls (``_direct_op``, ``_host_plan.direct_ok``: no compile, mode, functorch
 transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the kernel
 choice is memoised per (T, H, K) and the environment it reads (``_host_plan.env_memo``); the

@@ -66,7 +66,7 @@ def ref_e4m3_encode(x: torch.Tensor, exact: bool = True) -> torch.Tensor:
 # sparse_mla_decode). Shapes: q [T, H, D], kv [N, D], indices [T, K], D = 512.
 # ---------------------------------------------------------------------------------------
 
-ATTN_PARTITION_N = 16  # key-block granularity of the split partition (csrc_triton.sparse_mla)
+ATTN_PARTITION_N = 16  # key-block granularity of the split partition (csrc_triton.decode.tiles)
 
 
 def ref_sink_logits(sink, H: int, device) -> torch.Tensor:

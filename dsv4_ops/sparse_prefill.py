@@ -2,7 +2,7 @@
 caller's out and returns lse): FlashMLA ``flash_mla_sparse_fwd``'s job on sm_8x.
 
 One program per (query, head group), no split, out and lse written in the epilogue
-(csrc_triton.sparse_mla_prefill). Same semantics and arguments as
+(csrc_triton.sparse_prefill). Same semantics and arguments as
 ``dsv4_ops.attention.sparse_mla_decode`` (reference: ``dsv4_ops.reference.ref_sparse_mla_decode``).
 
 Dispatch (static shapes and alignment only, no host sync):
@@ -30,7 +30,7 @@ import torch
 
 from ._checks import check_last_dim, check_tensor
 from ._launch import fast
-from .csrc_triton import sparse_mla_prefill as _pk
+from .csrc_triton import sparse_prefill as _pk
 
 HEAD_DIM = _pk.HEAD_DIM
 # bf16 is the contract; fp16 is accepted so the kernel runs under the Triton interpreter,

@@ -40,11 +40,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import layout as L
+from . import envs, layout as L
 from ._checks import check_last_dim, check_tensor
 from ._launch import fast
 from .codec import encode_mode
-from .csrc_triton import sparse_mla_v32 as _ak
+from .csrc_triton import v32_attention as _ak
 from .csrc_triton import v32_cache as _ck
 from .attention import merge_splits  # the V4 LSE merge (d_v = 512, no sink), its public launcher
 from .dispatch import variant_for
@@ -63,7 +63,7 @@ _attn_kernel = fast(_ak._v32_sparse_mla_kernel)
 _w128_kernel = fast(_ak._v32_sparse_mla_w128_kernel)
 _f16_kernel = fast(_ak._v32_sparse_mla_f16_kernel)
 _f16t_kernel = fast(_ak._v32_sparse_mla_f16t_kernel)
-FORM_ENV = "DSV4_AMPERE_V32_FORM"  # w64 | w128 | f16 | auto (default); f16:<candidate> too
+FORM_ENV = envs.V32_FORM  # w64 | w128 | f16 | auto (default); f16:<candidate> too
 
 _CACHE_OK = {}
 
@@ -209,7 +209,7 @@ def v32_kv_gather(kv_cache: torch.Tensor, slots: torch.Tensor, out: Optional[tor
 
 def auto_form(fp8: bool, H: int, T: int = 1) -> str:
     """auto's form, from benchmarks/results/v32_{decode,prefill}.md (H200, portable, mma.sync,
-    K = 2048). fp8_ds_mla records: f16 at H <= 16 from T = 16 (2026-12-01 16:26 run: T = 16 / 64
+    K = 2048). fp8_ds_mla records: f16 at H <= 16 from T = 16 (benchmarks/results/v32_decode.md: T = 16 / 64
     / 128: 32.8 / 125 / 235 us against w128's 43.5 / 198 / 380, 1.33-1.62x), w128 at T = 1
     (10.1 vs 11.6 us; T 2..15 were not measured and keep w128) and at H > 16 (the best f16
     config, 16 heads x 32 keys x 4 warps, was within 3% of w128 at T 1..128: 216.7 vs 214.8 us
@@ -229,10 +229,10 @@ def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int
     """The kernel form: 'w64' (9 chunks of 64 dims), 'w128' (4 tiles of 128 + the 64 RoPE
     dims; aligned records only) or 'f16' (w128's tiles with the E4M3 codes as fp16 dot
     operands; aligned fp8_ds_mla records only; 'f16:<name>' picks a config of
-    csrc_triton.sparse_mla_v32.F16_CANDIDATES). form / env DSV4_AMPERE_V32_FORM: w64 | w128 |
+    csrc_triton.v32_attention.F16_CANDIDATES). form / env DSV4_AMPERE_V32_FORM: w64 | w128 |
     f16[:name] | auto (None: the env, default auto). auto: auto_form(fp8, H, T) when aligned;
     f16 over bf16 rows runs auto's bf16 form; unaligned records: w64."""
-    f = form or os.environ.get(FORM_ENV, "auto")
+    f = form or envs.raw(FORM_ENV)
     base, _, cand = f.partition(":")
     if base not in ("auto",) + _ak.FORMS or (cand and (base != "f16" or cand not in _ak.F16_CANDIDATES)):
         raise ValueError(f"{FORM_ENV} / form: expected auto, w64, w128, f16 or f16:<one of "

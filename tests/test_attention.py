@@ -318,7 +318,7 @@ def test_aot_covers_every_specialization_the_launchers_pick():
                 assert f"split[{variant},{idx_ty},{has_len}]" in labels
         # every split count 1..MAX_SPLITS maps to a merge BLOCK_S that has a spec
         merge_blocks = {s.constexprs["BLOCK_S"] for s in specs if s.op == "merge_splits" and s.variant == variant}
-        from dsv4_ops.csrc_triton import merge as mk
+        from dsv4_ops.csrc_triton.decode import merge as mk
         assert {mk.merge_config(n)["BLOCK_S"] for n in range(1, attention.MAX_SPLITS + 1)} <= merge_blocks
 
 
@@ -454,12 +454,12 @@ def test_gpu_torch_compile_fullgraph_equals_eager(variant):
 
 def test_reference_partition_matches_the_kernels():
     """The reference's split partition uses the kernels' key-block size (defined twice today:
-    csrc_triton.sparse_mla.PARTITION_N and reference.ATTN_PARTITION_N), and every split config
+    csrc_triton.decode.tiles.PARTITION_N and reference.ATTN_PARTITION_N), and every split config
     iterates keys in blocks of that size."""
-    from dsv4_ops.csrc_triton import sparse_mla
+    from dsv4_ops.csrc_triton.decode import tiles
 
-    assert sparse_mla.PARTITION_N == reference.ATTN_PARTITION_N
-    assert all(cfg["BLOCK_N"] == sparse_mla.PARTITION_N for cfg in sparse_mla.SPLIT_CONFIG.values())
+    assert tiles.PARTITION_N == reference.ATTN_PARTITION_N
+    assert all(cfg["BLOCK_N"] == tiles.PARTITION_N for cfg in tiles.SPLIT_CONFIG.values())
 
 
 def test_the_comparison_catches_one_bad_row_that_the_whole_tensor_norm_hides():

@@ -98,7 +98,7 @@ def test_summary_and_table_name_the_new_models(result):
 
 
 def test_cli_accepts_the_new_models(result, capsys):
-    from dsv4_ops import cli
+    from dsv4_ops.tools import cli
 
     assert cli.main(["audit-vllm", "--model", "v32"]) == 0  # exit 0: no open row
     out = capsys.readouterr().out

@@ -270,13 +270,13 @@ def test_gpu_replay_on_new_values_matches_eager(variant, T, H):
     static = decode_args(T, H, seed=1)
     cache = dg.GraphCache()
     poison_like(static[1])
-    dg.graphed_ampere_decode(cache, *static)  # miss: eager + capture
+    dg.graphed(cache, vattn.ampere_decode, *static)  # miss: eager + capture
     assert cache.stats["captures"] == 1
     first = static[1].clone()
     assert torch.equal(first, eager_out(static))
     for seed in (2, 3, 4):
         refill(static, decode_args(T, H, seed=seed))
-        dg.graphed_ampere_decode(cache, *static)
+        dg.graphed(cache, vattn.ampere_decode, *static)
         torch.cuda.synchronize()
         want = eager_out(static)
         assert not torch.isnan(static[1]).any(), f"seed {seed}: replay left poisoned rows"
@@ -289,19 +289,19 @@ def test_gpu_new_address_recaptures_and_stays_correct(variant):
     T, H = 3, 8
     a = decode_args(T, H, seed=5)
     cache = dg.GraphCache()
-    dg.graphed_ampere_decode(cache, *a)
+    dg.graphed(cache, vattn.ampere_decode, *a)
     b = list(a)
     b[0] = decode_args(T, H, seed=6)[0]  # a new q tensor: new address
     poison_like(b[1])
-    dg.graphed_ampere_decode(cache, *b)
+    dg.graphed(cache, vattn.ampere_decode, *b)
     assert cache.stats["captures"] == 2
     assert torch.equal(b[1], eager_out(b))
     refill(a, decode_args(T, H, seed=7))
-    dg.graphed_ampere_decode(cache, *a)  # the first graph again, new values
+    dg.graphed(cache, vattn.ampere_decode, *a)  # the first graph again, new values
     torch.cuda.synchronize()
     assert cache.stats["hits"] == 1 and torch.equal(a[1], eager_out(a))
     b[1] = poison_like(torch.empty_like(b[1]))  # a new output buffer: another capture
-    dg.graphed_ampere_decode(cache, *b)
+    dg.graphed(cache, vattn.ampere_decode, *b)
     assert cache.stats["captures"] == 3 and torch.equal(b[1], eager_out(b))
 
 
@@ -312,7 +312,7 @@ def test_gpu_inside_an_outer_capture_runs_eagerly(variant):
     T, H = 2, 8
     static = decode_args(T, H, seed=8)
     cache = dg.GraphCache()
-    g, _ = capture_graph(lambda: dg.graphed_ampere_decode(cache, *static))  # 2 warm-ups, then the capture
+    g, _ = capture_graph(lambda: dg.graphed(cache, vattn.ampere_decode, *static))  # 2 warm-ups, then the capture
     assert cache.stats["eager_capturing"] == 1 and cache.stats["captures"] == 1  # the warm-ups' graph only
     refill(static, decode_args(T, H, seed=9))
     g.replay()

@@ -1,4 +1,4 @@
-"""The "heads" decode kernel (csrc_triton.sparse_mla_heads: all heads of a token in one
+"""The "heads" decode kernel (csrc_triton.decode.heads: all heads of a token in one
 program) and its dispatch (dsv4_ops.decode_plan, DSV4_AMPERE_DECODE_KERNEL): the kernel
 against the float64 reference under the interpreter (fp16 operands: the interpreter's bf16
 tl.dot is wrong), both epilogues (one split writes out + lse directly; more splits go
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_ops import aot, attention, decode_plan, reference
-from dsv4_ops.csrc_triton import sparse_mla_heads as hk
+from dsv4_ops.csrc_triton.decode import heads as hk
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng
 
 D = 512

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dsv4_ops import cli, doctor
-from dsv4_ops.doctor import Deployment, Gpu, HostFacts, ModelInfo
+from dsv4_ops.tools import cli, doctor
+from dsv4_ops.tools.doctor import Deployment, Gpu, HostFacts, ModelInfo
 
 GIB = 1 << 30
 A100 = Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB)

@@ -171,7 +171,7 @@ def test_gpu_decode_step_is_direct_and_replayed(variant, T, H, monkeypatch):
     """A warmed decode step: every launch direct (2 for the v3 form at T = 1, 3 for the workspace
     step), served by a replayed plan, and bit-identical to the step with replays and the
     dispatcher bypass off."""
-    from test_decode_v2 import gpu_composite_args
+    from test_decode_gather import gpu_composite_args
 
     from dsv4_ops import _host_plan, dsv4_decode
     from dsv4_ops.testing import poison_like

@@ -15,8 +15,8 @@ FOLDERS = {"dsv4_ops": ROOT / "dsv4_ops", "dsv4_ops.csrc_triton": ROOT / "csrc_t
 
 BASE, KERNELS, LAUNCHERS, REGISTRATION, INTEGRATION, TOOLS = range(6)
 LAYER_NAMES = ("base", "kernels", "launchers", "registration", "integration", "tools")
-TOOL_MODULES = {"dsv4_ops.cli", "dsv4_ops.__main__", "dsv4_ops.selftest", "dsv4_ops.testing", "dsv4_ops.support",
-                "dsv4_ops.__init__", "dsv4_ops.doctor"}  # doctor: a command; it asks the vLLM integration
+TOOL_MODULES = {"dsv4_ops.tools.cli", "dsv4_ops.__main__", "dsv4_ops.tools.selftest", "dsv4_ops.testing", "dsv4_ops.support",
+                "dsv4_ops.__init__", "dsv4_ops.tools.doctor"}  # doctor: a command; it asks the vLLM integration
 
 
 def layer_of(module: str) -> int:

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from dsv4_ops import cli, pp_partition as ppp
+from dsv4_ops import pp_partition as ppp
+from dsv4_ops.tools import cli
 
 KV = [2, 8, 14, 20]
 IDX = [2, 8, 14, 20, 24, 28, 32, 36]

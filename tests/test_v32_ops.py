@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4_ops import layout as L
-from dsv4_ops.csrc_triton import sparse_mla_v32 as _ak
+from dsv4_ops.csrc_triton import v32_attention as _ak
 from dsv4_ops import v32
 from dsv4_ops import reference as R
 from dsv4_ops.testing import HAS_GPU, assert_attention_close, poison_like, rng

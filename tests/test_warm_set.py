@@ -115,7 +115,7 @@ def test_keys_follow_tritons_specialization():
     """Ints equal to 1 become constexprs, multiples of 16 get 'D', pointers their dtype and
     alignment; options are part of the key as passed (Triton's run keys on str(options):
     num_warps=4 given vs omitted, and the order of the options, are distinct keys)."""
-    from dsv4_ops.csrc_triton import merge
+    from dsv4_ops.csrc_triton.decode import merge
 
     fn = merge._merge_splits_kernel
     m = torch.empty(64, dtype=torch.float32, device="meta")

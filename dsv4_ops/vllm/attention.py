@@ -45,7 +45,7 @@ def _as_2d_slots(idx: torch.Tensor, T: int) -> torch.Tensor:
     return idx.reshape(idx.shape[0], -1)[:T]
 
 
-# Host cost (issue 17): vLLM runs the decode eagerly in mixed prefill + decode batches, per layer
+# Host cost: vLLM runs the decode eagerly in mixed prefill + decode batches, per layer
 # per step, so the views ampere_decode needs are memoised on the identity of what vLLM passes:
 # the caches are the same tensor objects every step (one entry per cache, dropped when vLLM drops
 # the cache: a weakref callback), the slot tensors the same objects for every layer of a step

@@ -77,14 +77,15 @@ profile. Turn it on after ``benchmarks/bench_decode_graph.py`` shows a gain on t
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-ENV_VAR = "DSV4_AMPERE_DECODE_GRAPHS"
+from .. import envs
+
+ENV_VAR = envs.DECODE_GRAPHS
 MAX_GRAPHS = 64
 MAX_CAPTURES = 4 * MAX_GRAPHS
 _CACHE_ATTR = "_dsv4_decode_graphs"
@@ -92,7 +93,7 @@ _CACHE_ATTR = "_dsv4_decode_graphs"
 
 def enabled() -> bool:
     """True when ``DSV4_AMPERE_DECODE_GRAPHS=1`` (default off)."""
-    return os.environ.get(ENV_VAR, "0").strip() == "1"
+    return envs.get(ENV_VAR)
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[Tuple]:
@@ -122,7 +123,7 @@ def args_key(args: Sequence[Any]) -> Tuple:
 def context_key(device_index: int) -> Tuple:
     """The state outside the arguments that changes what gets captured: variant override and
     the current stream."""
-    return (os.environ.get("DSV4_AMPERE_IMPL", "auto"), torch._C._cuda_getCurrentRawStream(device_index))
+    return (envs.raw(envs.IMPL), envs.override_key(), torch._C._cuda_getCurrentRawStream(device_index))
 
 
 # ---- capture -------------------------------------------------------------------------------
@@ -294,11 +295,10 @@ def run_forward_decode(layer: Any, step: Callable[[], None], key_args: Tuple) ->
     cache_for(layer).run(forward_decode_key(layer, *key_args), step, q.device)
 
 
-def graphed_ampere_decode(cache: GraphCache, *args) -> None:
-    """``ampere_decode(*args)`` (positional, all 12/13 arguments) through ``cache``; the key is
-    every argument (``args_key``) plus ``context_key``. For benchmarks and tests."""
-    from .attention import ampere_decode
-
+def graphed(cache: GraphCache, fn: Callable[..., None], *args) -> None:
+    """``fn(*args)`` (e.g. ``vllm.attention.ampere_decode`` with all its 12/13 positional
+    arguments) through ``cache``; the key is every argument (``args_key``) plus ``context_key``.
+    For benchmarks and tests."""
     q = args[0]
     key = args_key(args) + (context_key(q.device.index) if q.is_cuda else None,)
-    cache.run(key, lambda: ampere_decode(*args), q.device)
+    cache.run(key, lambda: fn(*args), q.device)

@@ -18,7 +18,7 @@ which on sm_8x runs the TileLang kernel ``_HC_PRENORM_GEMM_TILELANG_KERNEL``.
 
 The other mHC TileLang kernels (prenorm GEMM, pre big-fuse incl. the broadcast variant,
 post, fused post+pre, head) compiled to sm_80 cubins on a CPU host with TileLang 0.1.12 and
-nvcc 13.0 (hidden 4096 and 5120, vLLM's warmup keys; ``benchmarks/NOTES.md``). Compiled,
+nvcc 13.0 (hidden 4096 and 5120, vLLM's warmup keys; ``docs/journal/notes.md``). Compiled,
 not run: no A100 was available.
 """
 

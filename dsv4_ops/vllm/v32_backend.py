@@ -38,7 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-BACKEND_NAME = "DSV4_AMPERE_MLA_SPARSE"
+from .. import envs
+
+BACKEND_NAME = envs.BACKEND_NAME
 # The enum member whose class path the plugin overrides on sm_8x (see the module docstring).
 OVERRIDDEN_MEMBER = "FLASH_ATTN_MLA_SPARSE"
 CLASS_PATH = f"{__name__}.AmpereSparseMLABackend"

@@ -26,7 +26,7 @@ import functools
 import types
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import warm_set as ws
+from . import warm_common as ws
 
 LATENT, ROPE, INDEXER_DIM = 512, 64, 128
 CACHE_DTYPES = ("fp8_ds_mla", "auto")
@@ -190,7 +190,8 @@ def build(s: V32Shapes, max_tokens: int, sms: int = 108, variant: str = "portabl
           cache_dir: Optional[str] = None) -> "ws.WarmSet":
     """The warm set of one V3.2 / GLM-5 configuration (``cache_dir``: as ``warm_set.build``)."""
     if cache_dir is not None:
-        return ws.cached_build(cache_dir, s, max_tokens, sms, variant, "v32")
+        return ws.cached_build(cache_dir, s, max_tokens, sms, variant, "v32",
+                               lambda: build(s, max_tokens, sms, variant))
     classes = batch_classes(s, max_tokens, sms)
     keys = ws.trace(serve_calls(s, classes, variant, sms), sms, variant)
     return ws.WarmSet(s, max_tokens, sms, variant, keys, tuple(classes))

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from .. import envs
 from .table import Patch
 
 logger = logging.getLogger("vllm.plugins.dsv4_ops.warmup")
@@ -156,12 +156,12 @@ def register_filtered(original):
     return classmethod(register)
 
 
-WARMUP_ENV = "DSV4_AMPERE_WARMUP"
+WARMUP_ENV = envs.WARMUP
 
 
 def warmup_enabled() -> bool:
     """False when DSV4_AMPERE_WARMUP is 0 / false / off (default on)."""
-    return os.environ.get(WARMUP_ENV, "1").strip().lower() not in ("0", "false", "off")
+    return envs.get(WARMUP_ENV)
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,7 +30,7 @@ from typing import Iterable, List, Optional, Sequence
 
 VLLM_VERSION_TESTED = "0.33.0"
 MODELS = ("v4", "v41")  # "both": what CI audits
-# Every model the audit knows: DeepSeek-V3.2 and GLM-5 (issue 20) audit separately (--model v32 / glm5).
+# Every model the audit knows: DeepSeek-V3.2 and GLM-5 audit separately (--model v32 / glm5).
 ALL_MODELS = MODELS + ("v32", "glm5")
 MODEL_TITLES = {"v4": "DeepSeek-V4-Flash", "v41": "DeepSeek-V4.1-Flash", "v32": "DeepSeek-V3.2",
                 "glm5": "GLM-5 (GlmMoeDsaForCausalLM)"}

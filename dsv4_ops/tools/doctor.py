@@ -1,0 +1,644 @@
+"""``dsv4-ops doctor``: will this host serve DeepSeek-V4/V4.1-Flash (or DeepSeek-V3.2 / GLM-5) with
+vLLM and the plugin?
+
+``dsv4-ops check`` tests the library; ``doctor`` checks the deployment, on the machine it runs
+on (GPU or not), and prints one line per check with what to do:
+
+- the NVIDIA driver against the CUDA runtime the installed torch was built with;
+- GPU architecture, count and memory against the model's per-GPU share at the requested TP/PP
+  (weights per rank from the checkpoint's safetensors index, the KV cache left);
+- V4.1 Engram host memory, by vLLM 0.33.0's own rule (``config/engram.py``,
+  ``models/deepseek_v41/common/engram.py``): ``EngramConfig.cpu_offload`` is on by default;
+  with data parallelism 1 each rank allocates its TP share of every Engram table as two
+  ``pin_memory=True`` tensors (fp8 rows, UE8M0 scales), which torch's pinned allocator rounds
+  up to a power of two each; with DP > 1, ``dp_shared_memory`` defaults on and one copy of the
+  tables per node goes to ``/dev/shm`` when it has room (vLLM's ``can_share_engram_tables``),
+  else vLLM falls back to private pinned tables sharded over TP x DP. The need is compared
+  with free memory (``MemAvailable``), the cgroup limit and ``ulimit -l``;
+- the vLLM version against the one the plugin was written for, and whether vLLM will load the
+  plugin's entry point (``vllm.general_plugins``, ``VLLM_PLUGINS``);
+- with ``--model``: the pipeline partition (``dsv4_ops.pp_partition``; V3.2 / GLM-5: vLLM's own
+  layer split) and the KV-cache block size vLLM resolves for the model's attention backends on
+  this GPU's architecture (vLLM's own ``_preferred_block_size_for_backends``; V3.2 / GLM-5: the
+  plugin's sparse-MLA backend and vLLM's V3.2 indexer backend); V3.2 / GLM-5 also the heads a
+  rank gets at the TP and the ``--kv-cache-dtype`` the plugin's backend reads.
+
+Every host fact is read once into ``HostFacts`` (``read_host``), so tests fake the machine.
+Exit status: 1 when a check fails, else 0 (warnings do not fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+GIB = float(1 << 30)
+
+# CUDA major version -> minimum Linux driver (R-major, minor, patch) that runs every minor
+# release of it (NVIDIA CUDA Toolkit release notes, "CUDA Toolkit and Minimum Required Driver
+# Version for CUDA Minor Version Compatibility"). torch 2.14 (vLLM 0.33.0's pin) is CUDA 13.
+MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
+
+
+def _driver_str(v: Tuple[int, int, int]) -> str:
+    return f"{v[0]}.{v[1]:02d}.{v[2]:02d}"
+# vLLM's default --gpu-memory-utilization.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# A KV budget below this share of the GPU's memory is reported as a warning (a rule of thumb:
+# short contexts and small batches only), not a failure.
+KV_WARN_FRACTION = 0.1
+ENGRAM_SCALE_BLOCK = 32  # one UE8M0 byte per 32 fp8 values (ParallelEngramEmbedding block_size)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: Tuple[int, int]
+    total_bytes: int
+
+
+@dataclass
+class HostFacts:
+    """What the checks read from the machine (bytes; None where not found / unlimited)."""
+    driver: Optional[str] = None             # "580.65.06"
+    torch_version: str = ""
+    torch_cuda: Optional[str] = None         # torch.version.cuda ("13.0"); None: a CPU build
+    gpus: List[Gpu] = field(default_factory=list)
+    mem_total: Optional[int] = None
+    mem_available: Optional[int] = None      # /proc/meminfo MemAvailable
+    memlock_limit: Optional[int] = None      # RLIMIT_MEMLOCK soft limit; None: unlimited
+    cgroup_limit: Optional[int] = None       # memory.max (v2) / memory.limit_in_bytes (v1)
+    cgroup_usage: Optional[int] = None
+    shm_free: Optional[int] = None           # free bytes of /dev/shm; None: not mounted
+    vllm_version: Optional[str] = None
+    plugin_entry_points: List[str] = field(default_factory=list)  # vllm.general_plugins -> dsv4_ops
+    vllm_plugins_env: Optional[str] = None   # VLLM_PLUGINS as set (None: unset)
+
+
+@dataclass
+class Deployment:
+    """The serve command being checked (vLLM's flag names)."""
+    model: Optional[str] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    block_size: Optional[int] = None
+    kv_cache_dtype: str = "auto"
+    engram_use_thp: bool = False
+    engram_cpu_offload: bool = True
+
+
+@dataclass
+class Check:
+    name: str
+    status: str      # ok / warn / fail / skip
+    message: str
+
+    def line(self) -> str:
+        return f"[{self.status.upper():4}] {self.name}: {self.message}"
+
+
+# ------------------------------------------------------------------ host facts
+
+def _run(cmd: Sequence[str]) -> Optional[str]:
+    if not shutil.which(cmd[0]):
+        return None
+    try:
+        out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _meminfo(key: str) -> Optional[int]:
+    m = re.search(rf"^{key}:\s+(\d+) kB", _read("/proc/meminfo") or "", re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _cgroup() -> Tuple[Optional[int], Optional[int]]:
+    """(limit, usage) of this process's memory cgroup, v2 then v1; limit None when unlimited."""
+    for lim_path, use_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                               ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        lim = (_read(lim_path) or "").strip()
+        if not lim:
+            continue
+        use = (_read(use_path) or "").strip()
+        limit = None if lim == "max" or int(lim) >= (1 << 62) else int(lim)
+        return limit, (int(use) if use.isdigit() else None)
+    return None, None
+
+
+def _driver() -> Optional[str]:
+    m = re.search(r"Kernel Module\s+(\d+\.\d+(?:\.\d+)?)", _read("/proc/driver/nvidia/version") or "")
+    if m:
+        return m.group(1)
+    out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.strip().splitlines()[0].strip() if out and out.strip() else None
+
+
+def _gpus() -> List[Gpu]:
+    out = _run(["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"])
+    gpus = []
+    for line in (out or "").strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and re.fullmatch(r"\d+\.\d+", parts[1]) and parts[2].isdigit():
+            major, minor = parts[1].split(".")
+            gpus.append(Gpu(parts[0], (int(major), int(minor)), int(parts[2]) << 20))
+    if gpus:
+        return gpus
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                gpus.append(Gpu(p.name, (p.major, p.minor), int(p.total_memory)))
+    except Exception:  # noqa: BLE001 - no usable CUDA: no GPUs
+        pass
+    return gpus
+
+
+def read_host() -> HostFacts:
+    """Read every fact the checks need from this machine (nothing is changed)."""
+    import resource
+    from importlib import metadata
+
+    import torch
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit, usage = _cgroup()
+    try:
+        vllm_version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        vllm_version = None
+    eps = [ep.name for ep in metadata.entry_points(group="vllm.general_plugins")
+           if ep.value.startswith("dsv4_ops")]
+    return HostFacts(
+        driver=_driver(), torch_version=torch.__version__, torch_cuda=torch.version.cuda, gpus=_gpus(),
+        mem_total=_meminfo("MemTotal"), mem_available=_meminfo("MemAvailable"),
+        memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
+        cgroup_limit=limit, cgroup_usage=usage,
+        shm_free=shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None,
+        vllm_version=vllm_version, plugin_entry_points=eps, vllm_plugins_env=os.environ.get("VLLM_PLUGINS"))
+
+
+# ------------------------------------------------------------------ the model
+
+@dataclass
+class ModelInfo:
+    source: str
+    config: Dict[str, Any]
+    variant: Optional[str]            # v4 / v41 / v32 / glm5 / None (none of those)
+    checkpoint_bytes: Optional[int]   # safetensors index total_size (None: no local weights index)
+
+    @property
+    def text(self) -> Dict[str, Any]:
+        """The text-model config (a VL config nests it in text_config)."""
+        return dict(self.config, **(self.config.get("text_config") or {}))
+
+
+def variant_of(cfg: Dict[str, Any]) -> Optional[str]:
+    names = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
+    if "GlmMoeDsa" in names or "glm_moe_dsa" in names:
+        return "glm5"
+    if "V32" in names or "v32" in names:
+        return "v32"
+    if "V41" in names or "v41" in names:
+        return "v41"
+    if "V4" in names or "v4" in names:
+        return "v4"
+    return None
+
+
+def load_model(model: str) -> ModelInfo:
+    """config.json (and the safetensors index size) of a local model directory, a config.json
+    path, or a Hugging Face id already in the local cache; FileNotFoundError otherwise."""
+    folder = None
+    if os.path.isdir(model):
+        folder = model
+    elif os.path.isfile(model):
+        folder = os.path.dirname(os.path.abspath(model))
+    else:
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(model, local_files_only=True,
+                                       allow_patterns=["config.json", "*.safetensors.index.json"])
+        except Exception as exc:  # noqa: BLE001 - not cached / no hub client
+            raise FileNotFoundError(f"{model}: not a local directory and not in the Hugging Face cache "
+                                    f"({type(exc).__name__}); download it or give the model directory") from exc
+    path = model if os.path.isfile(model) else os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    size = None
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            size = (json.load(f).get("metadata") or {}).get("total_size")
+    return ModelInfo(model, cfg, variant_of(cfg), int(size) if size else None)
+
+
+# ------------------------------------------------------------------ checks
+
+def _gib(n: Optional[float]) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+def _version_tuple(s: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", s)[:3])
+
+
+def check_driver(h: HostFacts) -> Check:
+    """The NVIDIA driver against the minimum for torch's CUDA runtime major version."""
+    if h.torch_cuda is None:
+        return Check("driver", "fail", f"torch {h.torch_version} is a CPU build (torch.version.cuda is None): "
+                     "vLLM needs the CUDA build that vllm==0.33.0 pins (pip install torch==2.14.0 from the "
+                     "PyTorch CUDA 13 index)")
+    major = _version_tuple(h.torch_cuda)[0]
+    need = MIN_DRIVER.get(major)
+    if h.driver is None:
+        return Check("driver", "fail", f"no NVIDIA driver found (/proc/driver/nvidia/version, nvidia-smi); torch "
+                     f"{h.torch_version} (CUDA {h.torch_cuda}) needs driver "
+                     f"{_driver_str(need) if need else 'a recent'} or newer")
+    if need is None:
+        return Check("driver", "warn", f"driver {h.driver}; no minimum recorded for CUDA {h.torch_cuda}")
+    if _version_tuple(h.driver) < need:
+        return Check("driver", "fail", f"driver {h.driver} is older than {_driver_str(need)}, the minimum for "
+                     f"CUDA {major}.x, which torch {h.torch_version} (CUDA {h.torch_cuda}) uses: upgrade the driver "
+                     f"to R{need[0]} or newer (or install a torch/vLLM build for an older CUDA)")
+    return Check("driver", "ok", f"driver {h.driver} >= {_driver_str(need)} (CUDA {h.torch_cuda}, "
+                 f"torch {h.torch_version})")
+
+
+def plugin_vllm_pin() -> Optional[str]:
+    """The vLLM version this installed dsv4-ops pins (its ``vllm==X`` requirement), or None."""
+    from importlib import metadata
+
+    try:
+        reqs = metadata.requires("dsv4-ops") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for r in reqs:
+        m = re.match(r"vllm\s*==\s*([\w.]+)", r)
+        if m:
+            return m.group(1)
+    return None
+
+
+def check_vllm(h: HostFacts) -> List[Check]:
+    VLLM_VERSION_TESTED = plugin_vllm_pin() or "?"
+    if h.vllm_version is None:
+        return [Check("vllm", "fail", f"vLLM is not installed: pip install 'dsv4-ops[vllm]' (vllm=={VLLM_VERSION_TESTED})")]
+    out = [Check("vllm", "ok", f"vLLM {h.vllm_version}, the version the plugin was written for")
+           if h.vllm_version == VLLM_VERSION_TESTED else
+           Check("vllm", "warn", f"vLLM {h.vllm_version} is installed; the plugin was written for {VLLM_VERSION_TESTED}: "
+                 f"its register() refuses a mismatched signature (VllmPatchError); install vllm=={VLLM_VERSION_TESTED}")]
+    if not h.plugin_entry_points:
+        out.append(Check("plugin", "fail", "no vllm.general_plugins entry point points at dsv4_ops: vLLM will not load "
+                         "the plugin; reinstall dsv4-ops (pip install -e . / pip install dsv4-ops)"))
+    elif h.vllm_plugins_env is not None and not set(h.vllm_plugins_env.split(",")) & set(h.plugin_entry_points):
+        out.append(Check("plugin", "fail", f"VLLM_PLUGINS={h.vllm_plugins_env!r} does not name "
+                         f"{h.plugin_entry_points[0]!r}: vLLM loads only the plugins it names; unset VLLM_PLUGINS or "
+                         f"add {h.plugin_entry_points[0]}"))
+    else:
+        out.append(Check("plugin", "ok", f"entry point {', '.join(h.plugin_entry_points)} (vllm.general_plugins) is "
+                         "visible and VLLM_PLUGINS " + ("is unset" if h.vllm_plugins_env is None else "names it")))
+    return out
+
+
+def weights_per_rank(m: ModelInfo, d: Deployment) -> Optional[float]:
+    """GPU weight bytes per rank, an even split of the checkpoint over TP x PP after taking out
+    the Engram tables (host memory); replicated small layers make the real share a little
+    larger. None without a local safetensors index."""
+    if m.checkpoint_bytes is None:
+        return None
+    engram = engram_table_bytes(m.text) if m.variant == "v41" else 0
+    return (m.checkpoint_bytes - engram) / (d.tensor_parallel_size * d.pipeline_parallel_size)
+
+
+def check_gpus(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
+    if not h.gpus:
+        return [Check("gpu", "fail", "no NVIDIA GPU visible (nvidia-smi, torch.cuda): run doctor on the serving host")]
+    out = []
+    caps = sorted({g.capability for g in h.gpus})
+    low = [c for c in caps if c < (8, 0)]
+    arch = ", ".join(f"sm_{a}{b}" for a, b in caps)
+    if low:
+        out.append(Check("gpu arch", "fail", f"{arch}: DeepSeek-V4 needs sm_80 or newer (A100/A800/A10/A40/RTX 30xx+)"))
+    else:
+        who = ("the plugin routes sm_8x to its kernels" if any(c[0] == 8 for c in caps)
+               else "vLLM's own kernels (the plugin patches nothing)")
+        out.append(Check("gpu arch", "ok", f"{len(h.gpus)} x {h.gpus[0].name} ({arch}): {who}"))
+    ranks = d.tensor_parallel_size * d.pipeline_parallel_size
+    if len(h.gpus) < ranks:
+        out.append(Check("gpu count", "fail", f"TP {d.tensor_parallel_size} x PP {d.pipeline_parallel_size} = {ranks} "
+                         f"GPUs needed on this node, {len(h.gpus)} visible (CUDA_VISIBLE_DEVICES?)"))
+    per_rank = weights_per_rank(m, d) if m is not None else None
+    if per_rank is None:
+        out.append(Check("gpu memory", "skip", "weights per rank unknown: give --model with a local checkpoint "
+                         "(its model.safetensors.index.json)"))
+        return out
+    mem = min(g.total_bytes for g in h.gpus)
+    kv = mem * d.gpu_memory_utilization - per_rank
+    what = (f"{_gib(per_rank)} of weights per rank at TP {d.tensor_parallel_size} x PP {d.pipeline_parallel_size}, "
+            f"{_gib(mem)} per GPU x --gpu-memory-utilization {d.gpu_memory_utilization}: {_gib(kv)} left for the KV "
+            f"cache, activations and CUDA graphs")
+    if kv <= 0:
+        out.append(Check("gpu memory", "fail", what + ": raise --tensor-parallel-size / --pipeline-parallel-size"))
+    elif kv < KV_WARN_FRACTION * mem:
+        out.append(Check("gpu memory", "warn", what + ": little room for context; consider a larger TP/PP"))
+    else:
+        out.append(Check("gpu memory", "ok", what))
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length() if n > 1 else int(n)
+
+
+def _engram_layout(text: Dict[str, Any]):
+    """vLLM's own EngramLayout of the config (prime-sized bucket ranges per (n-gram, head))."""
+    from types import SimpleNamespace
+
+    from vllm.models.deepseek_v41.common.engram import EngramLayout
+
+    return EngramLayout(SimpleNamespace(**text))
+
+
+def engram_table_bytes(text: Dict[str, Any]) -> int:
+    """Bytes of all Engram tables as stored (fp8 rows + UE8M0 scales), vLLM's own sum
+    (``can_share_engram_tables``): sum(engram_num_embeddings) * (head_dim + head_dim / 32)."""
+    if not text.get("engram_layer_ids"):
+        return 0
+    dim = int(text["engram_head_dim"])
+    return sum(int(n) for n in text["engram_num_embeddings"]) * (dim + dim // ENGRAM_SCALE_BLOCK)
+
+
+def engram_pinned_per_rank(text: Dict[str, Any], shards: int) -> List[int]:
+    """Pinned host bytes of each of ``shards`` ranks (TP at DP 1; TP x DP for private tables at
+    DP > 1): per Engram layer, a rank's hash heads are ``cdiv(n_hash_cols, shards)`` consecutive
+    columns; their rows are pinned as rows x dim fp8 bytes and rows x dim/32 scale bytes, each
+    allocation rounded up to a power of two by torch's pinned allocator."""
+    layout = _engram_layout(text)
+    dim = layout.head_dim
+    per = [0] * shards
+    for layer in layout.primes:
+        sizes = [s for per_ngram in layer for s in per_ngram]
+        part = -(-len(sizes) // shards)
+        for r in range(shards):
+            rows = sum(sizes[r * part:(r + 1) * part])
+            if rows:
+                per[r] += _pow2(rows * dim) + _pow2(rows * (dim // ENGRAM_SCALE_BLOCK))
+    return per
+
+
+def engram_need(text: Dict[str, Any], d: Deployment, shm_free: Optional[int]) -> Dict[str, Any]:
+    """Where vLLM 0.33.0 puts the Engram tables for this deployment and how many bytes:
+    {'mode': 'pinned' | 'shm' | 'device', 'pinned_node', 'pinned_rank', 'shm', 'tables', 'why'}."""
+    tables = engram_table_bytes(text)
+    tp, dp = d.tensor_parallel_size, d.data_parallel_size
+    if not d.engram_cpu_offload:
+        return dict(mode="device", tables=tables, pinned_node=0, pinned_rank=0, shm=0,
+                    why="cpu_offload off: the tables are in GPU memory")
+    if dp > 1 and not d.engram_use_thp:  # EngramConfig.resolve_dp_shared_memory
+        if shm_free is not None and shm_free >= tables:  # can_share_engram_tables
+            return dict(mode="shm", tables=tables, pinned_node=0, pinned_rank=0, shm=tables,
+                        why=f"DP {dp} > 1: one copy per node in /dev/shm (dp_shared_memory)")
+        per = engram_pinned_per_rank(text, tp * dp)
+        return dict(mode="pinned", tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=tables,
+                    why=(f"DP {dp} > 1 but /dev/shm " + ("is not mounted" if shm_free is None else
+                         f"has {_gib(shm_free)} free") + f" for {_gib(tables)} of tables: vLLM falls back to private "
+                         f"pinned tables sharded over TP x DP = {tp * dp}"))
+    per = engram_pinned_per_rank(text, tp)
+    return dict(mode="pinned", tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=0,
+                why=f"DP {dp}: each of the {tp} TP ranks pins its share (rounded up to powers of two)")
+
+
+def check_engram(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
+    if m is None or m.variant != "v41" or not m.text.get("engram_layer_ids"):
+        return [Check("engram", "skip", "no Engram layers in the model (V4.1 only; give --model)")]
+    try:
+        need = engram_need(m.text, d, h.shm_free)
+    except Exception as exc:  # noqa: BLE001 - vLLM missing or a config field absent
+        return [Check("engram", "warn", f"could not compute the Engram host memory ({type(exc).__name__}: {exc})")]
+    out = []
+    if need["mode"] == "device":
+        return [Check("engram", "ok", need["why"])]
+    if need["shm"]:
+        ok = h.shm_free is not None and h.shm_free >= need["shm"]
+        fix = (f"start the container with --ipc=host or --shm-size={int(-(-need['shm'] // GIB)) + 1}g")
+        out.append(Check("engram /dev/shm", "ok" if ok else "warn",
+                         (f"{_gib(need['shm'])} of Engram tables shared through /dev/shm ({_gib(h.shm_free)} free)"
+                          if ok else f"{need['why']} ({_gib(need['pinned_node'])} pinned on this node); {fix}")))
+    if need["mode"] == "pinned":
+        n = need["pinned_node"]
+        msg = f"{_gib(n)} of pinned host memory on this node ({_gib(need['pinned_rank'])} per rank): {need['why']}"
+        free = h.mem_available
+        cg = None if h.cgroup_limit is None else h.cgroup_limit - (h.cgroup_usage or 0)
+        if free is not None and free < n:
+            out.append(Check("engram host memory", "fail", f"{msg}; only {_gib(free)} available (MemAvailable): "
+                             "free memory, use a host with more RAM, or raise TP (smaller shares)"))
+        elif cg is not None and cg < n:
+            out.append(Check("engram host memory", "fail", f"{msg}; the memory cgroup allows {_gib(cg)} more: raise "
+                             "the container's memory limit (docker --memory)"))
+        else:
+            out.append(Check("engram host memory", "ok", f"{msg}; {_gib(free)} available"
+                             + ("" if cg is None else f", cgroup headroom {_gib(cg)}")))
+        if h.memlock_limit is not None and h.memlock_limit < need["pinned_rank"]:
+            out.append(Check("engram lockable memory", "warn", f"ulimit -l is {_gib(h.memlock_limit)} per process, "
+                             f"below the {_gib(need['pinned_rank'])} each rank pins: where the driver counts pinned "
+                             "pages against RLIMIT_MEMLOCK the allocation fails; run `ulimit -l unlimited` "
+                             "(docker --ulimit memlock=-1)"))
+    return out
+
+
+def check_pp(d: Deployment, m: Optional[ModelInfo]) -> Check:
+    from .. import pp_partition
+
+    if m is None:
+        return Check("pp partition", "skip", "give --model to check the pipeline partition")
+    if m.variant in V32_VARIANTS:
+        return Check("pp partition", "ok", f"PP {d.pipeline_parallel_size}: vLLM's own layer split (the plugin adds "
+                     "no stage rule for DeepSeek-V3.2 / GLM-5)")
+    if d.pipeline_parallel_size <= 1:
+        return Check("pp partition", "ok", "PP 1: no stage boundaries")
+    env = os.environ.get(pp_partition.ENV_VAR)
+    try:
+        counts = pp_partition.check_partition(m.text, env, d.pipeline_parallel_size)
+    except pp_partition.PPPartitionError as exc:
+        return Check("pp partition", "fail", str(exc))
+    return Check("pp partition", "ok", f"{pp_partition.ENV_VAR}={pp_partition.format_partition(counts)} "
+                 f"({'set' if env else 'vLLM default'}) is legal")
+
+
+# The attention backends a DeepSeek-V4 layer set registers KV caches through (read from vLLM
+# 0.33.0: the FlashMLA attention class's backend_cls / swa_backend_cls, the indexer's
+# get_attn_backend, the compressor's CompressorBackend).
+_BACKENDS = {
+    "v4": ("vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention",
+           "vllm.v1.attention.backends.mla.indexer:DeepseekV4IndexerBackend",
+           "vllm.models.deepseek_v4.compressor:CompressorBackend"),
+    "v41": ("vllm.models.deepseek_v41.nvidia.flashmla:DeepseekV4FlashMLAAttention",
+            "vllm.v1.attention.backends.mla.indexer:DeepseekV41IndexerBackend",
+            "vllm.models.deepseek_v41.compressor:CompressorBackend"),
+}
+
+
+@contextlib.contextmanager
+def platform_as(arch: int):
+    """vLLM's ``current_platform`` answers capability questions as an sm_<arch> GPU (the
+    instance methods the backends call), restored afterwards."""
+    from vllm.platforms import current_platform as cp
+    from vllm.platforms.interface import DeviceCapability
+
+    cap = DeviceCapability(major=arch // 10, minor=arch % 10)
+    names = ("get_device_capability", "has_device_capability", "is_device_capability_family")
+    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
+    cp.get_device_capability = lambda device_id=0: cap
+    cp.has_device_capability = lambda c, device_id=0: cap >= c if isinstance(c, tuple) else cap.to_int() >= c
+    cp.is_device_capability_family = lambda c, device_id=0: cap.to_int() // 10 == c // 10
+    try:
+        yield cp
+    finally:
+        for k in names:
+            if k in saved:
+                setattr(cp, k, saved[k])
+            else:
+                cp.__dict__.pop(k, None)
+
+
+def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
+    """(block size, backends) vLLM picks without --block-size for the model's backends on
+    sm_<arch>: its own Platform._preferred_block_size_for_backends with the platform answering
+    as that GPU. Raises ValueError when the backends share no size (vLLM's message)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+
+    def get(s):
+        mod, name = s.split(":")
+        return getattr(importlib.import_module(mod), name)
+
+    if variant in V32_VARIANTS:  # MLAAttention's selected backend (the plugin's, on sm_8x) + the indexer's
+        from ..vllm import v32_backend
+
+        classes = [v32_backend.AmpereSparseMLABackend,
+                   get("vllm.v1.attention.backends.mla.indexer:DeepseekV32IndexerBackend")]
+    else:
+        attn, indexer, compressor = (get(s) for s in _BACKENDS[variant])
+        classes = [attn.backend_cls, getattr(attn, "swa_backend_cls", None) or DeepseekSparseSWABackend,
+                   get(_BACKENDS[variant][1]), compressor]
+    with platform_as(arch):  # a stand-in config: these backends read only the platform
+        size = type(current_platform)._preferred_block_size_for_backends(
+            classes, CacheConfig.DEFAULT_BLOCK_SIZE, SimpleNamespace(compilation_config=None))
+        names = "; ".join(f"{b.get_name()} {b.get_supported_kernel_block_sizes()}" for b in classes)
+    return size, names
+
+
+def check_block_size(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> Check:
+    if m is None or m.variant is None:
+        return Check("kv block size", "skip", "give --model (a DeepSeek-V4/V4.1/V3.2 or GLM-5 config) to resolve "
+                     "the block size")
+    cap = h.gpus[0].capability if h.gpus else (8, 0)
+    arch = cap[0] * 10 + cap[1]
+    try:
+        size, names = resolved_block_size(m.variant, arch)
+    except ValueError as exc:
+        return Check("kv block size", "fail", f"sm_{arch}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - vLLM not importable here
+        return Check("kv block size", "skip", f"could not ask vLLM ({type(exc).__name__}: {str(exc)[:120]})")
+    where = f"sm_{arch}{'' if h.gpus else ' (no GPU here: A100 assumed)'}"
+    if d.block_size is not None and d.block_size != size:
+        return Check("kv block size", "fail", f"--block-size {d.block_size}, but on {where} vLLM's backends for this "
+                     f"model take {size} ({names}); drop --block-size or pass {size}")
+    return Check("kv block size", "ok", f"vLLM resolves {size}-token KV blocks on {where} ({names})")
+
+
+V32_VARIANTS = ("v32", "glm5")
+
+
+def check_v32(d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
+    """DeepSeek-V3.2 / GLM-5: the query heads a rank gets at this TP (vLLM shards them; the
+    indexer's heads run on every rank) and the ``--kv-cache-dtype`` the plugin's sparse-MLA
+    backend reads (``v32_backend``: auto / bfloat16 / fp8_ds_mla and the fp8 aliases of it)."""
+    if m is None or m.variant not in V32_VARIANTS:
+        return []
+    from ..vllm import v32_backend
+
+    out = []
+    heads = int(m.text.get("num_attention_heads", 0) or 0)
+    tp = d.tensor_parallel_size
+    if heads and heads % tp:
+        out.append(Check("heads per rank", "fail", f"{heads} query heads do not split over TP {tp}"))
+    elif heads:
+        out.append(Check("heads per rank", "ok", f"{heads // tp} query heads a rank at TP {tp}; the indexer's "
+                         f"{m.text.get('index_n_heads', '?')} heads run on every rank"))
+    dtype = d.kv_cache_dtype
+    known = v32_backend.KV_CACHE_DTYPES + tuple(v32_backend.KV_CACHE_ALIASES)
+    if dtype not in known:
+        out.append(Check("kv cache dtype", "fail", f"--kv-cache-dtype {dtype}: the sm_8x sparse-MLA backend reads "
+                         f"{', '.join(known)}"))
+    else:
+        what = v32_backend.KV_CACHE_ALIASES.get(dtype, dtype)
+        rec = "656-byte fp8_ds_mla records" if what == "fp8_ds_mla" else "bf16 rows of 576"
+        out.append(Check("kv cache dtype", "ok", f"--kv-cache-dtype {dtype}: {rec} a token"))
+    return out
+
+
+def run(h: HostFacts, d: Deployment, m: Optional[ModelInfo] = None) -> List[Check]:
+    """Every check, in the order a deployment meets them."""
+    checks = [check_driver(h)] + check_vllm(h) + check_gpus(h, d, m)
+    checks += check_engram(h, d, m)
+    if m is not None:
+        checks += check_v32(d, m)
+        checks += [check_pp(d, m), check_block_size(h, d, m)]
+    return checks
+
+
+def main(args) -> int:
+    """``dsv4-ops doctor``: print one line per check; 1 when any check fails."""
+    d = Deployment(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+                   pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+                   gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto")
+    m = None
+    if args.model:
+        try:
+            m = load_model(args.model)
+        except (FileNotFoundError, json.JSONDecodeError) as exc:
+            print(Check("model", "fail", str(exc)).line())
+            return 1
+        if m.variant is None:
+            print(Check("model", "warn", f"{args.model}: not a DeepSeek-V4/V4.1/V3.2 or GLM-5 config "
+                        f"(architectures {m.config.get('architectures')})").line())
+    checks = run(read_host(), d, m)
+    for c in checks:
+        print(c.line())
+    failed = [c for c in checks if c.status == "fail"]
+    print(f"doctor: {len(failed)} failed, {sum(c.status == 'warn' for c in checks)} warning(s), "
+          f"{sum(c.status == 'ok' for c in checks)} ok")
+    return 1 if failed else 0
+
+
+__all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "check_block_size", "check_driver",
+           "check_engram", "check_gpus", "check_pp", "check_v32", "check_vllm", "engram_need",
+           "engram_pinned_per_rank", "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]
