@@ -35,6 +35,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With DSV4_TEST_OUTCOMES=<file> (benchmarks/device/gpu_suite.sh), append '<node id> <outcome>'
+    for each phase that decides a test: the call, or a setup / teardown that failed or skipped.
+    Under xdist this runs in the controller, so one process writes the file."""
+    path = os.environ.get("DSV4_TEST_OUTCOMES")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid} {report.outcome}\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed_global_rng():
     """A net under the explicit generators: whatever still draws from torch's global RNG

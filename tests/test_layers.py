@@ -30,7 +30,7 @@ def layer_of(module: str) -> int:
         return REGISTRATION
     if module.startswith("dsv4_ops.vllm") or module == "dsv4_ops.dsv4_decode":
         return INTEGRATION
-    if module in TOOL_MODULES:
+    if module in TOOL_MODULES or module.startswith("dsv4_ops.tools"):
         return TOOLS
     return LAUNCHERS
 
@@ -132,3 +132,72 @@ def test_ops_are_registered_from_the_package_init_only():
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "register_all":
                 callers.append(name)
     assert callers == ["dsv4_ops.__init__"], callers
+
+
+def _graph():
+    """module -> {imported module: first line}, every import (module level and inside functions);
+    an import of a package is an arrow to its __init__ (the package's own name here)."""
+    names = {m for m, _ in ALL}
+    graph = {}
+    for name, path in ALL:
+        edges = {}
+        for target, line in imports_of(name, path):
+            while target not in names and "." in target:
+                target = target.rsplit(".", 1)[0]  # from pkg.mod import name -> pkg.mod
+            if target in names and target != name and target != "dsv4_ops" and name != "dsv4_ops.__init__":
+                edges.setdefault(target, line)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph):
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_circle():
+    graph = _graph()
+    circles = _cycles(graph)
+    detail = ["; ".join(f"{a} -> {b} (line {graph[a][b]})" for a in c for b in c if b in graph[a]) for c in circles]
+    assert not circles, "import circles (function-local imports included):\n" + "\n".join(detail)
+
+
+def test_the_cycle_finder_sees_a_planted_circle():
+    assert _cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_only_tools_import_the_tools_and_the_audit():
+    """dsv4_ops.tools (cli, doctor, selftest) and the audit-vllm tool (dsv4_ops.vllm.audit) stand
+    apart from the runtime: no runtime module imports them."""
+    for name, edges in _graph().items():
+        if name.startswith(("dsv4_ops.tools", "dsv4_ops.vllm.audit")) or name == "dsv4_ops.__main__":
+            continue
+        bad = [t for t in edges if t.startswith(("dsv4_ops.tools", "dsv4_ops.vllm.audit"))]
+        assert not bad, f"{name} (runtime) imports the tool module(s) {bad}"
