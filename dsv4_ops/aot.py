@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence
 AMPERE_ARCHS = (80, 86)
 # Shared memory a block may use (opt-in maximum), bytes.
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-SPEC_MODULES = ("dsv4_ops.codec", "dsv4_ops.attention", "dsv4_ops.kv_cache", "dsv4_ops.indexer", "dsv4_ops.engram",
-                "dsv4_ops.sparse_prefill", "dsv4_ops.v32")
+SPEC_MODULES = ("dsv4_ops.codec", "dsv4_ops.attention", "dsv4_ops.paged_decode", "dsv4_ops.kv_cache",
+                "dsv4_ops.indexer", "dsv4_ops.engram", "dsv4_ops.sparse_prefill", "dsv4_ops.v32")
 _E4M3_CVT = re.compile(r"cvt\.[\w.]*e4m3")
 
 

@@ -13,18 +13,20 @@ Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
 Host cost (vLLM runs this eagerly for mixed prefill + decode batches, per layer per
 step): in plain eager CUDA calls (``_direct_op``, ``_host_plan.direct_ok``: no compile, mode, functorch
-transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the kernel
-choice is memoised per (T, H, K) and the environment it reads (``_host_plan.env_memo``); the
-ops themselves replay recorded launch plans (``_host_plan.planned``).
+transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the route
+(dispatch.decode.route) is memoised per (T, H, K, shared memory, window tables) and the
+environment it reads (``_host_plan.env_memo``); the ops themselves replay recorded launch plans
+(``_host_plan.planned``).
 Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
 dtype/shape/device tests per call, deep cache-layout checks once per layout).
 
-The fused path (``DSV4_AMPERE_DECODE_KERNEL=fused``, or auto where
-``decode_plan.auto_is_fused`` says it was measured faster): ONE op call,
-``dsv4_decode_fused_out``, reads the paged records by slot inside the attention kernel (no
-workspace, no gather launch; + the merge launch when it splits). Same semantics.
+The paged path (``DSV4_AMPERE_DECODE_KERNEL=fused`` or ``v3``, or auto inside the measured
+windows: dispatch.decode.resolve_route / resolve_composite): ONE op call,
+``dsv4_decode_fused_out`` (dsv4_ops.paged_decode), reads the paged records by slot inside the
+attention kernel (no workspace, no gather launch; + the merge launch when it splits). Same
+semantics.
 """
 
 from __future__ import annotations
@@ -34,26 +36,23 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import _host_plan
-from . import decode_plan as _dp
+from .dispatch import decode as _dd
+from .dispatch import device as _device
 from .layout import HEAD_DIM
+from .registration import library as _library
 
 def _direct_op(name: str) -> Callable:
     """A caller of ``torch.ops.dsv4_ampere.<name>`` that skips the dispatcher hop when
     ``direct_ok(first argument)``: it then calls the op's registered CUDA kernel itself (the same
-    function the dispatcher would call). Positional arguments only."""
+    function the dispatcher would call, ``registration.library.cuda_impl``). Positional arguments
+    only."""
     found = []
-
-    def resolve():
-        from .registration import library
-
-        row = library._DEFINED.get(name)
-        found[:] = [row.cuda if row is not None else None]
 
     def call(*args):
         if _host_plan._is_compiling():  # traced: the op itself (Dynamo sees the fake impl)
             return getattr(torch.ops.dsv4_ampere, name)(*args)
         if not found:
-            resolve()
+            found.append(_library.cuda_impl(name))
         impl = found[0]
         if impl is not None and _host_plan.direct_ok(args[0]):
             out = impl(*args)
@@ -75,13 +74,6 @@ _sparse_mla_decode_out = _direct_op("sparse_mla_decode_out")
 _is_compiling = torch.compiler.is_compiling
 
 
-# Workspace rows up to which the one-launch gather (both caches + indices) is used; above it,
-# two gathers and the index kernel. H200, portable, in-graph (benchmarks/results/host_cost.md):
-# T=4 x 640 rows: fused 4.6 us vs ~7 us for three launches; T=64: fused 34 us vs ~20 us (the
-# fused kernel runs 8 rows a program to avoid sm_80 spills, the plain gather 16).
-FUSED_GATHER_MAX_ROWS = 8192
-
-
 def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                          swa_slots, swa_length, swa_block_size, workspace):
     """The large-T path: two kv_cache_gather_into + dsv4_decode_indices (same workspace layout
@@ -101,33 +93,10 @@ def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compres
                                    swa_cache.shape[0] * swa_block_size)
 
 
-def _aligned(cache) -> bool:
-    """v3 reads 16-byte vectors: the page stride is a multiple of 16 (vLLM's pages are
-    multiples of 576 B). Else auto keeps the workspace step where it would run v3 (v1 is slower
-    than the step at most of those shapes). The stride only (data_ptr and storage_offset break
-    torch.compile(fullgraph=True), measured on the H200); the launcher checks the address
-    itself and runs v1 on a misaligned one."""
-    return isinstance(cache, torch.Tensor) and cache.dim() == 2 and cache.stride(0) % 16 == 0
-
-
-def _choice(kernel_mode: str, T: int, H: int, K: int, smem: int) -> str:
-    """'fused' (the fused op), 'v3' (the fused op when both caches are 16-byte aligned, else the
-    workspace step) or 'workspace', for the mode, the static shapes and the device's shared
-    memory a block (decode_plan.smem_per_block)."""
-    if kernel_mode in ("fused", "v3"):
-        return "fused"
-    if kernel_mode == "auto":
-        if _dp.auto_is_fused(T, H, K):
-            return "fused"
-        if _dp.auto_is_v3(T, H, K, smem):
-            return "v3"
-    return "workspace"
-
-
 def _route(T: int, H: int, K: int, smem: int, windows: tuple) -> str:
-    """_choice under the current DSV4_AMPERE_DECODE_KERNEL mode; the windows' identities are
-    an argument so that the memo below follows a test that swaps them."""
-    return _choice(_dp.mode(), T, H, K, smem)
+    """dispatch.decode.route under the current DSV4_AMPERE_DECODE_KERNEL mode; the window tables'
+    identities are an argument so that the memo below follows a test that swaps one."""
+    return _dd.route(_dd.mode(), T, H, K, smem)
 
 
 _route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, smem, windows) and the env it reads
@@ -160,11 +129,10 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     rows = T * (K1 + K2)
     if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass, no device query)
-        choice = _choice(_dp.mode(), T, q.shape[1], K1 + K2, _dp.known_smem(q.get_device()))
+        choice = _dd.route(_dd.mode(), T, q.shape[1], K1 + K2, _device.known_smem(q.get_device()))
     else:
-        choice = _route_memo(T, q.shape[1], K1 + K2, _dp.smem_per_block(q.get_device()),
-                             (id(_dp.AUTO_FUSED_WINDOWS), id(_dp.AUTO_V3_WINDOWS), id(_dp.AUTO_V3_SMEM_WINDOWS)))
-    if choice == "fused" or (choice == "v3" and _aligned(compressed_cache) and _aligned(swa_cache)):
+        choice = _route_memo(T, q.shape[1], K1 + K2, _device.smem_per_block(q.get_device()), _dd.windows_identity())
+    if _dd.uses_fused_op(choice, compressed_cache, swa_cache):
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -175,7 +143,7 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
         workspace = torch.empty((rows, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):
         raise ValueError(f"workspace: expected at least ({rows}, {HEAD_DIM}), got {tuple(workspace.shape)}")
-    if rows <= FUSED_GATHER_MAX_ROWS:
+    if _dd.gather_in_one_launch(rows):
         indices = _decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                                  swa_slots, swa_length, swa_block_size, workspace)
     else:

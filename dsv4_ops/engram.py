@@ -30,7 +30,6 @@ UVA: ``weight`` / ``scales`` may be CUDA views of pinned host memory (vLLM's def
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -38,6 +37,7 @@ import triton
 
 from ._checks import check_same_device, check_tensor
 from .csrc_triton import engram as _k
+from .dispatch import device as _device
 from .dispatch import variant_for
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -103,17 +103,12 @@ def num_rows(ids: torch.Tensor, out: torch.Tensor, sorted_dst: Optional[torch.Te
     return ids.shape[0] if sorted_dst is not None else ids.shape[0] * out.shape[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_programs(device: torch.device) -> int:
     """Persistent-grid size when max_programs == 0: LOOKUP_CONFIG['PROGRAMS_PER_SM'] per SM
-    (the SM count is cached per device)."""
+    (dispatch.device.num_sms: DSV4_AMPERE_SMS overrides the device's count)."""
     if device.type != "cuda":
         return _CPU_PROGRAMS
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _device.num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return sms * _k.LOOKUP_CONFIG["PROGRAMS_PER_SM"]
 
 

@@ -41,7 +41,6 @@ Agreement with vLLM 0.33.0:
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Tuple
 
@@ -52,6 +51,8 @@ from . import layout
 from ._checks import check_last_dim, check_tensor
 from .codec import encode_mode
 from .csrc_triton import indexer as _k
+from .dispatch import device as _device
+from .dispatch import indexer as _di
 from .dispatch import variant_for
 
 E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
@@ -211,13 +212,6 @@ def check_mqa_args(q, weights, k, k_scale, ks, ke, max_seqlen_k):
     return qc, kc, k_scale.reshape(-1).contiguous()
 
 
-def mqa_rows_per_dot(H: int, config: dict) -> int:
-    """KERNEL 3: query rows one dot takes, so that ROWS * H_BLOCK = config's DOT_N (a power of
-    two, at least 1 row)."""
-    h_block = max(16, triton.next_power_of_2(H))
-    return max(1, config.get("DOT_N", 128) // h_block)
-
-
 def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int = -1,
                variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
@@ -243,7 +237,7 @@ def mqa_logits(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale:
     if kernel in (2, 3):
         grid = (triton.cdiv(max(N, cols), cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
         h_block = max(16, triton.next_power_of_2(H))
-        extra = {"ROWS": mqa_rows_per_dot(H, cfg)} if kernel == 3 else {}
+        extra = {"ROWS": _di.mqa_rows_per_dot(H, cfg)} if kernel == 3 else {}
         kern = _k._mqa_logits_v3_kernel if kernel == 3 else _k._mqa_logits_v2_kernel
         kern[grid](
             qc, weights, kc, scale, ks, ke, out, M, N, H, cols,
@@ -287,31 +281,6 @@ def check_paged_args(q, kv_cache, weights, context_lens, block_table, max_contex
     return qc, flat, block_size
 
 
-def paged_config(H: int) -> dict:
-    """The shipped decode config for H heads: PAGED_CONFIG_WIDE from H_BLOCK 64 (V4), else
-    PAGED_CONFIG (V4.1's 32 heads)."""
-    return _k.PAGED_CONFIG_WIDE if max(16, triton.next_power_of_2(H)) >= 64 else _k.PAGED_CONFIG
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[dict] = None,
-                            sms: Optional[int] = None) -> int:
-    """Key tiles one program scores: spreads rows * tiles over ~TARGET_PROGRAMS programs, or,
-    when the config has PROGRAMS_PER_SM and ``sms`` (the device's SM count) is given, over
-    ~sms * PROGRAMS_PER_SM programs (one resident wave; static shapes only: the same for every
-    replay of a captured graph)."""
-    cfg = config or _k.PAGED_CONFIG
-    tiles = triton.cdiv(max_context_len, cfg["BLOCK_N"])
-    if sms and "PROGRAMS_PER_SM" in cfg:  # rows * cdiv(tiles, tpp) <= sms * PROGRAMS_PER_SM
-        cols = max(1, sms * cfg["PROGRAMS_PER_SM"] // max(rows, 1))
-        return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], triton.cdiv(tiles, cols), tiles))
-    return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], rows * tiles // cfg["TARGET_PROGRAMS"], tiles))
-
-
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int, block_size: int = 0,
                      variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
@@ -324,7 +293,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     or [B, next_n] (row (b, j) sees keys < context_lens[b, j]); block_table int32
     [B, max_blocks]. Returns fp32 [B * next_n, max_context_len]; -inf past each row's
     context and where the page id is outside [0, num_blocks) or past the block table.
-    config: a row of PAGED_CANDIDATES (default ``paged_config(H)``).
+    config: a row of PAGED_CANDIDATES (default ``dispatch.indexer.paged_config(H)``).
     """
     qc, flat, block_size = check_paged_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
                                             block_size)
@@ -334,10 +303,10 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     if rows == 0 or max_context_len == 0:
         return out
     variant = variant or variant_for(qc)
-    cfg = config or paged_config(H)
+    cfg = config or _di.paged_config(H)
     q3 = qc.reshape(rows, H, D)
-    sms = _sm_count(qc.device.index or 0) if "PROGRAMS_PER_SM" in cfg and qc.is_cuda else None
-    tpp = paged_tiles_per_program(rows, max_context_len, cfg, sms)
+    sms = _device.num_sms(qc.device.index or 0) if "PROGRAMS_PER_SM" in cfg and qc.is_cuda else None
+    tpp = _di.paged_tiles_per_program(rows, max_context_len, cfg, sms)
     grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
     kernel = cfg.get("KERNEL", 1)
     kern = {1: _k._paged_mqa_logits_kernel, 2: _k._paged_mqa_logits_v2_kernel,
@@ -406,7 +375,7 @@ def _mqa_spec(variant, compressed, cfg, h_block=64, tag=""):
         label += f",v{kernel},H={h_block},M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w={cfg['num_warps']},s={cfg['num_stages']}"
     if kernel == 3:
         sig["ROWS"] = "constexpr"
-        const["ROWS"] = mqa_rows_per_dot(h_block, cfg)
+        const["ROWS"] = _di.mqa_rows_per_dot(h_block, cfg)
         label += f",rows={const['ROWS']}"
     kern = {1: _k._mqa_logits_kernel, 2: _k._mqa_logits_v2_kernel, 3: _k._mqa_logits_v3_kernel}[kernel]
     return KernelSpec("mqa_logits", label + tag + "]", kern,
@@ -457,7 +426,7 @@ def aot_specs():
                 specs.append(_mqa_spec(variant, compressed, cfg, h_block))
         for h_block in (32, 64):
             for per_row in (False, True):
-                specs.append(_paged_spec(variant, h_block, per_row, paged_config(h_block)))
+                specs.append(_paged_spec(variant, h_block, per_row, _di.paged_config(h_block)))
     return specs
 
 

@@ -5,16 +5,11 @@ One program per (query, head group), no split, out and lse written in the epilog
 (csrc_triton.sparse_prefill). Same semantics and arguments as
 ``dsv4_ops.attention.sparse_mla_decode`` (reference: ``dsv4_ops.reference.ref_sparse_mla_decode``).
 
-Dispatch (static shapes and alignment only, no host sync):
-  - T x G >= PREFILL_MIN_WAVES x the device's SM count (G = cdiv(H, BLOCK_H) head groups;
-    4 waves: below that the split-KV path balances better; a guess, NOT measured between
-    T = 4 and T = 4096, where the prefill kernel won 1.0-1.9x: benchmarks/results/
-    sparse_prefill.md), int32 indices, and q / kv / out 16-byte aligned with row strides a
-    multiple of 8 elements (the kernel's vector-load hints assume it; vLLM's buffers always
-    are): the prefill kernel, config
-    ``PREFILL_CONFIG[block_h_for(H)]``;
-  - otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices; odd views):
-    ``dsv4_ops.attention.sparse_mla_decode`` (split-KV decode kernels + merge).
+Dispatch (dsv4_ops.dispatch.prefill: static shapes and alignment only, no host sync): the
+prefill kernel, config ``PREFILL_CONFIG[block_h_for(H)]``, when its programs fill the SMs
+PREFILL_MIN_WAVES times over, the indices are int32 and q / kv / out are 16-byte aligned;
+otherwise (a few queries do not fill the SMs: split-KV wins; int64 indices; odd views)
+``dsv4_ops.attention.sparse_mla_decode`` (split-KV decode kernels + merge).
 ``config=`` (benchmarks, tests) forces one entry of ``CANDIDATES`` and always runs the kernel
 (a config with "SPLIT" runs the split-d kernel, ``_sparse_mla_prefill_splitd_kernel``).
 
@@ -31,6 +26,7 @@ import torch
 from ._checks import check_last_dim, check_tensor
 from ._launch import fast
 from .csrc_triton import sparse_prefill as _pk
+from .dispatch import prefill as _prefill
 
 HEAD_DIM = _pk.HEAD_DIM
 # bf16 is the contract; fp16 is accepted so the kernel runs under the Triton interpreter,
@@ -41,33 +37,6 @@ _SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _kernel = fast(_pk._sparse_mla_prefill_kernel)
 _splitd_kernel = fast(_pk._sparse_mla_prefill_splitd_kernel)
-PREFILL_MIN_WAVES = 4  # programs (T x G) per SM at which the prefill kernel takes over (module doc)
-
-
-def num_sms_of(t: torch.Tensor) -> int:
-    """SMs of t's CUDA device (decode_plan.num_sms: DSV4_AMPERE_SMS overrides it); on the CPU
-    (interpreter) an A100's 108."""
-    if t.device.type != "cuda":
-        return 108
-    from .decode_plan import num_sms
-
-    return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-def uses_prefill_kernel(T: int, H: int, index_dtype: torch.dtype, sms: int) -> bool:
-    """The dispatch rule of the module doc: the prefill kernel when its T x G programs are at
-    least PREFILL_MIN_WAVES per SM and the indices are int32."""
-    groups = -(-int(H) // _pk.block_h_for(H))
-    return index_dtype == torch.int32 and int(T) * groups >= PREFILL_MIN_WAVES * sms
-
-
-def aligned(q: torch.Tensor, kv: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
-    """16-byte aligned bases and row strides a multiple of 8 elements (what the kernel's
-    tl.multiple_of hints promise)."""
-    for t in (q, kv) if out is None else (q, kv, out):
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
-            return False
-    return True
 
 
 def _checked(q, kv, indices, topk_length, sink, out):
@@ -171,7 +140,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         q, kv, indices, topk_length, sink = _checked(q, kv, indices, topk_length, sink, out)
     T, H = q.shape[0], q.shape[1]
     if config is None:
-        if not (uses_prefill_kernel(T, H, indices.dtype, num_sms_of(q)) and aligned(q, kv, out)):
+        if not _prefill.uses_kernel(q, kv, indices, out):
             from .attention import sparse_mla_decode
 
             return sparse_mla_decode(q, kv, indices, topk_length, sink, sm_scale, 0, out=out)
@@ -182,7 +151,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         if block_h not in _pk.CANDIDATES or not 0 <= i < len(_pk.CANDIDATES[block_h]):
             raise ValueError(f"config: expected (block_h, i) with block_h in {sorted(_pk.CANDIDATES)} and i an "
                              f"index of CANDIDATES[block_h], got {config!r}")
-        if indices.dtype != torch.int32 or not aligned(q, kv, out):
+        if indices.dtype != torch.int32 or not _prefill.aligned(q, kv, out):
             raise ValueError("config: a forced prefill config takes int32 indices and 16-byte aligned q / kv / out "
                              "with row strides a multiple of 8")
         cfg = _pk.CANDIDATES[block_h][i]

@@ -34,19 +34,20 @@ shapes.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Tuple
 
 import torch
 
-from . import envs, layout as L
+from . import layout as L
 from ._checks import check_last_dim, check_tensor
 from ._launch import fast
 from .codec import encode_mode
 from .csrc_triton import v32_attention as _ak
 from .csrc_triton import v32_cache as _ck
 from .attention import merge_splits  # the V4 LSE merge (d_v = 512, no sink), its public launcher
+from .dispatch import device as _device
+from .dispatch import v32 as _dv
 from .dispatch import variant_for
 
 QK = L.V32_HEAD_DIM_QK  # 576
@@ -55,7 +56,7 @@ SLOT_DTYPES = (torch.int64, torch.int32)
 # bf16 is the contract; fp16 is accepted so the kernels can run under the Triton interpreter.
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SPLITS = _ak.MAX_SPLITS
-FORMS = _ak.FORMS  # w64, w128, f16 (the kernel forms form_for can pick)
+FORMS = _ak.FORMS  # w64, w128, f16 (the kernel forms dispatch.v32.form_for can pick)
 
 _insert_kernel = fast(_ck._v32_kv_insert_kernel)
 _gather_kernel = fast(_ck._v32_kv_gather_kernel)
@@ -63,7 +64,6 @@ _attn_kernel = fast(_ak._v32_sparse_mla_kernel)
 _w128_kernel = fast(_ak._v32_sparse_mla_w128_kernel)
 _f16_kernel = fast(_ak._v32_sparse_mla_f16_kernel)
 _f16t_kernel = fast(_ak._v32_sparse_mla_f16t_kernel)
-FORM_ENV = envs.V32_FORM  # w64 | w128 | f16 | auto (default); f16:<candidate> too
 
 _CACHE_OK = {}
 
@@ -207,85 +207,9 @@ def v32_kv_gather(kv_cache: torch.Tensor, slots: torch.Tensor, out: Optional[tor
 # ---- sparse attention ----
 
 
-def auto_form(fp8: bool, H: int, T: int = 1) -> str:
-    """auto's form, from benchmarks/results/v32_{decode,prefill}.md (H200, portable, mma.sync,
-    K = 2048). fp8_ds_mla records: f16 at H <= 16 from T = 16 (benchmarks/results/v32_decode.md: T = 16 / 64
-    / 128: 32.8 / 125 / 235 us against w128's 43.5 / 198 / 380, 1.33-1.62x), w128 at T = 1
-    (10.1 vs 11.6 us; T 2..15 were not measured and keep w128) and at H > 16 (the best f16
-    config, 16 heads x 32 keys x 4 warps, was within 3% of w128 at T 1..128: 216.7 vs 214.8 us
-    at T = 16, 1727 vs 1771 at T = 128). bf16 rows (prefill, T = 1024): w64 at H <= 16 (1007 vs
-    2032 us), w128 above (8751 vs 13151 us)."""
-    if fp8:
-        return "f16" if H <= 16 and T >= 16 else "w128"
-    return "w128" if H > 16 else "w64"
-
-
 def _interpreting() -> bool:
     """Under the Triton interpreter the f16 form spells its fp16 decode out as a bit move (BITS)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def form_for(aligned: bool, form: Optional[str] = None, fp8: bool = True, H: int = 16, T: int = 1) -> str:
-    """The kernel form: 'w64' (9 chunks of 64 dims), 'w128' (4 tiles of 128 + the 64 RoPE
-    dims; aligned records only) or 'f16' (w128's tiles with the E4M3 codes as fp16 dot
-    operands; aligned fp8_ds_mla records only; 'f16:<name>' picks a config of
-    csrc_triton.v32_attention.F16_CANDIDATES). form / env DSV4_AMPERE_V32_FORM: w64 | w128 |
-    f16[:name] | auto (None: the env, default auto). auto: auto_form(fp8, H, T) when aligned;
-    f16 over bf16 rows runs auto's bf16 form; unaligned records: w64."""
-    f = form or envs.raw(FORM_ENV)
-    base, _, cand = f.partition(":")
-    if base not in ("auto",) + _ak.FORMS or (cand and (base != "f16" or cand not in _ak.F16_CANDIDATES)):
-        raise ValueError(f"{FORM_ENV} / form: expected auto, w64, w128, f16 or f16:<one of "
-                         f"{sorted(_ak.F16_CANDIDATES)}>, got {f!r}")
-    if base == "auto":
-        f = auto_form(fp8, H, T)
-    if f.startswith("f16") and not fp8:
-        f = auto_form(False, H)
-    return f if aligned else "w64"
-
-
-# One wave of programs: every attention config holds 45-65K registers a program (8 warps x
-# 166-255 registers), so one program an SM is resident, and a split count that spills T * G *
-# S past the SM count runs a second wave. Measured (benchmarks/results/v32_decode.md, H200,
-# 132 SMs): the fastest split count of the sweep was floor(SMs / (T * G)) at all 5 shapes that
-# split (64, 32~33, 8, 2, 2); the ceil that the first heuristic took was up to 1.9x slower
-# (T = 16, H = 16: 9 splits 82-94 us, 8 splits 44-48 us).
-
-
-def _config(form: str, bh: int) -> dict:
-    if form.startswith("f16"):
-        _, _, cand = form.partition(":")
-        return _ak.F16_CANDIDATES[cand] if cand else _ak.F16_CONFIG[bh]
-    return (_ak.V32_W128_CONFIG if form == "w128" else _ak.V32_ATTN_CONFIG)[bh]
-
-
-def _block_h(form: str, H: int) -> int:
-    """Rows of a head group: block_h_for(H), or an f16 candidate's own BLOCK_H."""
-    cfg = _config(form, _ak.block_h_for(H))
-    return cfg.get("BLOCK_H", _ak.block_h_for(H))
-
-
-@functools.lru_cache(maxsize=4096)
-def num_splits_for(T: int, H: int, K: int, sms: int, form: str = "w64") -> int:
-    """Split count from static shapes: 1 when T * groups programs fill the SMs, else the most
-    splits that still fit one wave (floor(sms / (T * groups))), at most one key block a split
-    and MAX_SPLITS."""
-    bh = _block_h(form, H)
-    cfg = _config(form, _ak.block_h_for(H))
-    groups = -(-H // bh)
-    nb = max(1, -(-K // cfg["BLOCK_N"]))
-    base = max(1, T * groups)
-    slots = sms * cfg.get("PER_SM", 1)  # programs resident at once
-    if base >= slots:
-        return 1
-    return max(1, min(MAX_SPLITS, nb, slots // base))
-
-
-def _sms(t: torch.Tensor) -> int:
-    from .decode_plan import num_sms
-
-    dev = t.get_device()
-    return num_sms(dev) if dev >= 0 else 108  # CPU / interpreter: an A100's 108 SMs
 
 
 def check_splits(num_splits) -> int:
@@ -375,14 +299,14 @@ def _attend(q, src, fp8: bool, geom, indices, topk_length, sm_scale, num_splits,
     bs, s_blk, s_rec, cap = geom
     indices, topk_length = _norm_idx(indices, topk_length, cap, K)
     variant = variant or variant_for(q)
-    form = form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H, T)
-    bh = _block_h(form, H)
-    cfg = _config(form, _ak.block_h_for(H))
+    form = _dv.form_for(_aligned(src, fp8, s_blk, s_rec), form, fp8, H, T)
+    bh = _dv.block_h_of(form, H)
+    cfg = _dv.config_of(form, _ak.block_h_for(H))
     G = -(-H // bh)
-    S = num_splits or num_splits_for(T, H, K, _sms(q), form)
+    S = num_splits or _dv.num_splits_for(T, H, K, _device.num_sms_at(q.get_device()), form)
     if out is None:
         out = torch.empty((T, H, DV), dtype=torch.bfloat16, device=q.device)
-    if form.startswith("f16"):  # fp8 records only (form_for)
+    if form.startswith("f16"):  # fp8 records only (dispatch.v32.form_for)
         consts = (bh, cfg["BLOCK_N"], variant == "native", topk_length is not None)
         kernel, extra = (_f16t_kernel if cfg.get("KT") else _f16_kernel), (True, _interpreting(), cfg["PREFETCH"])
         if cfg.get("MAXNREG") and not _interpreting():  # benchmark-only candidates: Triton's own launch
@@ -422,7 +346,7 @@ def v32_sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torc
     (block * block_size + pos; < 0 or >= capacity masked); topk_length int [>= T] or None
     (entries j >= topk_length[t] ignored); sm_scale: applied to q.k as is; num_splits 0 =
     heuristic, else 1..64; out bf16 [T, H, 512] (dims unit-stride) or None; form: the kernel
-    form (form_for: w64 | w128 | auto; None = env DSV4_AMPERE_V32_FORM, default auto).
+    form (dispatch.v32.form_for: w64 | w128 | auto; None = env DSV4_AMPERE_V32_FORM, default auto).
     Returns out bf16 [T, H, 512] (``out`` itself when given) and lse fp32 [T, H] (natural log;
     -inf and out 0 where a token has no valid key). No sink.
     """

@@ -3,7 +3,7 @@ out= forms merge_splits_out and sparse_mla_decode_out (write a caller's buffer, 
 and dsv4_decode_gather (both decode gathers + the index build, one launch), and
 dsv4_decode_fused_out (the whole decode step read straight from the paged caches).
 
-CUDA runs the Triton launchers (dsv4_ops.attention) through recorded launch plans
+CUDA runs the Triton launchers (dsv4_ops.attention; dsv4_ops.paged_decode for the fused op) through recorded launch plans
 (dsv4_ops._host_plan.planned: the launcher's checks and plan run once per input layout, later
 calls with the same layout re-allocate and re-launch what it launched); the CPU runs the
 pure-PyTorch references; the fakes allocate exactly what the launchers allocate.
@@ -11,7 +11,7 @@ pure-PyTorch references; the fakes allocate exactly what the launchers allocate.
 
 import torch
 
-from dsv4_ops import attention, reference
+from dsv4_ops import attention, paged_decode, reference
 from dsv4_ops._host_plan import planned
 from .library import OpDef
 
@@ -108,15 +108,15 @@ def _dsv4_decode_gather_fake(compressed_cache, topk_slots, topk_length, compress
 
 def _dsv4_decode_fused_out_cuda(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                                 swa_slots, swa_length, swa_block_size, sink, sm_scale, num_splits, out):
-    return attention.dsv4_decode_fused(q, compressed_cache, topk_slots, topk_length, compressed_block_size,
-                                       swa_cache, swa_slots, swa_length, swa_block_size, sink, sm_scale,
-                                       num_splits, out=out)[1]
+    return paged_decode.dsv4_decode_fused(q, compressed_cache, topk_slots, topk_length, compressed_block_size,
+                                          swa_cache, swa_slots, swa_length, swa_block_size, sink, sm_scale,
+                                          num_splits, out=out)[1]
 
 
 def _dsv4_decode_fused_out_cpu(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                                swa_slots, swa_length, swa_block_size, sink, sm_scale, num_splits, out):
-    attention._fused_slow_checks(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
-                                 swa_slots, swa_length, swa_block_size, sink, out)
+    paged_decode.check_fused_args(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                                  swa_slots, swa_length, swa_block_size, sink, out)
     if num_splits:
         attention.check_splits(num_splits)
     o, lse = reference.ref_dsv4_decode_fused(q, compressed_cache, topk_slots, topk_length, compressed_block_size,

@@ -64,6 +64,13 @@ def define(op: OpDef) -> bool:
     return True
 
 
+def cuda_impl(name: str) -> Optional[Callable]:
+    """The CUDA implementation (the launcher) of a defined ``dsv4_ampere::<name>``, or None when
+    this process has not defined it: what the dispatcher calls for CUDA tensors."""
+    row = _DEFINED.get(name)
+    return row.cuda if row is not None else None
+
+
 def define_op(name: str, schema: str, *, cuda: Callable, fake: Callable,
               cpu: Optional[Callable] = None) -> bool:
     """``define(OpDef(...))`` with keyword arguments."""

@@ -283,7 +283,7 @@ V3_CANDIDATES = {
     "h16n64w4s3": {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PIPE": False},
     "h32n32w8s3": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "PIPE": False},
 }
-# The configs decode_plan.v3_config_name can pick (and the AOT table lists); the other
+# The configs dispatch.decode.v3_config_name can pick (and the AOT table lists); the other
 # candidates are benchmark-only (reached through dsv4_decode_fused(config=...)).
 V3_DISPATCHED = ("h16n32w4", "h16n16w4")
 MAX_BLOCK_H = 32

@@ -409,10 +409,10 @@ V4_CANDIDATES = {
 for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168", "kh16n32w4", 168),
                            ("kh16n32w8r128", "kh16n32w8", 128), ("kh16n16w4r128", "kh16n16w4", 128)):
     V4_CANDIDATES[_name] = dict(V4_CANDIDATES[_base], maxnreg=_reg)
-# The configs decode_plan.v3_config_name can pick (listed for the AOT compile).
+# The configs dispatch.decode.v3_config_name can pick (listed for the AOT compile).
 V4_DISPATCHED = ("kh16n32w4", "kh16n64w8", "kh32n64w8")
 # Shared memory a block of a config takes where it is over sm_86's 99 KiB, bytes (the AOT
 # table's sm_80 figure, tests/test_decode_paged.py checks it): such a config is compiled only for
 # the archs that hold it (aot.KernelSpec.archs) and dispatched only on a device whose blocks may
-# opt into it (decode_plan.AUTO_V3_SMEM_WINDOWS).
+# opt into it (dispatch.windows.AUTO_V3_SMEM_WINDOWS).
 V4_SMEM_BYTES = {"kh32n64w8": 108544}

@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import envs
+from .. import envs
 
 ENV_VAR = envs.IMPL
 KERNEL_VARIANTS = ("portable", "native")

@@ -113,16 +113,18 @@ def routed_ops():
 
 # Where the launchers read the device's SM count (tests/test_warm_set.py checks this list
 # against every ``multi_processor_count`` in the package, so a new one must be added here).
-# A meta tensor's get_device() is -1 (the launchers then assume 108 SMs) or its device is not
-# 'cuda' (they take their CPU defaults): while tracing, get_device() of a meta tensor is 0
-# and these answer for a device of ``sms`` SMs.
+# Every launcher asks dispatch.device.num_sms (which DSV4_AMPERE_SMS overrides). A meta
+# tensor's get_device() is -1 (dispatch.device.NO_DEVICE_SMS then) or its device is not 'cuda'
+# (the CPU defaults): while tracing, get_device() of a meta tensor is 0 and these answer for a
+# device of ``sms`` SMs.
 SM_SOURCES = {
-    "dsv4_ops.decode_plan:num_sms": "decode, fused and v3 plans (attention, v32 via get_device()), sparse "
-                                     "prefill's kernel-or-split rule (sparse_prefill.num_sms_of, patched)",
-    "dsv4_ops.decode_plan:_device_sms": "num_sms's device query (num_sms, patched, no longer calls it)",
-    "dsv4_ops.engram:_sm_count": "Engram persistent grid (engram.default_programs, patched for meta tensors)",
-    "dsv4_ops.indexer:_sm_count": "decode indexer tiles a program (only where qc.is_cuda; tiles_per_prog is "
-                                  "do_not_specialize and a grid size: no key depends on it)",
+    "dsv4_ops.dispatch.device:num_sms": "every SM count: decode, fused and v3 plans (attention, paged_decode), "
+                                        "v32 splits (via get_device()), the decode indexer's tiles a program "
+                                        "(only where qc.is_cuda; tiles_per_prog is do_not_specialize and a grid "
+                                        "size: no key depends on it), Engram's grid and sparse prefill's rule "
+                                        "(engram.default_programs and dispatch.prefill.num_sms_of, patched for "
+                                        "meta tensors)",
+    "dsv4_ops.dispatch.device:_device_sms": "num_sms's device query (num_sms, patched, no longer calls it)",
 }
 
 
@@ -130,20 +132,16 @@ SM_SOURCES = {
 def device_of(sms: int, variant: str):
     """Launchers called on meta tensors behave as on a CUDA device of ``sms`` SMs running
     ``variant`` (envs.IMPL overridden for the block)."""
-    import importlib
-
     import torch
 
-    from .. import decode_plan, engram
+    from .. import engram
     from ..csrc_triton import engram as engram_kernels
+    from ..dispatch import device as dispatch_device
+    from ..dispatch import prefill as dispatch_prefill
 
-    patches = [(decode_plan, "num_sms", lambda device_index: sms),
-               (engram, "default_programs", lambda device: sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"])]
-    try:
-        sp = importlib.import_module("dsv4_ops.sparse_prefill")
-        patches.append((sp, "num_sms_of", lambda t: sms))
-    except ImportError:
-        pass
+    patches = [(dispatch_device, "num_sms", lambda device_index: sms),
+               (engram, "default_programs", lambda device: sms * engram_kernels.LOOKUP_CONFIG["PROGRAMS_PER_SM"]),
+               (dispatch_prefill, "num_sms_of", lambda t: sms)]
     real_get_device = torch.Tensor.get_device
 
     def get_device(t):

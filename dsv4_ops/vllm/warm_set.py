@@ -149,24 +149,19 @@ def v41_flash(tp: int = 1, **kw) -> ModelShapes:
 def _choice_fns() -> tuple:
     """(plan, [(T, H, K, sms) functions], [(T, H, K) functions], sparse prefill's rule or None),
     the ones this tree has (t_choices)."""
-    import importlib
-
-    from .. import decode_plan as dp
+    from ..dispatch import decode as dp
+    from ..dispatch import prefill
 
     four = tuple(fn for fn in (getattr(dp, n, None) for n in ("fused_plan", "v3_plan")) if fn is not None)
     three = tuple(fn for fn in (getattr(dp, n, None) for n in ("auto_is_fused", "auto_is_v3", "fused_form"))
                   if fn is not None)
-    try:
-        rule = getattr(importlib.import_module("dsv4_ops.sparse_prefill"), "uses_prefill_kernel", None)
-    except ImportError:
-        rule = None
-    return dp, four, three, rule
+    return dp, four, three, prefill.uses_prefill_kernel
 
 
 def t_choices(T: int, H: int, K: int, sms: int, mode: str) -> tuple:
     """Every choice the dispatch makes from (T, H, K, SMs) for one key width: the decode plan of
-    the mode, the fused and v3 plans, the auto windows and the fused form (decode_plan), and
-    whether sparse prefill takes its own kernel (dsv4_ops.sparse_prefill); each where this
+    the mode, the fused and v3 plans, the auto windows and the fused form (dispatch.decode), and
+    whether sparse prefill takes its own kernel (dispatch.prefill); each where this
     tree has it. Token counts with equal choices at every width launch the same kernels."""
     import torch
 
@@ -197,10 +192,10 @@ def batch_classes(max_tokens: int, H: int, widths: Sequence[int], sms: int, mode
 
 def _other_t_ints(shapes: ModelShapes, sms: int) -> Callable[[int], tuple]:
     """Launch ints that launchers compute from T besides the plan: the decode indexer's key
-    tiles a program (``indexer.paged_tiles_per_program``) and the Engram grid size (both of
+    tiles a program (``dispatch.indexer.paged_tiles_per_program``) and the Engram grid size (both of
     engram_calls' grids), as int classes."""
-    from .. import indexer
     from ..csrc_triton import engram as engram_kernels
+    from ..dispatch import indexer
 
     ctx_cols = [_cdiv(shapes.max_model_len, r) for r in shapes.index_ratios]
     cfg = engram_kernels.LOOKUP_CONFIG
@@ -366,9 +361,9 @@ def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, 
     """Every call the serve path makes, at each token count (decode, prefill, writers,
     indexer, Engram); data-dependent sizes at every class of DATA_SIZES. mode: the decode
     kernel mode (None: DSV4_AMPERE_DECODE_KERNEL)."""
-    from .. import decode_plan
+    from ..dispatch import decode as dispatch_decode
 
-    mode = decode_plan.mode() if mode is None else mode
+    mode = dispatch_decode.mode() if mode is None else mode
     calls = []
     for T in token_counts:
         for K1, ratio in shapes.decode_layer_kinds():
@@ -395,19 +390,19 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     """The warm set of one model / TP for batches up to ``max_tokens`` tokens on a device of
     ``sms`` SMs. mode: the decode kernel mode (None: DSV4_AMPERE_DECODE_KERNEL). cache_dir:
     reuse a set built before from the same sources and arguments (``cached_build``)."""
-    from .. import decode_plan
-    from ..dsv4_decode import FUSED_GATHER_MAX_ROWS
+    from ..dispatch import decode as dispatch_decode
 
     if isinstance(shapes, warm_set_v32.V32Shapes):  # DeepSeek-V3.2 / GLM-5: that file's calls
         return warm_set_v32.build(shapes, max_tokens, sms, variant, cache_dir)
-    mode = decode_plan.mode() if mode is None else mode
+    mode = dispatch_decode.mode() if mode is None else mode
     if cache_dir is not None:
         return cached_build(cache_dir, shapes, max_tokens, sms, variant, mode,
                             lambda: build(shapes, max_tokens, sms, variant, mode))
     H = shapes.heads_per_rank
     widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
                           | set(shapes.prefill_index_widths())))
-    classes = batch_classes(max_tokens, H, widths, sms, mode, FUSED_GATHER_MAX_ROWS, _other_t_ints(shapes, sms))
+    classes = batch_classes(max_tokens, H, widths, sms, mode, dispatch_decode.FUSED_GATHER_MAX_ROWS,
+                            _other_t_ints(shapes, sms))
     keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms, variant)
     return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
 

@@ -14,7 +14,7 @@ The calls are the plugin's own V3.2 entry points, shaped as vLLM's forward passe
   ``index_heads`` x 128, one indexer-cache row of 132 bytes a token.
 
 Batch classes: a key depends on T only through the kernels' int classes of T (1, multiple of
-16, other), the split count and form of ``v32.num_splits_for`` / ``v32.auto_form`` (at every
+16, other), the split count and form of ``dispatch.v32.num_splits_for`` / ``auto_form`` (at every
 form the tree has), and the decode indexer's tiles a program; one T per signature
 (``batch_classes``), checked against a scan of every T in tests/test_warm_set.py.
 """
@@ -161,15 +161,17 @@ def serve_calls(s: V32Shapes, token_counts, variant: str, sms: int) -> List[Call
 def t_signature(s: V32Shapes, sms: int) -> Callable[[int], tuple]:
     """What the V3.2 launchers choose from T: the int class of T, the attention's split count
     of every form the tree has and the form auto picks, the decode indexer's tiles a program."""
-    from .. import indexer, v32
+    from .. import v32
+    from ..dispatch import indexer
+    from ..dispatch import v32 as dispatch_v32
 
     H, K = s.heads_per_rank, s.index_topk
     forms = tuple(getattr(v32, "FORMS", ("w64", "w128")))
     fp8 = s.cache_dtype == "fp8_ds_mla"
 
     def sig(T: int) -> tuple:
-        out = [ws.int_class(T), T % 16, v32.auto_form(fp8, H, T)]
-        out.extend(v32.num_splits_for(T, H, K, sms, f) for f in forms)
+        out = [ws.int_class(T), T % 16, dispatch_v32.auto_form(fp8, H, T)]
+        out.extend(dispatch_v32.num_splits_for(T, H, K, sms, f) for f in forms)
         out.extend(T % n == 0 for n in s.next_n)
         out.append(ws.int_class(indexer.paged_tiles_per_program(T, s.max_model_len)))
         return tuple(out)

@@ -203,7 +203,7 @@ def build_warm_set(vllm_config):
     """The warm set of the model vLLM serves on this worker's GPU, or None (not DSv4/V4.1)."""
     import torch
 
-    from .. import decode_plan, dispatch
+    from .. import dispatch
     from .warm_set import build, default_cache_dir, shapes_from_vllm_config
 
     shapes = shapes_from_vllm_config(vllm_config)
@@ -213,7 +213,7 @@ def build_warm_set(vllm_config):
     variant = dispatch.kernel_variant(dispatch.device_capability(device))
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     start = time.perf_counter()
-    ws = build(shapes, max_tokens, sms=decode_plan.num_sms(device), variant=variant, cache_dir=default_cache_dir())
+    ws = build(shapes, max_tokens, sms=dispatch.device.num_sms(device), variant=variant, cache_dir=default_cache_dir())
     logger.info("dsv4_ops: warm set of %s at TP=%d, <= %d tokens a batch: %d Triton specializations "
                 "(%d batch classes, %s), enumerated in %.1f s", shapes.name, shapes.tp, max_tokens, len(ws),
                 len(ws.classes), variant, time.perf_counter() - start)

@@ -1,0 +1,43 @@
+"""Which config the decode indexer (paged MQA logits, csrc_triton.indexer) launches with, and how
+many key tiles one program scores: static shapes only, no host sync.
+
+    decision            function                  decides from
+    paged config        paged_config              H (PAGED_CONFIG_WIDE from H_BLOCK 64: V4; else PAGED_CONFIG: V4.1)
+    tiles a program     paged_tiles_per_program   rows, max_context_len, the config, SMs (device.num_sms)
+    rows a dot          mqa_rows_per_dot          H and the config's DOT_N (KERNEL 3)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import triton
+
+from ..csrc_triton import indexer as _k
+
+
+def mqa_rows_per_dot(H: int, config: dict) -> int:
+    """KERNEL 3: query rows one dot takes, so that ROWS * H_BLOCK = config's DOT_N (a power of
+    two, at least 1 row)."""
+    h_block = max(16, triton.next_power_of_2(H))
+    return max(1, config.get("DOT_N", 128) // h_block)
+
+
+def paged_config(H: int) -> dict:
+    """The shipped decode config for H heads: PAGED_CONFIG_WIDE from H_BLOCK 64 (V4), else
+    PAGED_CONFIG (V4.1's 32 heads)."""
+    return _k.PAGED_CONFIG_WIDE if max(16, triton.next_power_of_2(H)) >= 64 else _k.PAGED_CONFIG
+
+
+def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[dict] = None,
+                            sms: Optional[int] = None) -> int:
+    """Key tiles one program scores: spreads rows * tiles over ~TARGET_PROGRAMS programs, or,
+    when the config has PROGRAMS_PER_SM and ``sms`` (the device's SM count) is given, over
+    ~sms * PROGRAMS_PER_SM programs (one resident wave; static shapes only: the same for every
+    replay of a captured graph)."""
+    cfg = config or _k.PAGED_CONFIG
+    tiles = triton.cdiv(max_context_len, cfg["BLOCK_N"])
+    if sms and "PROGRAMS_PER_SM" in cfg:  # rows * cdiv(tiles, tpp) <= sms * PROGRAMS_PER_SM
+        cols = max(1, sms * cfg["PROGRAMS_PER_SM"] // max(rows, 1))
+        return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], triton.cdiv(tiles, cols), tiles))
+    return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], rows * tiles // cfg["TARGET_PROGRAMS"], tiles))

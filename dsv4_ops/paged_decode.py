@@ -1,0 +1,283 @@
+"""Launcher of the paged DeepSeek-V4 decode (op ``dsv4_decode_fused_out``): one decode step read
+straight from the two paged fp8_ds_mla caches, no workspace and no gather launch (+ the merge
+when it splits).
+
+Two forms (dispatch.decode.resolve_paged_form): v1, csrc_triton.decode.paged_chunk64 (8 x 64-dim
+chunks of each record, any alignment); v3 over 16-byte aligned caches, with a launch config
+(dispatch.decode.resolve_v3_config) that runs csrc_triton.decode.paged_chunk128 (configs h...,
+4 x 128-dim chunks) or csrc_triton.decode.paged_f16dot (configs kh / gh..., the E4M3 codes as
+fp16 dot operands). Split counts: dispatch.decode.fused_plan / v3_plan. Semantics: the workspace
+step's (dsv4_ops.dsv4_decode), reference ``reference.ref_dsv4_decode_fused``.
+
+Launchers never sync the host and allocate only their outputs (plus the partials when they
+split), so they capture into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import kv_cache as _kv
+from ._checks import check_last_dim, check_tensor
+from ._launch import fast
+from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _launch_merge, _sink, check_splits, split_outputs_like
+from .csrc_triton.decode import paged_chunk64 as _pk
+from .csrc_triton.decode import paged_chunk128 as _vk
+from .csrc_triton.decode import paged_f16dot as _v4k
+from .dispatch import decode as _dd
+from .dispatch import device as _device
+from .dispatch import variant_for
+
+_fused_kernel = fast(_pk._dsv4_decode_fused_kernel)
+_v3_kernel = fast(_vk._dsv4_decode_v3_kernel)
+_v4_kernel = fast(_v4k._dsv4_decode_v4_kernel)
+
+
+def check_fused_args(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
+                     swa_length, swa_block_size, sink, out) -> None:
+    """The detailed checks of dsv4_decode_fused (and of the op's CPU reference); each raises
+    ValueError naming the argument."""
+    check_tensor("q", q, dtypes=QKV_DTYPES, ndim=3)
+    check_last_dim("q", q, HEAD_DIM)
+    if q.stride(2) != 1:
+        raise ValueError(f"q: expected unit-stride dims, got strides {q.stride()}")
+    dev = q.device
+    _kv.check_cache(compressed_cache, compressed_block_size)
+    _kv.check_cache(swa_cache, swa_block_size)
+    for name, c in (("compressed_cache", compressed_cache), ("swa_cache", swa_cache)):
+        if c.device != dev:
+            raise ValueError(f"{name}: expected a tensor on {dev} (q's device), got {c.device}")
+    T = q.shape[0]
+    for name, slots in (("topk_slots", topk_slots), ("swa_slots", swa_slots)):
+        check_tensor(name, slots, dtypes=_kv.SLOT_DTYPES, ndim=2, device=dev, device_of="q")
+        if slots.shape[0] != T:
+            raise ValueError(f"{name}: expected {T} rows (one per token of q), got shape {tuple(slots.shape)}")
+    for name, length in (("topk_length", topk_length), ("swa_length", swa_length)):
+        if length is not None:
+            check_tensor(name, length, dtypes=_kv.SLOT_DTYPES, ndim=1, device=dev, device_of="q")
+            if length.shape[0] < T:
+                raise ValueError(f"{name}: expected at least {T} values (one per token), got {tuple(length.shape)}")
+    _sink(sink, q.shape[1], q)
+    if out is not None:
+        _check_out(out, T, q.shape[1], q)
+
+
+def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
+                      topk_length: Optional[torch.Tensor], compressed_block_size: int, swa_cache: torch.Tensor,
+                      swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
+                      sink: Optional[torch.Tensor], sm_scale: float, num_splits: int = 0,
+                      out: Optional[torch.Tensor] = None, variant: Optional[str] = None,
+                      form: Optional[str] = None, config: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
+    """One DSv4 decode attention step read straight from the paged caches (op
+    ``dsv4_decode_fused_out``): no workspace, one kernel (+ the merge when it splits).
+
+    q bf16 [T, H, 512] (fp16 accepted for the interpreter; dims unit-stride);
+    compressed_cache, swa_cache uint8 [num_blocks, page_bytes] (fp8_ds_mla records);
+    topk_slots int32/int64 [T, K1], swa_slots int32/int64 [T, K2] (entries contiguous);
+    topk_length / swa_length int32/int64 [>= T] or None (entries j >= length[t] ignored);
+    sink float [H] or None; num_splits 0 = the plan's count (dispatch.decode), else 1..64;
+    out bf16 [T, H, 512] (dims unit-stride) or None (allocated).
+    Semantics: dsv4_decode_gather's valid entries (slot in [0, capacity) of its cache and
+    within the token's length), attended as sparse_mla_decode does with the sink.
+    form: 'v1' (csrc_triton.decode.paged_chunk64) | 'v3' (paged_chunk128 / paged_f16dot by config,
+    16-byte aligned caches only; else v1) | None (dispatch.decode.resolve_paged_form); config: a
+    paged_chunk128.V3_CANDIDATES or paged_f16dot.V4_CANDIDATES name to force (benchmarks),
+    '' = dispatch.decode.resolve_v3_config's (DSV4_AMPERE_DECODE_CONFIG, then the windows).
+    Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
+    """
+    ok = (isinstance(q, torch.Tensor) and isinstance(topk_slots, torch.Tensor) and isinstance(swa_slots, torch.Tensor)
+          and isinstance(compressed_cache, torch.Tensor) and isinstance(swa_cache, torch.Tensor)
+          and q.dtype in QKV_DTYPES and q.dim() == 3 and q.shape[2] == HEAD_DIM and q.stride(2) == 1
+          and topk_slots.dtype in _kv.SLOT_DTYPES and swa_slots.dtype in _kv.SLOT_DTYPES
+          and topk_slots.dim() == 2 and swa_slots.dim() == 2
+          and topk_slots.shape[0] == q.shape[0] and swa_slots.shape[0] == q.shape[0])
+    if ok:
+        dev = q.get_device()
+        ok = (compressed_cache.get_device() == dev and swa_cache.get_device() == dev
+              and topk_slots.get_device() == dev and swa_slots.get_device() == dev)
+        for length in (topk_length, swa_length):
+            ok = ok and (length is None or (isinstance(length, torch.Tensor) and length.dtype in _kv.SLOT_DTYPES
+                                            and length.dim() == 1 and length.shape[0] >= q.shape[0]
+                                            and length.get_device() == dev))
+    if not ok:
+        check_fused_args(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                         swa_slots, swa_length, swa_block_size, sink, out)
+    _kv.check_cache(compressed_cache, compressed_block_size)
+    _kv.check_cache(swa_cache, swa_block_size)
+    T, H = q.shape[0], q.shape[1]
+    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
+    if num_splits:
+        check_splits(num_splits)
+    sink = _sink(sink, H, q)
+    if out is not None:
+        _check_out(out, T, H, q)
+    if K1 and topk_slots.stride(1) != 1:
+        topk_slots = topk_slots.contiguous()
+    if K2 and swa_slots.stride(1) != 1:
+        swa_slots = swa_slots.contiguous()
+    if topk_length is not None and topk_length.stride(0) != 1:
+        topk_length = topk_length.contiguous()
+    if swa_length is not None and swa_length.stride(0) != 1:
+        swa_length = swa_length.contiguous()
+    variant = variant or variant_for(q)
+    if out is None:
+        out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    dev = q.get_device()
+    form = _dd.paged_form(form, T, H, K1 + K2, _device.smem_per_block(dev) if form is None else -1,
+                          compressed_cache, swa_cache)
+    if form == "v3":
+        return _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
+                          swa_length, swa_block_size, sink, sm_scale, num_splits, out, variant, config)
+    plan = _dd.fused_plan(T, H, K1 + K2, _device.num_sms_at(dev), num_splits)
+    cfg = _pk.FUSED_CONFIG[plan.block_h]
+    consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
+    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
+               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
+    if plan.direct:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T and H:
+            _fused_kernel(
+                (T * plan.groups,),
+                (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
+                 H, K1, K2, 1, plan.groups, float(sm_scale),
+                 q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
+                 *scalars),
+                consts_head + (sink is not None, True, cfg["PIPELINE"]), cfg["num_warps"],
+                cfg["num_stages"])
+        return out, lse
+    S = plan.splits
+    o_part, lse_part = split_outputs_like(q, S)
+    if T and H:
+        _fused_kernel(
+            (T * S * plan.groups,),
+            (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
+             H, K1, K2, S, plan.groups, float(sm_scale),
+             q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
+            consts_head + (False, False, cfg["PIPELINE"]), cfg["num_warps"], cfg["num_stages"])
+    return _launch_merge(o_part, lse_part, sink, out, variant)
+
+
+def _capped_v4(maxnreg: int):
+    """A launch of the paged_f16dot kernel with a register cap, through Triton's own launch."""
+    def kernel(grid, args, consts, num_warps, num_stages):
+        _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    return kernel
+
+
+def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots, swa_length,
+               swa_block_size, sink, sm_scale, num_splits, out, variant, config):
+    """The v3 form over 16-byte aligned caches, inputs checked: csrc_triton.decode.paged_chunk128 or, for a
+    paged_f16dot config (dispatch.decode.is_f16dot), the fp16-dot kernel of the same contract; the
+    config is dispatch.decode.resolve_v3_config's."""
+    T, H = q.shape[0], q.shape[1]
+    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
+    dev = q.get_device()
+    name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else _device.smem_per_block(dev), config,
+                                (compressed_block_size, swa_block_size))
+    cfg = _dd.v3_config(name)
+    plan = _dd.v3_plan(T, H, K1 + K2, _device.num_sms_at(dev), num_splits, name)
+    consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
+    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
+               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
+    if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
+        scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
+                   scalars[3], swa_block_size.bit_length() - 1, scalars[5])
+        consts_tail = (True, cfg["PV_KEY"])
+        # register-capped: the plain launch (no fast path for it)
+        kernel = _capped_v4(cfg["maxnreg"]) if cfg.get("maxnreg") and _v4_kernel.jit else _v4_kernel
+    else:
+        kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
+    if plan.direct:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+        if T and H:
+            kernel(
+                (T * plan.groups,),
+                (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
+                 H, K1, K2, 1, plan.groups, float(sm_scale),
+                 q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
+                 *scalars),
+                consts_head + (sink is not None, True) + consts_tail, cfg["num_warps"], cfg["num_stages"])
+        return out, lse
+    S = plan.splits
+    o_part, lse_part = split_outputs_like(q, S)
+    if T and H:
+        kernel(
+            (T * S * plan.groups,),
+            (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
+             H, K1, K2, S, plan.groups, float(sm_scale),
+             q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
+            consts_head + (False, False) + consts_tail, cfg["num_warps"], cfg["num_stages"])
+    return _launch_merge(o_part, lse_part, sink, out, variant)
+
+
+def _fused_specs(variant, KernelSpec, optional_pointer):
+    """Specializations of the paged kernels dsv4_decode_fused can pick: every head-group config
+    of paged_chunk64 x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials
+    | direct with sink | direct); plus its PIPELINE configs (``fused-pipe[...]``, not dispatched:
+    benchmarked beside the default, kept compiling and spill-free), and the dispatched
+    paged_chunk128 (``v3-...``) and paged_f16dot (``v4-...``) configs of the v3 form."""
+    specs = []
+    configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
+    configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
+    configs += [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
+    configs += [(f"v4-{n}", _v4k.V4_CANDIDATES[n]["BLOCK_H"], _v4k.V4_CANDIDATES[n]) for n in _v4k.V4_DISPATCHED]
+    from .aot import archs_holding
+
+    for name, bh, cfg in configs:
+        v3 = name.startswith(("v3-", "v4-"))
+        v4 = name.startswith("v4-")
+        need = _v4k.V4_SMEM_BYTES.get(name[3:], 0) if v4 else 0
+        archs = archs_holding(need) if need else ()
+        for slot_ty in ("i32", "i64"):
+            for has_tl, has_sl in ((False, False), (True, False), (True, True)):
+                for direct, has_sink in ((False, False), (True, True), (True, False)):
+                    sig = {"q_ptr": "*bf16", "cc_ptr": "*u8", "topk_ptr": f"*{slot_ty}", "topk_len_ptr": None,
+                           "cw_ptr": "*u8", "swa_ptr": f"*{slot_ty}", "swa_len_ptr": None, "sink_ptr": None,
+                           "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32",
+                           "H": "i32", "K1": "i32", "K2": "i32", "S": "i32", "G": "i32", "sm_scale": "fp32",
+                           "stride_q_t": "i32", "stride_q_h": "i32", "stride_topk_t": "i32", "stride_swa_t": "i32",
+                           "stride_o_t": "i32", "stride_o_h": "i32",
+                           "page_c": "i32", "bs_c": "i32", "cap_c": "i64", "page_w": "i32", "bs_w": "i32",
+                           "cap_w": "i64",
+                           "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
+                           "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
+                           "DIRECT": "constexpr"}
+                    if not v4:
+                        sig["PIPE" if v3 else "PIPELINE"] = "constexpr"
+                    if v3:
+                        sig["ALIGN"] = "constexpr"
+                    if v4:
+                        sig["PV_KEY"] = "constexpr"
+                    consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
+                              "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
+                    if v4:
+                        consts["ALIGN"] = True
+                        consts["PV_KEY"] = cfg["PV_KEY"]
+                    elif v3:
+                        consts["PIPE"] = cfg["PIPE"]
+                        consts["ALIGN"] = True
+                    else:
+                        consts["PIPELINE"] = cfg["PIPELINE"]
+                    optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
+                    optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
+                    optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
+                    epi = "direct,sink" if has_sink else ("direct" if direct else "part")
+                    lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
+                    specs.append(KernelSpec(
+                        "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
+                        _v4k._dsv4_decode_v4_kernel if v4 else (_vk._dsv4_decode_v3_kernel if v3 else
+                                                                _pk._dsv4_decode_fused_kernel), sig, consts, variant,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], archs=archs))
+    return specs
+
+
+def aot_specs():
+    """Every paged-decode kernel specialization dsv4_decode_fused can pick (see dsv4_ops.aot)."""
+    from .aot import KernelSpec, optional_pointer
+
+    specs = []
+    for variant in ("portable", "native"):
+        specs.extend(_fused_specs(variant, KernelSpec, optional_pointer))
+    return specs
