@@ -17,6 +17,8 @@ ENVS = ROOT / "dsv4_ops" / "envs.py"
 # The recorded-launch-plan cache keys on the values of whatever variables a recording read (it
 # learns their names at run time and reads them from the raw environ dict): a key, not a knob.
 RAW_ENV_READERS = {"dsv4_ops/_host_plan.py"}
+# Constants of other modules that name a variable that is not ours (vLLM's VLLM_PP_LAYER_PARTITION).
+FOREIGN_ENV_CONSTANTS = {"pp_partition.ENV_VAR"}
 
 
 def _docstrings(tree):
@@ -49,8 +51,11 @@ def _is_environ(node):
 
 
 def _computed_env_reads(tree):
-    """Lines that read or write an environment variable whose name is not a string literal:
-    os.environ.get / pop / setdefault (name), os.environ[name], os.getenv / putenv / unsetenv (name)."""
+    """Lines that read or write an environment variable whose name is neither a string literal nor a
+    module constant bound to one (e.g. vLLM's VLLM_PP_LAYER_PARTITION): os.environ.get / pop /
+    setdefault (name), os.environ[name], os.getenv / putenv / unsetenv (name)."""
+    literal = {t.id for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+               and isinstance(node.value.value, str) for t in node.targets if isinstance(t, ast.Name)}
     for node in ast.walk(tree):
         arg = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -60,7 +65,9 @@ def _computed_env_reads(tree):
                 arg = node.args[0] if node.args else ast.Name("?")
         elif isinstance(node, ast.Subscript) and _is_environ(node.value):
             arg = node.slice
-        if arg is not None and not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+        if arg is not None and not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)) \
+                and not (isinstance(arg, ast.Name) and arg.id in literal) \
+                and not (isinstance(arg, ast.Attribute) and ast.unparse(arg) in FOREIGN_ENV_CONSTANTS):
             yield node.lineno
 
 
@@ -76,7 +83,7 @@ def test_env_reads_name_their_variable(path):
 
 def test_the_checks_see_planted_reads():
     tree = ast.parse("import os\nX = os.environ.get(NAME)\nos.environ[NAME] = '1'\nY = os.getenv(N)\n"
-                     "Z = os.environ.get('TRITON_INTERPRET')\n")
+                     "Z = os.environ.get('TRITON_INTERPRET')\nV = 'VLLM_X'\nW = os.environ.get(V)\n")
     assert list(_computed_env_reads(tree)) == [2, 3, 4]
     planted = ast.parse('"""Mentions DSV4_AMPERE_IMPL in a docstring."""\nV = "DSV4_AMPERE_IMPL"\n')
     docs = _docstrings(planted)
