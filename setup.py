@@ -5,7 +5,8 @@ from setuptools import setup
 # listed (tests/test_packaging.py checks that none is missing from a wheel install).
 setup(
     packages=["dsv4_ops", "dsv4_ops.csrc_triton", "dsv4_ops.csrc_triton.decode", "dsv4_ops.dispatch",
-              "dsv4_ops.registration", "dsv4_ops.tools", "dsv4_ops.vllm", "dsv4_ops.vllm.audit"],
+              "dsv4_ops.registration", "dsv4_ops.tools", "dsv4_ops.vllm", "dsv4_ops.vllm.audit",
+              "dsv4_ops.vllm.serve_graph"],
     package_dir={
         "dsv4_ops": "dsv4_ops",
         "dsv4_ops.csrc_triton": "csrc_triton",

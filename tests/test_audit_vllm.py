@@ -19,7 +19,7 @@ from dsv4_ops.vllm import audit  # noqa: E402
 from dsv4_ops.vllm import warmup  # noqa: E402
 
 # Rows open now (model:phase:kernel). Empty since the audit decides reachability from the
-# classes each model constructs (audit/_reach.py): the V4-only kernels that V4.1's import of
+# classes each model constructs (serve_graph/_reach.py): the V4-only kernels that V4.1's import of
 # deepseek_v4.nvidia.model pulled in are "not reached". It may only shrink: a new open row fails.
 KNOWN_OPEN_TEXT = """
 """
@@ -312,7 +312,7 @@ def test_warmup_coverage_comes_from_the_patch_table():
 def test_class_graph_resolves_names_per_module(tmp_path):
     """Reachability follows what the root class names, with imports and re-exports resolved: a
     same-named function of another module, a class nobody builds and its kernels are not reached."""
-    from dsv4_ops.vllm.audit import _reach
+    from dsv4_ops.vllm.serve_graph import _reach
 
     pkg = tmp_path / "pkgx"
     pkg.mkdir()

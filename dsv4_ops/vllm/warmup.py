@@ -6,8 +6,8 @@ vLLM aborts startup when a kernel registered with ``JitWarmupRegistry`` fails to
 1. compiles the kernel's warmup keys for this GPU (vLLM's own ``get_warmup_keys`` +
    ``compile``, i.e. the same compile the warmup would run; cached per kernel and
    registration, and Triton's cache makes the later warmup of a good kernel free), and
-2. if that fails, asks the audit's call graph (``dsv4_ops.vllm.audit``) whether every use of
-   the kernel on the serve path goes through a row of the patch table.
+2. if that fails, asks the serve-path call graph (``dsv4_ops.vllm.serve_graph``) whether every
+   use of the kernel on the serve path goes through a row of the patch table.
 
 Failed and replaced: dropped from the warmup (logged at info). Failed and NOT replaced:
 registered anyway and logged as an error naming the kernel, so vLLM's warmup fails loudly
@@ -111,22 +111,22 @@ def _active_vllm_config():
 
 @functools.lru_cache(maxsize=1)
 def _call_graph():
-    """(refs, bindings, replaced functions) over both models' serve-path source (AST only)."""
-    from .audit import _source, _worker
+    """(graph, refs, bindings, replaced functions) over every model's serve-path source (AST only)."""
+    from .serve_graph import MODELS, ServeGraph
 
-    audit = _worker.Audit(arch=0, jobs=1)
+    graph = ServeGraph(arch=0)
     mods: Dict[str, Any] = {}
-    for model in _worker.MODELS:
-        mods.update(audit.scope(model))
-    refs = audit.build_graph(mods)
-    bind, funcs = audit.patched()
-    return audit, refs, bind, funcs
+    for model in MODELS:
+        mods.update(graph.scope(model))
+    refs = graph.build_graph(mods)
+    bind, funcs = graph.patched()
+    return graph, refs, bind, funcs
 
 
 def replaced_by(module: str, name: str) -> Optional[str]:
     """The patch-table row(s) that every serve-path use of ``module.name`` goes through, or None."""
-    audit, refs, bind, funcs = _call_graph()
-    return audit.coverage(name, module, refs, bind, funcs, jit_defs=set())
+    graph, refs, bind, funcs = _call_graph()
+    return graph.coverage(name, module, refs, bind, funcs, jit_defs=set())
 
 
 def decide(kernel: Any, args: tuple, kwargs: dict) -> Verdict:

@@ -7,9 +7,9 @@ One row per kernel use on the path (``phase`` forward: prefill/decode/profile/me
 - Triton: discovered by importing the path's modules (the import closure of
   ``<model>.nvidia.model`` plus the indexer op and metadata builders), compiled ahead of time
   for ``GPUTarget('cuda', arch, 32)`` with vLLM's own warmup compile keys (``_triton``).
-- DeepGEMM / FlashMLA / deep_select: call sites found in the source (``_source``) with their
-  guards evaluated for sm_8x (``has_deep_gemm()`` is True on every install); dead with the
-  library's cubin/implementation list as evidence (``_native``).
+- DeepGEMM / FlashMLA / deep_select: call sites found in the source (``serve_graph._source``)
+  with their guards evaluated for sm_8x (``has_deep_gemm()`` is True on every install); dead
+  with the library's cubin/implementation list as evidence (``_native``).
 - CuTeDSL: dead when its PTX holds an E4M3 cvt (sm_89+). TileLang: unknown (see ``_paths``).
 - patch: the ``dsv4_ops.vllm.table`` row through which every use of the kernel passes.
 

@@ -470,7 +470,7 @@ def _gate_tier(arch: int) -> Tuple[str, Optional[bool], str]:
     """GateLinear's tier on sm_<arch>: its specialized tiers (cuteDSL, fp32 router GEMM, bf16x3) are
     guarded by is_hopper / is_blackwell, so below sm_90 the bf16 gate takes tier 6, torch.mm with
     out_dtype fp32 (cuBLAS). Read from the source (the guards must still be there)."""
-    from . import _source
+    from ..serve_graph import _source
 
     path = _source.module_path("vllm.model_executor.layers.fused_moe.router.gate_linear")
     text = open(path).read() if path else ""
@@ -572,7 +572,7 @@ def _fi_allreduce_budget(arch: int) -> Dict[int, float]:
     config/compilation.py does; raises when either source no longer says so."""
     import ast
 
-    from . import _source
+    from ..serve_graph import _source
 
     cfg = open(_source.module_path("vllm.config.compilation")).read()
     if "return FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(capability.to_int(), {})" not in cfg:

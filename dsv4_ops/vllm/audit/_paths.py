@@ -3,7 +3,9 @@
 Status is never decided here: these lists only say which code a default ``vllm serve`` of
 DeepSeek-V4/V4.1-Flash cannot reach on sm_8x (another platform, an opt-in feature, an sm_100
 format). A kernel or module that is not named here is on the path, so a new kernel in a new
-vLLM shows up in the audit by itself.
+vLLM shows up in the audit by itself. The scope these lists prune (roots, followed packages,
+registry architectures, modules off the path) is ``dsv4_ops.vllm.serve_graph._scope``, which the
+runtime reads too.
 """
 
 from __future__ import annotations
@@ -12,39 +14,8 @@ import functools
 import re
 from typing import Optional, Tuple
 
-# Roots besides <model>.nvidia.model: the indexer op and metadata builders that vLLM selects by name.
-SHARED_ROOTS = (
-    "vllm.model_executor.layers.sparse_attn_indexer",
-    "vllm.v1.attention.backends.mla.indexer",
-    "vllm.v1.attention.backends.mla.sparse_swa",
-    "vllm.model_executor.layers.indexer_topk",
-)
-
-# DeepSeek-V3.2 / GLM-5 (vllm.models.deepseek_v32; one model class on CUDA) are MLA models whose
-# attention backend vLLM's selector picks (on sm_8x: dsv4_ops.vllm.v32_backend, built on vLLM's
-# sparse-MLA base classes) and whose MoE / MLP / base CausalLM come from deepseek_v2.py: their
-# scope follows those modules too (per model, so the V4/V4.1 scopes are unchanged).
-V32_FAMILY = ("v32", "glm5")
-SHARED_ROOTS_BY_MODEL = {m: (
-    "vllm.model_executor.layers.sparse_attn_indexer",
-    "vllm.v1.attention.backends.mla.indexer",
-    "vllm.model_executor.layers.indexer_topk",
-    "vllm.model_executor.layers.attention.sparse_mla_attention",
-    "vllm.v1.attention.backends.mla.sparse_utils",
-    "vllm.v1.attention.backends.mla.index_group",
-) for m in V32_FAMILY}
-FOLLOW_BY_MODEL = {m: (
-    "vllm.models.deepseek_v32",
-    "vllm.model_executor.models.deepseek_v2",
-    "vllm.model_executor.layers.attention",  # MLAAttention (re-exported by the package), sparse_mla_attention
-    "vllm.v1.attention.backends.mla.sparse_utils",
-    "vllm.v1.attention.backends.mla.index_group",
-    "vllm.model_executor.layers.fused_embed_norm",
-) for m in V32_FAMILY}
-
-# The model being audited (set by the worker while a model's scope and rows are decided), for the
-# per-model lists below.
-CURRENT_MODEL: Optional[str] = None
+from ..serve_graph import _scope
+from ..serve_graph._scope import V32_FAMILY
 
 # Class-graph roots besides the registry class: the sparse-MLA base classes of the backend the
 # selector instantiates by class path on sm_8x (dsv4_ops.vllm.v32_backend subclasses them; the
@@ -83,36 +54,9 @@ def reach_cuts(model: str):
     return out
 
 
-def shared_roots(model: str):
-    return SHARED_ROOTS_BY_MODEL.get(model, SHARED_ROOTS)
-
-
-# Architectures (keys of vLLM's model registry, registry.py) that each audited path serves: their
-# classes are the roots of the class-level reachability graph (``_reach``). V4-Flash ships as
-# DeepseekV4ForCausalLM; V4.1-Flash's only registered class is the vision-language wrapper
-# (nvidia/vl_model.py: the ViT tower + DeepseekV41LLMForCausalLM). Draft paths add their class.
-ARCHITECTURES = {
-    "v4": {"default": ("DeepseekV4ForCausalLM",), "mtp": ("DeepSeekV4MTPModel",), "dspark": ("DSparkDraftModel",)},
-    "v41": {"default": ("DeepseekV41ForCausalLM",), "mtp": (), "dspark": ("DSparkV41DraftModel",)},
-    "v32": {"default": ("DeepseekV32ForCausalLM",), "mtp": ("DeepseekV32MTPModel",)},
-    "glm5": {"default": ("GlmMoeDsaForCausalLM",), "mtp": ("DeepseekV32MTPModel",)},
-}
-
 # Reported, not enforced: speculative-decoding heads (module suffix under <model>.nvidia).
 EXTRA_PATHS = {"v4": {"mtp": (".mtp",), "dspark": (".dspark",)}, "v41": {"dspark": (".dspark",), "mtp": (".mtp",)},
                "v32": {"mtp": (".mtp",)}, "glm5": {"mtp": (".mtp",)}}
-EXTRA_PATH_PARTS = (".mtp", ".dspark")
-
-# Module name parts never reached on sm_8x by default, and why.
-OFF_PATH_MODULES = {
-    ".flashinfer_sparse": "FlashInfer sparse-MLA backend: selected only on sm_100",
-    ".flash_mla_mega_attn": "FlashMLA mega-attention: sm_100 only (declines other GPUs)",
-    ".specialized_decode": "opt-in additional_config.decode_backend=latency_specialized",
-    "mega_moe": "MegaMoE: opt-in --kernel-config moe_backend, DeepGEMM sm_100",
-    "mega_mhc": "Mega-mHC: sm_100 only",
-    "dcp_indexer": "decode context parallelism (DCP > 1): not the default serve",
-    "decoder_replay_cudagraph": "decoder replay CUDA graphs: sm_100 decode path",
-}
 
 # Kernel (or function) names that only run for a cache/weight format or feature sm_8x never gets.
 _OFF_PATH_NAMES: Tuple[Tuple[str, str], ...] = (
@@ -145,7 +89,7 @@ _OFF_PATH_CHECKED: Tuple[Tuple[str, str, Tuple[str, ...], str], ...] = (
 
 @functools.lru_cache(maxsize=None)
 def _source_matches(module: str, patterns: Tuple[str, ...]) -> bool:
-    from . import _source
+    from ..serve_graph import _source
 
     path = _source.module_path(module)
     if not path:
@@ -198,7 +142,7 @@ def off_path(name: str) -> Optional[str]:
     for pattern, module, source, why in _OFF_PATH_CHECKED:
         if re.search(pattern, name) and _source_matches(module, source):
             return why
-    for pattern, checks, why in _OFF_PATH_CHECKED_BY_MODEL.get(CURRENT_MODEL, ()):
+    for pattern, checks, why in _OFF_PATH_CHECKED_BY_MODEL.get(_scope.CURRENT_MODEL, ()):
         if re.search(pattern, name) and all(_source_matches(m, rx) for m, rx in checks):
             return why
     return None

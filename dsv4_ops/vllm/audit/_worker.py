@@ -15,31 +15,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from . import _paths, _reach, _source
-
-MODELS = {"v4": "vllm.models.deepseek_v4", "v41": "vllm.models.deepseek_v41",
-          # DeepSeek-V3.2 and GLM-5: one package, one model class on CUDA (different configs)
-          "v32": "vllm.models.deepseek_v32", "glm5": "vllm.models.deepseek_v32"}
-
-
-class _follow:
-    """``_source.FOLLOW`` extended with the model's extra packages (``_paths.FOLLOW_BY_MODEL``)
-    while its scope is read and its rows are decided; the V4/V4.1 scopes are unchanged."""
-
-    def __init__(self, model: str):
-        self.model = model
-        self.extra = tuple(_paths.FOLLOW_BY_MODEL.get(model, ()))
-
-    def __enter__(self):
-        self.saved, self.saved_model = _source.FOLLOW, _paths.CURRENT_MODEL
-        _source.FOLLOW = self.saved + tuple(x for x in self.extra if x not in self.saved)
-        _paths.CURRENT_MODEL = self.model
-
-    def __exit__(self, *exc):
-        _source.FOLLOW, _paths.CURRENT_MODEL = self.saved, self.saved_model
-# Methods reached by calling the class or an instance, not by name.
-_CLASS_ENTRY = ("__call__", "__init__")
-
+from ..serve_graph import _CLASS_ENTRY, ServeGraph, _follow, _reach, _source
+from . import _paths
 
 # Library -> the vLLM module whose wrappers the audit resolves that library's call sites to.
 _LIB_WRAPPERS = {"DeepGEMM": "vllm.utils.deep_gemm"}
@@ -74,69 +51,17 @@ def _is_jit_def(func: _source.Func, objs) -> bool:
     return (func.module, func.qualname) in objs
 
 
-class Audit:
+class Audit(ServeGraph):
+    """The report over the serve graph: kernels discovered, compiled for the target, and one row
+    per use with its status, evidence and patch."""
+
     def __init__(self, arch: int, jobs: int):
-        self.arch, self.jobs = arch, jobs
-        self.libs = _source.deep_gemm_kernel_names()
-        _source.init_guards(arch)
-        self.entry_modules: Set[str] = set()  # --modules (tests): their functions are entry points
+        super().__init__(arch)
+        self.jobs = jobs
         self.notes: List[str] = []
-        # the class-level graph of the path being audited (rows_for sets them; None: not applied)
-        self._graph: Optional[_reach.Graph] = None
-        self._reached: Dict = {}
-        self._roots = ""
-        self._mods: Dict[str, _source.ModuleIndex] = {}
-        self._ops: Dict[str, str] = {}
-        self.kept: Set[str] = set()
-
-    def is_reached(self, module: str, qualname: str) -> bool:
-        """Whether the top-level symbol owning ``module:qualname`` is reached from the path's
-        model classes (always True when the graph is not applied)."""
-        if self._graph is None or module not in self._graph.mods:
-            return True
-        return (module, qualname.split(".")[0]) in self._reached
-
-    def resolved_users(self, name: str, module: str, refs) -> List[_source.Func]:
-        """Functions that reference ``module.name``: through the resolved graph for a top-level
-        symbol of an audited module (a same-named function elsewhere does not count), by name for
-        a method (``self.x`` is not resolved)."""
-        g = self._graph
-        if g is not None and module in g.mods and name in g.mods[module].defs:
-            out = []
-            for m, q in sorted(g.users((module, name))):
-                f = self._mods[m].funcs.get(q) if m in self._mods else None
-                # a use as _source reads it (a name or torch.ops.vllm.<op>; not a warmup registration)
-                if f is not None and (name in f.idents or any(self._ops.get(i) == name for i in f.idents)):
-                    out.append(f)
-            return out
-        return list(refs.get(name, ()))
+        self._roots = ""  # the path's root class names (rows_for sets them)
 
     # ------------------------------------------------------------------ discovery
-    @staticmethod
-    def root_classes(model: str, path: str) -> List[_reach.Node]:
-        """The classes vLLM's registry loads on NVIDIA for the path's architectures (the default
-        path's too, for a draft path)."""
-        pkg = MODELS[model]
-        by_arch = _reach.registry_classes(pkg)
-        archs = list(_paths.ARCHITECTURES[model]["default"])
-        if path != "default":
-            archs += list(_paths.ARCHITECTURES[model].get(path, ()))
-        names = [by_arch[a] for a in archs if a in by_arch]
-        return _reach.registry_roots(pkg, names)
-
-    def scope(self, model: str, extra: Tuple[str, ...] = (), path: str = "default") -> Dict[str, _source.ModuleIndex]:
-        pkg = MODELS[model]
-        saved = _source.EXCLUDE_PARTS
-        _source.EXCLUDE_PARTS = saved + tuple(x for x in _paths.EXTRA_PATH_PARTS if x not in extra) + \
-            tuple(_paths.OFF_PATH_MODULES)
-        try:
-            with _follow(model):
-                roots = [f"{pkg}.nvidia.model"] + [f"{pkg}.nvidia{p}" for p in extra] + \
-                    list(_paths.shared_roots(model)) + [m for m, _ in self.root_classes(model, path)]
-                return _source.closure(roots, self.libs)
-        finally:
-            _source.EXCLUDE_PARTS = saved
-
     @staticmethod
     def reach(model: str, path: str, mods) -> Tuple[Optional[_reach.Graph], Dict, str]:
         """(graph, reached nodes, root names) of the class-level graph from the path's model
@@ -167,32 +92,6 @@ class Audit:
         return {k: o for k, o in out.items() if id(o) not in inner}
 
     # ------------------------------------------------------------------ coverage
-    def patched(self):
-        """(bindings, replaced function keys, patch-row name for each)."""
-        from dsv4_ops.vllm.table import patches
-
-        bind: Dict[Tuple[str, str], str] = {}
-        funcs: Dict[str, str] = {}
-        for p in patches():
-            if p.kind not in ("patch", "override"):
-                continue
-            owner_mod, *path = p.symbol.split(".")
-            name = p.qualname
-            if p.kind == "patch" and not path:
-                bind[(p.module, p.symbol)] = name
-                try:
-                    obj = getattr(importlib.import_module(p.module), p.symbol)
-                    obj = getattr(obj, "_dsv4_original", obj)
-                    mod = getattr(obj, "__module__", None) or type(obj).__module__
-                    qual = getattr(obj, "__qualname__", None)
-                    if mod and qual and not isinstance(obj, type):
-                        funcs[f"{mod}:{qual}"] = name
-                        bind.setdefault((mod, qual), name)
-                except Exception:  # noqa: BLE001
-                    pass
-            funcs[f"{p.module}:{p.symbol}"] = name
-        return bind, funcs
-
     @staticmethod
     def kept_keys() -> Set[str]:
         """module:qualname of the 'kept' rows (vLLM functions the plugin's replacements call
@@ -214,55 +113,6 @@ class Audit:
             except Exception:  # noqa: BLE001 - a row register() would reject anyway
                 pass
         return out
-
-    def build_graph(self, mods):
-        """name -> functions that reference it; ``torch.ops.vllm.<op>`` counts as a reference to
-        the Python function registered as that custom op."""
-        ops: Dict[str, str] = {}
-        for idx in mods.values():
-            ops.update(idx.custom_ops)
-        refs: Dict[str, List[_source.Func]] = {}
-        for idx in mods.values():
-            for f in idx.funcs.values():
-                for n in f.idents | {ops[i] for i in f.idents if i in ops and ops[i] != f.qualname}:
-                    refs.setdefault(n, []).append(f)
-        return refs
-
-    def coverage(self, name: str, module: str, refs, bind, funcs, jit_defs, depth=0, seen=None) -> Optional[str]:
-        """The patch row that every on-path use of ``module.name`` goes through, or None."""
-        seen = set() if seen is None else seen
-        if (module, name) in bind:
-            return bind[(module, name)]
-        if f"{module}:{name}" in self.kept:
-            return None  # the replacement calls it itself: its status is its own evidence
-        users = [f for f in self.resolved_users(name, module, refs) if (f.module, f.qualname) not in jit_defs
-                 and self.is_reached(f.module, f.qualname)]
-        if not users or depth > 6:
-            return None
-        rows = set()
-        for f in users:
-            if (f.module, name) in bind:
-                rows.add(bind[(f.module, name)])
-                continue
-            if f.key in funcs and f.key not in self.kept:
-                rows.add(funcs[f.key])
-                continue
-            if ("." not in f.qualname and f.module not in self.entry_modules
-                    and not [u for u in refs.get(f.qualname, ()) if u is not f]
-                    and not _source.called_anywhere_in_vllm(f.qualname)):
-                continue  # a module-level function nothing in vLLM calls: never called
-            if f.key in seen:
-                return None
-            seen.add(f.key)
-            parts = f.qualname.split(".")
-            short = parts[-1]
-            if len(parts) > 1 and short in _CLASS_ENTRY:
-                short = parts[-2]  # `obj(...)` / `Cls(...)`: the users of the class (or its instances)
-            row = self.coverage(short, f.module, refs, bind, funcs, jit_defs, depth + 1, seen)
-            if row is None:
-                return None
-            rows.add(row)
-        return " + ".join(sorted(rows)) or None
 
     # ------------------------------------------------------------------ rows
     @staticmethod
@@ -418,7 +268,7 @@ class Audit:
         names = sorted({f"{m.rsplit('.', 1)[-1]}:{q.split('.')[0]}" for m, q in owners})
         return (f"not reached: nothing that {self._roots} constructs or calls names "
                 f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} (class-level graph from the "
-                f"model class, audit/_reach.py)" + (f" (if reached, {also})" if also else ""))[:900]
+                f"model class, serve_graph/_reach.py)" + (f" (if reached, {also})" if also else ""))[:900]
 
     def _unreached_rows(self, model, path, mod, name, tech, users, regs, obj, compiled) -> List[dict]:
         """Rows of a kernel whose every user is outside the model's class graph: off, not reached."""

@@ -183,8 +183,8 @@ class Graph:
 
     def reached(self, roots: Iterable[Node], stop: Iterable[Node] = ()) -> Dict[Node, Optional[Node]]:
         """Every node reachable from ``roots``, each with the node it was first reached from;
-        ``stop``: nodes a reached class names but never constructs (``_paths.REACH_CUTS``, each
-        read from source), not entered."""
+        ``stop``: nodes a reached class names but never constructs (the audit's
+        ``_paths.reach_cuts``, each read from source), not entered."""
         seen: Dict[Node, Optional[Node]] = {}
         cut = set(stop)
         todo: List[Tuple[Node, Optional[Node]]] = [(r, None) for r in roots]
