@@ -5,7 +5,7 @@
 # test (the complement, so a new file is never left out). Each part writes $OUT/suite_part<N>.txt:
 # passed / failed / skipped / not reached (collected but given no result before the time cap),
 # with the node ids of every test that did not pass, and $OUT/suite_part<N>.log (pytest's output).
-# env: SUITE_TIMEOUT (seconds for pytest, default 500), SUITE_WORKERS (xdist workers, default 12),
+# env: SUITE_TIMEOUT (seconds for pytest, default 500), SUITE_WORKERS (xdist workers, default 12; 0: none),
 #      PYTEST_ARGS (extra pytest arguments).
 set -u -o pipefail
 PART="${1:?usage: gpu_suite.sh 1|2}"
@@ -21,7 +21,7 @@ IDS="$OUT/collected_part$PART.txt"; LOG="$OUT/suite_part$PART.log"
 python3 -m pytest $FILES -q --collect-only -m "gpu and not slow" -p no:cacheprovider 2>/dev/null | grep "::" > "$IDS"
 export DSV4_TEST_OUTCOMES="$OUT/outcomes_part$PART.txt"; : > "$DSV4_TEST_OUTCOMES"
 timeout "${SUITE_TIMEOUT:-500}" python3 -m pytest $FILES -q -m "gpu and not slow" -p no:cacheprovider \
-  -n "${SUITE_WORKERS:-12}" ${PYTEST_ARGS:-} > "$LOG" 2>&1
+  $( [ "${SUITE_WORKERS:-12}" != 0 ] && echo "-n ${SUITE_WORKERS:-12}" ) ${PYTEST_ARGS:-} > "$LOG" 2>&1
 echo "pytest rc=$?" >> "$LOG"
 python3 benchmarks/device/suite_summary.py "$IDS" "$DSV4_TEST_OUTCOMES" --part "$PART" --files "$FILES" \
   --torch "$(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())')" \
