@@ -4,7 +4,7 @@
 
 Writes (JSON + Markdown) under DIR:
   decode_kernels        sparse_mla_decode at T in {1, 8, 64, 128} x H in {8, 16, 64, 128},
-                        K = 640, portable: tiles (split heuristic) vs heads (decode_plan's
+                        K = 640, portable: tiles (split heuristic) vs heads (dispatch.decode's
                         split count, and every balanced count: best_heads_us / best_splits),
                         with the byte floor (T*K*1024 + q + out at the same run's copy rate)
   decode_kernels_step   the whole step (dsv4_decode_attention: gather + decode) at T in
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, in_green_context, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_ops import attention, decode_plan, dsv4_decode, reference, split_heuristic  # noqa: E402
+from dsv4_ops import attention, dispatch, dsv4_decode, reference  # noqa: E402
 from dsv4_ops.layout import min_page_bytes  # noqa: E402
 
 D = 512
@@ -60,19 +60,19 @@ def kernel_rows(kv, sms, gbs, replays, sweep=True):
             row = {"T": T, "H": H, "K": K, "sms": sms}
             try:
                 q, idx, sink = make_inputs(T, H)
-                s_t = split_heuristic.num_splits(T, H, K)
+                s_t = dispatch.decode.tile_splits(T, H, K)
                 row["tiles_splits"] = s_t
                 row["tiles_us"] = time_graph_us(lambda: attention.sparse_mla_decode(
                     q, kv, idx, None, sink, SM_SCALE, s_t, kernel="tiles"), replays)
-                p = decode_plan.plan(T, H, K, sms, "heads")
+                p = dispatch.decode.plan(T, H, K, sms, "heads")
                 row["heads_splits"] = p.splits
                 row["heads_us"] = time_graph_us(lambda: attention.sparse_mla_decode(
                     q, kv, idx, None, sink, SM_SCALE, p.splits, kernel="heads"), replays)
                 row["tiles/heads"] = row["tiles_us"] / row["heads_us"]
-                row["model_us"] = decode_plan.heads_time_us(T, H, K, sms, p.splits)
+                row["model_us"] = dispatch.decode.heads_time_us(T, H, K, sms, p.splits)
                 if sweep:
                     best = (row["heads_us"], p.splits)
-                    for s in decode_plan.balanced_splits(-(-K // p.block_n))[:5]:
+                    for s in dispatch.decode.balanced_splits(-(-K // p.block_n))[:5]:
                         if s != p.splits:
                             us = time_graph_us(lambda: attention.sparse_mla_decode(
                                 q, kv, idx, None, sink, SM_SCALE, s, kernel="heads"), max(10, replays // 3))
@@ -108,15 +108,15 @@ def step_rows(replays):
             q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
             sink = torch.randn(H, device="cuda", generator=g)
             row = {"T": T, "H": H}
-            for mode in decode_plan.MODES:
-                os.environ[decode_plan.ENV_VAR] = mode
+            for mode in dispatch.decode.MODES:
+                os.environ[dispatch.decode.ENV_VAR] = mode
                 try:
                     row[f"{mode}_us"] = time_graph_us(lambda: dsv4_decode.dsv4_decode_attention(
                         q, cc, topk, cw, swa, sink, SM_SCALE, bs, bs, workspace=ws), replays)
                 except Exception as exc:  # noqa: BLE001
                     row[f"{mode}_error"] = repr(exc)[:200]
                     traceback.print_exc()
-            os.environ.pop(decode_plan.ENV_VAR, None)
+            os.environ.pop(dispatch.decode.ENV_VAR, None)
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -138,11 +138,11 @@ def main():
     replays = 10 if args.quick else 30
     gbs = copy_bandwidth_gbs(256 << 20)
     kv = torch.randn(N_ROWS, D, device="cuda").to(torch.bfloat16)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
+    sms = dispatch.device.num_sms(torch.cuda.current_device())
     cols = ["T", "H", "K", "sms", "tiles_splits", "tiles_us", "heads_splits", "heads_us", "tiles/heads",
             "model_us", "best_heads_us", "best_splits", "floor_us", "error"]
     write_results("decode_kernels", args.out, kernel_rows(kv, sms, gbs, replays, sweep=not args.quick), cols,
-                  notes=f"portable, K = {K}, int32 indices, sink; heads splits from decode_plan (cost model), "
+                  notes=f"portable, K = {K}, int32 indices, sink; heads splits from dispatch.decode (cost model), "
                         f"best_*: the fastest balanced count measured (<= 5 tried). floor: bytes at the "
                         f"same run's copy rate {gbs:.0f} GB/s.")
     write_results("decode_kernels_step", args.out, step_rows(replays),

@@ -11,7 +11,7 @@ Writes decode_v3.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H in {
   auto_us        the same composite under auto with this commit's AUTO_V3_WINDOWS (step/auto)
   pipe_us        H <= 16: the v1 fused kernel's PIPELINE form (paged_chunk64.
                  FUSED_PIPELINE_CONFIG, never measured before) at its plan's split count
-  <cfg>_us       the v3 form with launch config <cfg> (decode_plan.v3_config: paged_chunk128.
+  <cfg>_us       the v3 form with launch config <cfg> (dispatch.decode.v3_config: paged_chunk128.
                  V3_CANDIDATES, or paged_f16dot.V4_CANDIDATES, the fp16-dot kernel: k* one
                  scale a key, g* per-group P), the best of a few split counts around its
                  plan's (<cfg>_S)
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, in_green_context, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_ops import _host_plan, attention, decode_plan, dsv4_decode, reference  # noqa: E402
+from dsv4_ops import _host_plan, dispatch, dsv4_decode, paged_decode, reference  # noqa: E402
 from dsv4_ops.csrc_triton.decode import paged_chunk64 as _pk  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 from dsv4_ops.testing import assert_attention_close  # noqa: E402
@@ -86,21 +86,21 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
     K = K1 + 128
     row = {"T": T, "H": H, "K": K}
     try:
-        saved = decode_plan.AUTO_V3_WINDOWS, decode_plan.AUTO_V3_SMEM_WINDOWS
-        decode_plan.AUTO_V3_WINDOWS = decode_plan.AUTO_V3_SMEM_WINDOWS = ()
+        saved = dispatch.windows.AUTO_V3_WINDOWS, dispatch.windows.AUTO_V3_SMEM_WINDOWS
+        dispatch.windows.AUTO_V3_WINDOWS = dispatch.windows.AUTO_V3_SMEM_WINDOWS = ()
         _host_plan.clear()
-        os.environ[decode_plan.ENV_VAR] = "auto"
+        os.environ[dispatch.decode.ENV_VAR] = "auto"
 
         def step():
             return dsv4_decode.dsv4_decode_attention(q, cc, topk, cw, swa, sink, SM_SCALE, BS, BS, workspace=ws)
 
         step()
         row["step_us"] = time_graph_us(step, replays)
-        decode_plan.AUTO_V3_WINDOWS, decode_plan.AUTO_V3_SMEM_WINDOWS = saved
+        dispatch.windows.AUTO_V3_WINDOWS, dispatch.windows.AUTO_V3_SMEM_WINDOWS = saved
         _host_plan.clear()  # the recorded launch plans of the step run are not keyed on the windows
         row["auto_us"] = time_graph_us(step, replays)
         row["step/auto"] = row["step_us"] / row["auto_us"]
-        os.environ.pop(decode_plan.ENV_VAR, None)
+        os.environ.pop(dispatch.decode.ENV_VAR, None)
         want, want_lse = reference.ref_dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE,
                                                          out_dtype=torch.float64)
 
@@ -115,28 +115,28 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
         if H <= 16 and pipe:
             default = _pk.FUSED_CONFIG[16]
             _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
-            decode_plan.fused_plan.cache_clear()
+            dispatch.decode.fused_plan.cache_clear()
             try:
-                hp = decode_plan.fused_plan(T, H, K, sms)
-                fn = lambda: attention.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink,  # noqa: E731
-                                                         SM_SCALE, hp.splits, form="v1")
+                hp = dispatch.decode.fused_plan(T, H, K, sms)
+                fn = lambda: paged_decode.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink,  # noqa: E731
+                                                            SM_SCALE, hp.splits, form="v1")
                 row["err_pipe"] = check(*fn())
                 row["pipe_S"] = hp.splits
                 row["pipe_us"] = time_graph_us(fn, replays)
             finally:
                 _pk.FUSED_CONFIG[16] = default
-                decode_plan.fused_plan.cache_clear()
+                dispatch.decode.fused_plan.cache_clear()
         best = None
         for name in configs:
-            cfg = decode_plan.v3_config(name)
+            cfg = dispatch.decode.v3_config(name)
             if cfg["BLOCK_H"] > 16 and H <= 16:
                 continue  # padding 8 / 16 heads to 32 rows: never faster than a 16-row group
-            plan = decode_plan.v3_plan(T, H, K, sms, 0, name)
+            plan = dispatch.decode.v3_plan(T, H, K, sms, 0, name)
             nb = -(-K // plan.block_n)
 
             def fn(s, name=name):
-                return lambda: attention.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE,
-                                                           s, form="v3", config=name)
+                return lambda: paged_decode.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE,
+                                                              s, form="v3", config=name)
 
             row[f"err_{name}"] = check(*fn(plan.splits)())
             res = min((time_graph_us(fn(s), replays), s) for s in split_choices(plan.splits, nb, T))
@@ -153,7 +153,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sms, configs, pipe):
         row["error"] = repr(exc)[:200]
         traceback.print_exc()
     finally:
-        os.environ.pop(decode_plan.ENV_VAR, None)
+        os.environ.pop(dispatch.decode.ENV_VAR, None)
     print(row, flush=True)
     return row
 
@@ -178,7 +178,7 @@ def main():
     t0 = time.time()
     replays = 10 if args.quick else 20
     gbs = copy_bandwidth_gbs(256 << 20)
-    sms = ns.sms or decode_plan.num_sms(torch.cuda.current_device())
+    sms = ns.sms or dispatch.device.num_sms(torch.cuda.current_device())
     cc, cw = make_cache(1), make_cache(2)
     rows = []
     cols = (["T", "H", "K", "step_us", "auto_us", "step/auto", "pipe_us", "pipe_S"] + [f"{c}_us" for c in configs]

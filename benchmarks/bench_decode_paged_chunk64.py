@@ -8,7 +8,7 @@ Writes decode_fused.{json,md} under DIR: for T in {1, 4, 16, 64, 128, 256} x H i
                  sparse_mla_decode; DSV4_AMPERE_DECODE_KERNEL = tiles below T = 64, heads
                  from T = 64: the old auto), the same-run baseline
   auto_us        dsv4_decode_attention under DSV4_AMPERE_DECODE_KERNEL=auto (this commit's)
-  fused_us       dsv4_decode_fused_out with decode_plan.fused_plan's split count
+  fused_us       dsv4_decode_fused_out with dispatch.decode.fused_plan's split count
   best_fused_us  the fastest of a few balanced split counts (best_splits)
   pipe_us        H <= 16: the PIPELINE form (csrc_triton.decode.paged_chunk64.FUSED_PIPELINE_CONFIG:
                  the next block's records loaded during this block's MMAs; not dispatched
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, parse_args, time_graph_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_ops import attention, decode_plan, dsv4_decode  # noqa: E402
+from dsv4_ops import dispatch, dsv4_decode, paged_decode  # noqa: E402
 from dsv4_ops.csrc_triton.decode import paged_chunk64 as _pk  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 
@@ -61,7 +61,7 @@ def make_cache(seed):
 
 
 def old_auto(T):
-    return "heads" if T >= decode_plan.AUTO_HEADS_MIN_T else "tiles"
+    return "heads" if T >= dispatch.decode.AUTO_HEADS_MIN_T else "tiles"
 
 
 def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
@@ -79,17 +79,17 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
         return dsv4_decode.dsv4_decode_attention(q, cc, topk, cw, swa, sink, SM_SCALE, BS, BS, workspace=ws)
 
     try:
-        os.environ[decode_plan.ENV_VAR] = old_auto(T)
+        os.environ[dispatch.decode.ENV_VAR] = old_auto(T)
         ref_out = step()[0]
         row["step_us"] = time_graph_us(step, replays)
-        os.environ[decode_plan.ENV_VAR] = "auto"
+        os.environ[dispatch.decode.ENV_VAR] = "auto"
         row["auto_us"] = time_graph_us(step, replays)
-        os.environ.pop(decode_plan.ENV_VAR, None)
-        plan = decode_plan.fused_plan(T, H, K, sms)
+        os.environ.pop(dispatch.decode.ENV_VAR, None)
+        plan = dispatch.decode.fused_plan(T, H, K, sms)
         row["plan_splits"] = plan.splits
 
         def fused(s):
-            return lambda: attention.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, s)
+            return lambda: paged_decode.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, s)
 
         out = fused(plan.splits)()[0]
         row["max_diff"] = (out.float() - ref_out.float()).abs().max().item()
@@ -104,9 +104,9 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
         if H <= 16:
             default = _pk.FUSED_CONFIG[16]
             _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
-            decode_plan.fused_plan.cache_clear()
+            dispatch.decode.fused_plan.cache_clear()
             try:
-                hp = decode_plan.fused_plan(T, H, K, sms)
+                hp = dispatch.decode.fused_plan(T, H, K, sms)
                 h_out = fused(hp.splits)()[0]
                 row["pipe_diff"] = (h_out.float() - ref_out.float()).abs().max().item()
                 row["pipe_splits"] = hp.splits
@@ -114,7 +114,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
                 row["step/pipe"] = row["step_us"] / row["pipe_us"]
             finally:
                 _pk.FUSED_CONFIG[16] = default
-                decode_plan.fused_plan.cache_clear()
+                dispatch.decode.fused_plan.cache_clear()
         row["step/fused"] = row["step_us"] / row["fused_us"]
         row["step/best"] = row["step_us"] / row["best_fused_us"]
         row["step/auto"] = row["step_us"] / row["auto_us"]
@@ -124,7 +124,7 @@ def measure(cc, cw, T, H, K1, gbs, replays, sweep, sms):
         row["error"] = repr(exc)[:200]
         traceback.print_exc()
     finally:
-        os.environ.pop(decode_plan.ENV_VAR, None)
+        os.environ.pop(dispatch.decode.ENV_VAR, None)
     print(row, flush=True)
     return row
 
@@ -135,7 +135,7 @@ def main():
     t0 = time.time()
     replays = 10 if args.quick else 30
     gbs = copy_bandwidth_gbs(256 << 20)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
+    sms = dispatch.device.num_sms(torch.cuda.current_device())
     cc, cw = make_cache(1), make_cache(2)
     rows = []
     cols = ["T", "H", "K", "step_us", "auto_us", "plan_splits", "fused_us", "best_fused_us", "best_splits",

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, parse_args, time_graph_us, time_us, write_results  # noqa: E402
 
-from dsv4_ops import indexer  # noqa: E402
+from dsv4_ops import dispatch, indexer  # noqa: E402
 
 CTX = 32768
 BS = 64
@@ -148,7 +148,7 @@ def bench_candidates(rows, copy_gbs):
             flops = 2.0 * B * H * D * CTX
             floor = max(nbytes / copy_gbs / 1e3, flops / gemm_rate_tflops(flops) / 1e6)
             base_us, base_out = None, None
-            shipped = indexer.paged_config(H)
+            shipped = dispatch.indexer.paged_config(H)
             cands = [V2_PAGED] + [c for c in [shipped] + K.NEW_PAGED_CANDIDATES if c != V2_PAGED]
             for cfg in [dict(c) for c in dict.fromkeys(map(_frozen, cands))]:
                 def fn(cfg=cfg):

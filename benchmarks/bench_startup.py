@@ -80,7 +80,7 @@ def invariant_rows(quick: bool, emit=lambda rows: None):
 
     import dsv4_ops  # noqa: F401
     from common import time_graph_us
-    from dsv4_ops import decode_plan, layout
+    from dsv4_ops import dispatch, layout
     from dsv4_ops.dsv4_decode import dsv4_decode_attention
 
     os.environ["DSV4_AMPERE_IMPL"] = "portable"
@@ -106,32 +106,32 @@ def invariant_rows(quick: bool, emit=lambda rows: None):
             # Written before measuring. Floor of the invariant (workspace) step: the gather reads
             # each of the T * 640 records (584 B) and writes its bf16 row (1024 B), the heads kernel
             # reads the row once per head group, at 4 TB/s, plus three in-graph launches (gather,
-            # heads, merge) of ~0.9 us. Prediction: decode_plan's own heads + merge cost model
+            # heads, merge) of ~0.9 us. Prediction: dispatch.decode's own heads + merge cost model
             # (heads_time_us) for the invariant split count, plus the gather at the floor's bytes.
             from dsv4_ops.csrc_triton.decode import heads as hk
 
             groups = -(-H // hk.block_h_for(H))
-            gather_us = T * 640 * (584 + 1024) / decode_plan.BANDWIDTH_BPS * 1e6
-            row["floor_us"] = round(gather_us + T * 640 * 1024 * groups / decode_plan.BANDWIDTH_BPS * 1e6 + 3 * 0.9, 2)
-            os.environ[decode_plan.BATCH_INVARIANT_ENV] = "1"
-            inv = decode_plan.plan(T, H, 640, decode_plan.num_sms(0), decode_plan.mode())
-            os.environ.pop(decode_plan.BATCH_INVARIANT_ENV, None)
-            row["predicted_invariant_us"] = round(gather_us + 0.9 + decode_plan.heads_time_us(
-                T, H, 640, decode_plan.num_sms(0), inv.splits), 2)
+            gather_us = T * 640 * (584 + 1024) / dispatch.decode.BANDWIDTH_BPS * 1e6
+            row["floor_us"] = round(gather_us + T * 640 * 1024 * groups / dispatch.decode.BANDWIDTH_BPS * 1e6 + 3 * 0.9, 2)
+            os.environ[dispatch.decode.BATCH_INVARIANT_ENV] = "1"
+            inv = dispatch.decode.plan(T, H, 640, dispatch.device.num_sms(0), dispatch.decode.mode())
+            os.environ.pop(dispatch.decode.BATCH_INVARIANT_ENV, None)
+            row["predicted_invariant_us"] = round(gather_us + 0.9 + dispatch.decode.heads_time_us(
+                T, H, 640, dispatch.device.num_sms(0), inv.splits), 2)
             for label, flag in (("default_us", "0"), ("invariant_us", "1")):
-                os.environ[decode_plan.BATCH_INVARIANT_ENV] = flag
+                os.environ[dispatch.decode.BATCH_INVARIANT_ENV] = flag
                 row[label] = time_graph_us(step)
-                mode = decode_plan.mode()
-                sms = decode_plan.num_sms(0)
-                if mode in ("fused", "v3") or (mode == "auto" and (decode_plan.auto_is_fused(T, H, 640)
-                                                                   or decode_plan.auto_is_v3(T, H, 640))):
-                    form = decode_plan.fused_form(T, H, 640)
-                    p = decode_plan.v3_plan(T, H, 640, sms) if form == "v3" else decode_plan.fused_plan(T, H, 640, sms)
+                mode = dispatch.decode.mode()
+                sms = dispatch.device.num_sms(0)
+                if mode in ("fused", "v3") or (mode == "auto" and (dispatch.decode.auto_is_fused(T, H, 640)
+                                                                   or dispatch.decode.auto_is_v3(T, H, 640))):
+                    form = dispatch.decode.fused_form(T, H, 640)
+                    p = dispatch.decode.v3_plan(T, H, 640, sms) if form == "v3" else dispatch.decode.fused_plan(T, H, 640, sms)
                     row[label.replace("_us", "_plan")] = f"{'v3' if form == 'v3' else 'fused'} S={p.splits}"
                 else:
-                    p = decode_plan.plan(T, H, 640, sms, mode)
+                    p = dispatch.decode.plan(T, H, 640, sms, mode)
                     row[label.replace("_us", "_plan")] = f"{p.kernel} S={p.splits}"
-            os.environ.pop(decode_plan.BATCH_INVARIANT_ENV, None)
+            os.environ.pop(dispatch.decode.BATCH_INVARIANT_ENV, None)
             row["ratio"] = row["invariant_us"] / row["default_us"]
             rows.append(row)
             print(row, flush=True)
@@ -172,7 +172,7 @@ INVARIANT_COLUMNS = ["T", "H", "floor_us", "predicted_invariant_us", "default_pl
 INVARIANT_NOTES = ("dsv4_decode_attention in a CUDA graph (20 calls, median), K = 512 top-k + 128 window, portable, "
                    "same process; invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K). "
                    "floor_us: the invariant step's bytes at 4 TB/s + 3 launches; predicted_invariant_us: written "
-                   "before the run, decode_plan.heads_time_us + the gather at the floor (bench_startup.py).")
+                   "before the run, dispatch.decode.heads_time_us + the gather at the floor (bench_startup.py).")
 
 
 def write_all(out_dir, startup, invariant):

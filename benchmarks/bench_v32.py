@@ -40,9 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_bandwidth_gbs, time_graph_us, time_us, write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
-from dsv4_ops import v32  # noqa: E402
+from dsv4_ops import dispatch, v32  # noqa: E402
 from dsv4_ops.csrc_triton import v32_attention as _ak  # noqa: E402
-from dsv4_ops.decode_plan import num_sms  # noqa: E402
+from dsv4_ops.dispatch.device import num_sms  # noqa: E402
 
 QK, DV, REC = 576, 512, 656
 SM_SCALE = 0.1352
@@ -114,13 +114,13 @@ def decode_rows(cache, T, H, gbs, tfl, replays, sweep, sms, compile_only=False):
     rows, ref = [], None
     bh = _ak.block_h_for(H)
     for form in DEC_FORMS + ("ws",):
-        if form.startswith("f16:") and v32._config(form, bh) is v32._config("f16", bh):
+        if form.startswith("f16:") and dispatch.v32.config_of(form, bh) is dispatch.v32.config_of("f16", bh):
             continue  # the dispatched config, timed as "f16"
         row = {"T": T, "H": H, "K": K, "form": form}
         try:
             f = "w128" if form == "ws" else form
-            S = v32.num_splits_for(T, H, K, sms, f)
-            nb = -(-K // v32._config(f, bh)["BLOCK_N"])
+            S = dispatch.v32.num_splits_for(T, H, K, sms, f)
+            nb = -(-K // dispatch.v32.config_of(f, bh)["BLOCK_N"])
             row["splits"] = S
             if form == "ws":
                 ws = torch.empty(T * K, QK, dtype=torch.bfloat16, device="cuda")

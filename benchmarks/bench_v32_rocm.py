@@ -298,8 +298,8 @@ COLUMNS = ["T", "H", "K", "vllm_splits", "vllm_1pass_us", "vllm_splitk_pad_us", 
 def shape_row(vr, run, rows, recs, T, H, K_, rates, timer, sms, state, dev):
     """One table row at (T, H): every kernel checked, then timed by timer(fn) (None: not timed)."""
     import torch
+    from dsv4_ops import dispatch
     from dsv4_ops import reference as R
-    from dsv4_ops import v32
 
     cpu = dev == "cpu"
     g = torch.Generator(device=dev).manual_seed(1000 * T + H)
@@ -333,9 +333,9 @@ def shape_row(vr, run, rows, recs, T, H, K_, rates, timer, sms, state, dev):
     cases.append(("ours_bf16", run.ours(q, rows, idx, out), ref_bf16))
     cases.append(("ours_fp8", run.ours(q, recs, idx, out), ref_fp8))
     for fp8, key in ((False, "ours_bf16"), (True, "ours_fp8")):
-        form = v32.form_for(True, None, fp8, H, T)
+        form = dispatch.v32.form_for(True, None, fp8, H, T)
         row[f"{key}_form"] = form
-        row[f"{key}_splits"] = v32.num_splits_for(T, H, K_, sms, form)
+        row[f"{key}_splits"] = dispatch.v32.num_splits_for(T, H, K_, sms, form)
     for name, fn, ref in cases:
         try:
             st, e = check(fn, out, ref)
@@ -381,7 +381,7 @@ def main():
     from common import copy_bandwidth_gbs, time_graph_us, write_results
 
     import dsv4_ops  # noqa: F401  (registers torch.ops.dsv4_ampere)
-    from dsv4_ops.decode_plan import num_sms
+    from dsv4_ops.dispatch.device import num_sms
 
     print(f"vLLM module {vr.__file__}; _ON_GFX950={vr._ON_GFX950}; cpu={cpu}; import {time.time() - t0:.1f} s",
           flush=True)

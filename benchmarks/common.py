@@ -120,7 +120,7 @@ def write_results(name: str, out_dir: str, rows: List[Dict[str, object]], column
 
 def in_green_context(sms: int, fn: Callable[[], object]):
     """fn() run on ``sms`` SMs of the current device in a torch.cuda green context (an A100's
-    108 on the H200), with decode_plan's DSV4_AMPERE_SMS set to the same count so plans are made
+    108 on the H200), with dispatch.device's DSV4_AMPERE_SMS set to the same count so plans are made
     for it. Raises RuntimeError where green contexts are unavailable or cannot confine torch's
     launches (torch < 2.12)."""
     gc_mod = getattr(torch.cuda, "green_contexts", None)

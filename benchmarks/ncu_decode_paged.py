@@ -16,13 +16,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_ops  # noqa: E402,F401
 from bench_decode_paged import BS, NBLK, SM_SCALE, make_cache  # noqa: E402
-from dsv4_ops import attention, decode_plan  # noqa: E402
+from dsv4_ops import dispatch, paged_decode  # noqa: E402
 
 
 def main():
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     cc, cw = make_cache(1), make_cache(2)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
+    sms = dispatch.device.num_sms(torch.cuda.current_device())
     for spec in sys.argv[1].split(","):
         T, H, name = spec.split(":")
         T, H = int(T), int(H)
@@ -31,11 +31,11 @@ def main():
         swa = torch.randint(0, NBLK * BS, (T, 128), device="cuda", generator=g, dtype=torch.int32)
         q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
         sink = torch.randn(H, device="cuda", generator=g)
-        plan = decode_plan.v3_plan(T, H, 640, sms, 0, name)
+        plan = dispatch.decode.v3_plan(T, H, 640, sms, 0, name)
         print(f"ncu case T={T} H={H} config={name} plan={plan}", flush=True)
         for _ in range(2):
-            attention.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, plan.splits,
-                                        form="v3", config=name)
+            paged_decode.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, plan.splits,
+                                           form="v3", config=name)
         torch.cuda.synchronize()
 
 

@@ -20,7 +20,7 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
 
-from dsv4_ops import attention, decode_plan, layout, reference  # noqa: E402
+from dsv4_ops import dispatch, layout, paged_decode, reference  # noqa: E402
 from dsv4_ops.csrc_triton.decode import paged_chunk64 as _pk  # noqa: E402
 from dsv4_ops.testing import assert_attention_close  # noqa: E402
 
@@ -62,15 +62,15 @@ def main() -> int:
                 saved = _pk.FUSED_CONFIG[16]
                 if form == "pipe":
                     _pk.FUSED_CONFIG[16] = _pk.FUSED_PIPELINE_CONFIG[16]
-                decode_plan.fused_plan.cache_clear()
+                dispatch.decode.fused_plan.cache_clear()
                 try:
                     for window, lens in ((cw, (tl, sl)), (cw_empty, (None, None))):
                         for splits in (1, 3):
                             args = (q, cc, topk, lens[0], 16, window, swa, lens[1], 8, sink, 512 ** -0.5)
                             v4 = form not in ("default", "pipe", "v3")
-                            out, lse = attention.dsv4_decode_fused(*args, splits, variant=variant,
-                                                                   form="v1" if form in ("default", "pipe") else "v3",
-                                                                   config=form if v4 else "")
+                            out, lse = paged_decode.dsv4_decode_fused(*args, splits, variant=variant,
+                                                                      form="v1" if form in ("default", "pipe") else "v3",
+                                                                      config=form if v4 else "")
                             want, want_lse = reference.ref_dsv4_decode_fused(
                                 *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
                                 out_dtype=torch.float64)
@@ -81,7 +81,7 @@ def main() -> int:
                                 bad += 1
                 finally:
                     _pk.FUSED_CONFIG[16] = saved
-                    decode_plan.fused_plan.cache_clear()
+                    dispatch.decode.fused_plan.cache_clear()
     torch.cuda.synchronize()
     print("memcheck_decode_paged:", "OK" if bad == 0 else f"{bad} mismatches", "variants", variants)
     return 1 if bad else 0

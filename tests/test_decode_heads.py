@@ -1,5 +1,5 @@
 """The "heads" decode kernel (csrc_triton.decode.heads: all heads of a token in one
-program) and its dispatch (dsv4_ops.decode_plan, DSV4_AMPERE_DECODE_KERNEL): the kernel
+program) and its dispatch (dsv4_ops.dispatch.decode, DSV4_AMPERE_DECODE_KERNEL): the kernel
 against the float64 reference under the interpreter (fp16 operands: the interpreter's bf16
 tl.dot is wrong), both epilogues (one split writes out + lse directly; more splits go
 through the merge), the plan, the AOT specializations, and on the GPU both kernels against
@@ -9,7 +9,7 @@ whole decode step under each DSV4_AMPERE_DECODE_KERNEL value."""
 import pytest
 import torch
 
-from dsv4_ops import aot, attention, decode_plan, reference
+from dsv4_ops import aot, attention, dispatch, reference
 from dsv4_ops.csrc_triton.decode import heads as hk
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng
 
@@ -113,8 +113,8 @@ def test_heads_mode_launches_the_heads_kernel_and_tiles_does_not(interpret, monk
     T, H, K = 2, 8, 40
     q, kv, idx, tl = [t.to(interpret) for t in make_case(T, H, K, seed=4)]
     stats = attention._heads_kernel.stats
-    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if T < decode_plan.AUTO_HEADS_MIN_T else 1)):
-        monkeypatch.setenv(decode_plan.ENV_VAR, env)
+    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if T < dispatch.decode.AUTO_HEADS_MIN_T else 1)):
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, env)
         before = dict(stats)
         out, lse = attention.sparse_mla_decode(q, kv, idx, tl, None, SM_SCALE)
         launched = stats["fast"] + stats["slow"] - before["fast"] - before["slow"]
@@ -122,7 +122,7 @@ def test_heads_mode_launches_the_heads_kernel_and_tiles_does_not(interpret, monk
             assert launched == want, env
         assert_attention_close(out.cpu(), lse.cpu(), *_ref(q, kv, idx, tl, None))
     # int64 indices: the heads kernel takes int32 only, so heads mode runs the tiles
-    monkeypatch.setenv(decode_plan.ENV_VAR, "heads")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "heads")
     before = dict(stats)
     out, lse = attention.sparse_mla_decode(q, kv, idx.long(), tl, None, SM_SCALE)
     assert stats["fast"] + stats["slow"] == before["fast"] + before["slow"]
@@ -134,14 +134,14 @@ def test_heads_mode_launches_the_heads_kernel_and_tiles_does_not(interpret, monk
 # ------------------------------------------------------------------------------------------
 
 def test_mode_reads_the_env_and_rejects_unknown_values(monkeypatch):
-    monkeypatch.delenv(decode_plan.ENV_VAR, raising=False)
-    assert decode_plan.mode() == "auto"
-    for m in decode_plan.MODES:
-        monkeypatch.setenv(decode_plan.ENV_VAR, m.upper())
-        assert decode_plan.mode() == m
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=decode_plan.ENV_VAR):
-        decode_plan.mode()
+    monkeypatch.delenv(dispatch.decode.ENV_VAR, raising=False)
+    assert dispatch.decode.mode() == "auto"
+    for m in dispatch.decode.MODES:
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, m.upper())
+        assert dispatch.decode.mode() == m
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=dispatch.decode.ENV_VAR):
+        dispatch.decode.mode()
     with pytest.raises(ValueError, match="kernel"):
         attention.sparse_mla_decode(*make_case(1, 8, 16)[:3], None, None, SM_SCALE, kernel="fast")
 
@@ -151,28 +151,28 @@ def test_mode_reads_the_env_and_rejects_unknown_values(monkeypatch):
 @pytest.mark.parametrize("H", [1, 8, 16, 24, 64, 128])
 def test_plan_is_consistent(T, H, sms):
     K = 640
-    p = decode_plan.plan(T, H, K, sms, "heads")
+    p = dispatch.decode.plan(T, H, K, sms, "heads")
     assert p.kernel == "heads" and p.block_h == hk.block_h_for(H) and p.groups * p.block_h >= H
     assert p.block_h <= hk.MAX_BLOCK_H and p.block_h in hk.HEADS_CONFIG and p.block_h >= min(16, p.block_h)
     assert 1 <= p.splits <= attention.MAX_SPLITS and p.direct == (p.splits == 1)
-    assert p.splits in decode_plan.balanced_splits(-(-K // p.block_n))
+    assert p.splits in dispatch.decode.balanced_splits(-(-K // p.block_n))
     # the chosen count is the model's minimum
-    best = min(decode_plan.heads_time_us(T, H, K, sms, s) for s in decode_plan.balanced_splits(-(-K // p.block_n)))
-    assert decode_plan.heads_time_us(T, H, K, sms, p.splits) == best
-    assert decode_plan.plan(T, H, K, sms, "tiles").kernel == "tiles"
-    auto = decode_plan.plan(T, H, K, sms, "auto")
-    if T < decode_plan.AUTO_HEADS_MIN_T:
-        assert auto == decode_plan.plan(T, H, K, sms, "tiles")
+    best = min(dispatch.decode.heads_time_us(T, H, K, sms, s) for s in dispatch.decode.balanced_splits(-(-K // p.block_n)))
+    assert dispatch.decode.heads_time_us(T, H, K, sms, p.splits) == best
+    assert dispatch.decode.plan(T, H, K, sms, "tiles").kernel == "tiles"
+    auto = dispatch.decode.plan(T, H, K, sms, "auto")
+    if T < dispatch.decode.AUTO_HEADS_MIN_T:
+        assert auto == dispatch.decode.plan(T, H, K, sms, "tiles")
     else:
-        assert auto.kernel == "heads" and auto.splits == min(decode_plan.auto_heads_splits(T, H, sms), -(-K // auto.block_n))
-    assert decode_plan.plan(T, H, K, sms, "heads", 5).splits == 5
+        assert auto.kernel == "heads" and auto.splits == min(dispatch.decode.auto_heads_splits(T, H, sms), -(-K // auto.block_n))
+    assert dispatch.decode.plan(T, H, K, sms, "heads", 5).splits == 5
 
 
 def test_plan_skips_the_merge_once_the_programs_fill_the_gpu():
     """Many tokens: more splits only add partial bytes and a merge; few tokens: split."""
     for sms in (108, 132):
-        assert decode_plan.plan(4 * sms, 8, 640, sms, "heads").splits == 1
-        assert decode_plan.plan(1, 8, 640, sms, "heads").splits > 1
+        assert dispatch.decode.plan(4 * sms, 8, 640, sms, "heads").splits == 1
+        assert dispatch.decode.plan(1, 8, 640, sms, "heads").splits > 1
 
 
 @pytest.mark.parametrize("T,H,want", [(64, 8, 4), (64, 16, 4), (128, 8, 3), (64, 64, 2), (128, 128, 2),
@@ -183,14 +183,14 @@ def test_auto_uses_the_measured_heads_plan_from_t64(T, H, want):
     from T = 64 the heads kernel with these split counts beat the tiles; below T = 64 auto
     keeps the tiles."""
     for sms in (108, 132):
-        p = decode_plan.plan(T, H, 640, sms, "auto")
+        p = dispatch.decode.plan(T, H, 640, sms, "auto")
         assert (p.kernel, p.splits) == ("heads", want)
-        assert decode_plan.plan(8, H, 640, sms, "auto").kernel == "tiles"
+        assert dispatch.decode.plan(8, H, 640, sms, "auto").kernel == "tiles"
 
 
 def test_balanced_splits():
     for nb in (1, 2, 7, 20, 40, 200):
-        got = decode_plan.balanced_splits(nb)
+        got = dispatch.decode.balanced_splits(nb)
         longest = [-(-nb // s) for s in got]
         assert got[0] == 1 and all(a > b for a, b in zip(longest, longest[1:]))  # each shortens
         assert all(s <= attention.MAX_SPLITS for s in got)
@@ -255,7 +255,7 @@ def test_gpu_heads_every_num_splits(variant, T, H, K):
         sink = make_sink(sink_kind, H, "cuda")
         want = _ref(q, kv, idx, tl, sink)
         nb = -(-K // hk.HEADS_CONFIG[hk.block_h_for(H)]["BLOCK_N"])
-        for S in sorted(set(decode_plan.balanced_splits(nb)) | {2, attention.MAX_SPLITS}):
+        for S in sorted(set(dispatch.decode.balanced_splits(nb)) | {2, attention.MAX_SPLITS}):
             out, lse = attention.sparse_mla_decode(q, kv, idx, tl, sink, SM_SCALE, S, kernel="heads")
             assert_attention_close(out, lse, *want, what=f"out S={S}")
             _check_empty_row(out, lse, sink, T, H)
@@ -282,14 +282,14 @@ def test_gpu_heads_cuda_graph_replay_on_new_inputs(variant, S):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", decode_plan.MODES)
+@pytest.mark.parametrize("mode", dispatch.decode.MODES)
 def test_gpu_whole_step_under_each_env_value(variant, mode, monkeypatch):
     """dsv4_decode_attention (gather + decode) with DSV4_AMPERE_DECODE_KERNEL=mode against
     the float64 reference on the gathered workspace."""
     from dsv4_ops import dsv4_decode
     from dsv4_ops.layout import min_page_bytes
 
-    monkeypatch.setenv(decode_plan.ENV_VAR, mode)
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, mode)
     g = rng(5)
     T, H, K1, K2, bs = 3, 64, 96, 32, 64
     nblk = 4

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import aot, attention, decode_plan, dsv4_decode, reference
+from dsv4_ops import aot, attention, dispatch, dsv4_decode, paged_decode, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk64 as _pk
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
@@ -57,7 +57,7 @@ def cpu(args):
 def run_and_check(args, num_splits, device):
     T, H = args["q"].shape[:2]
     out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device=device))
-    got, lse = attention.dsv4_decode_fused(**args, num_splits=num_splits, out=out)
+    got, lse = paged_decode.dsv4_decode_fused(**args, num_splits=num_splits, out=out)
     assert got is out
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
@@ -77,15 +77,15 @@ def test_fused_kernel_matches_float64_reference(interpret, T, H, K1, K2, slot_dt
 def pipelined(monkeypatch):
     """The PIPELINE form of the 16-head config (not dispatched yet) in place of the default."""
     monkeypatch.setitem(_pk.FUSED_CONFIG, 16, _pk.FUSED_PIPELINE_CONFIG[16])
-    decode_plan.fused_plan.cache_clear()
+    dispatch.decode.fused_plan.cache_clear()
     yield
-    decode_plan.fused_plan.cache_clear()
+    dispatch.decode.fused_plan.cache_clear()
 
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["direct", "S4"])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
 def test_fused_pipe_form_matches_float64_reference(interpret, pipelined, slot_dtype, splits):
-    assert decode_plan.fused_plan(3, 8, 49, 108).block_n == _pk.FUSED_PIPELINE_CONFIG[16]["BLOCK_N"]
+    assert dispatch.decode.fused_plan(3, 8, 49, 108).block_n == _pk.FUSED_PIPELINE_CONFIG[16]["BLOCK_N"]
     args = case(3, 8, 40, 9, slot_dtype, seed=31, device=interpret)
     args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(slot_dtype).to(interpret)
     run_and_check(args, splits, interpret)
@@ -125,7 +125,7 @@ def test_fused_strided_slots_q_and_out(interpret):
     qw[:, 1:9] = args["q"]
     buf = poison_like(torch.empty(2, 10, D, dtype=torch.bfloat16, device=interpret))
     sliced = dict(args, topk_slots=wide[:, 3:12], q=qw[:, 1:9])
-    out, lse = attention.dsv4_decode_fused(**sliced, num_splits=2, out=buf[:, 2:10])
+    out, lse = paged_decode.dsv4_decode_fused(**sliced, num_splits=2, out=buf[:, 2:10])
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(buf[:, 2:10].cpu(), lse.cpu(), want, want_lse)
     assert torch.isnan(buf[:, :2].float()).all()
@@ -144,9 +144,9 @@ def test_composite_fused_mode_on_cpu(monkeypatch):
     """DSV4_AMPERE_DECODE_KERNEL=fused: one op, same outputs as the workspace path."""
     args = case(3, 8, 20, 8, seed=6, q_dtype=torch.bfloat16)
     sl = args.pop("swa_length")
-    monkeypatch.setenv(decode_plan.ENV_VAR, "tiles")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
     want = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
     out = poison_like(torch.empty_like(args["q"]))
     got = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl, out=out)
     assert got[0] is out
@@ -193,7 +193,7 @@ def test_fused_bad_arguments_raise(bad, match):
     elif bad == "block_size":
         args["compressed_block_size"] = 64
     with pytest.raises(ValueError, match=match):
-        attention.dsv4_decode_fused(**args, num_splits=splits, out=out)
+        paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out)
     with pytest.raises(ValueError, match=match):
         ops.dsv4_decode_fused_out(*args.values(), splits, out)
 
@@ -201,20 +201,20 @@ def test_fused_bad_arguments_raise(bad, match):
 @pytest.mark.parametrize("T,H", [(1, 8), (1, 128), (4, 64), (64, 8), (64, 64), (128, 128), (512, 8)])
 @pytest.mark.parametrize("sms", [108, 132])
 def test_fused_plan_is_static_and_sane(T, H, sms):
-    p = decode_plan.fused_plan(T, H, 640, sms)
+    p = dispatch.decode.fused_plan(T, H, 640, sms)
     nb = -(-640 // p.block_n)
     assert p.kernel == "fused" and 1 <= p.splits <= min(nb, attention.MAX_SPLITS)
     assert p.block_h == _pk.block_h_for(H) and p.groups == -(-H // p.block_h) and p.direct == (p.splits == 1)
     assert p.block_n == _pk.FUSED_CONFIG[p.block_h]["BLOCK_N"]
-    assert decode_plan.fused_plan(T, H, 640, sms, 5).splits == 5
+    assert dispatch.decode.fused_plan(T, H, 640, sms, 5).splits == 5
 
 
 def test_fused_mode_is_a_known_mode(monkeypatch):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
-    assert decode_plan.mode() == "fused"
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fusd")
-    with pytest.raises(ValueError, match=decode_plan.ENV_VAR):
-        decode_plan.mode()
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
+    assert dispatch.decode.mode() == "fused"
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fusd")
+    with pytest.raises(ValueError, match=dispatch.decode.ENV_VAR):
+        dispatch.decode.mode()
 
 
 def test_aot_fused_kernels_compile_for_sm80_and_sm86(aot_results):
@@ -271,9 +271,9 @@ def test_gpu_fused_equals_old_step(variant, monkeypatch):
     common = {k: args[k] for k in ("q", "compressed_cache", "topk_slots", "swa_cache", "swa_slots", "sink",
                                    "sm_scale", "compressed_block_size", "swa_block_size", "topk_length",
                                    "swa_length")}
-    monkeypatch.setenv(decode_plan.ENV_VAR, "heads")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "heads")
     o_old, l_old = dsv4_decode.dsv4_decode_attention(**common)
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
     o_new, l_new = dsv4_decode.dsv4_decode_attention(**common)
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(o_new.cpu(), l_new.cpu(), want, want_lse)
@@ -283,7 +283,7 @@ def test_gpu_fused_equals_old_step(variant, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,splits", [(2, 16, 0), (64, 64, 1)])
 def test_gpu_fused_graph_replay_equals_eager(variant, monkeypatch, T, H, splits):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
     args = gpu_case(T, H, seed=4)
     new = gpu_case(T, H, seed=5)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
@@ -301,13 +301,13 @@ def test_gpu_fused_graph_replay_equals_eager(variant, monkeypatch, T, H, splits)
             static[k].copy_(v)
     g.replay()
     torch.cuda.synchronize()
-    e_out, e_lse = attention.dsv4_decode_fused(**new, num_splits=splits)
+    e_out, e_lse = paged_decode.dsv4_decode_fused(**new, num_splits=splits)
     assert torch.equal(out, e_out) and torch.equal(g_lse, e_lse)
 
 
 @pytest.mark.gpu
 def test_gpu_fused_torch_compile_fullgraph(variant, monkeypatch):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
     args = gpu_case(3, 16, seed=6)
 
     def f(q, cc, topk, cw, swa, sink, tl, sl):
@@ -329,16 +329,16 @@ def test_gpu_fused_torch_compile_fullgraph(variant, monkeypatch):
                                         (4, 8, 256, False)])
 def test_auto_picks_fused_only_where_measured_faster(T, H, K, want):
     """decode_paged_chunk64.md (H200, portable): fused won only at T = 4, H <= 16, K = 640 (1.17-1.18x)."""
-    assert decode_plan.auto_is_fused(T, H, K) is want
+    assert dispatch.decode.auto_is_fused(T, H, K) is want
 
 
 def test_auto_fused_composite_on_cpu_equals_workspace_path(monkeypatch):
     """At a shape where auto takes the fused op, the CPU composite's outputs are unchanged."""
     args = case(4, 8, 512, 128, seed=12, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
     sl = args.pop("swa_length")
-    assert decode_plan.auto_is_fused(4, 8, 640)
-    monkeypatch.setenv(decode_plan.ENV_VAR, "tiles")
+    assert dispatch.decode.auto_is_fused(4, 8, 640)
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
     want = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
-    monkeypatch.setenv(decode_plan.ENV_VAR, "auto")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "auto")
     got = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from dsv4_ops import decode_plan, reference
+from dsv4_ops import dispatch, reference
 from dsv4_ops.testing import HAS_GPU, rng
 
 SCALE = 512 ** -0.5
@@ -106,7 +106,7 @@ def op_cases(device: str):
         cases.append((f"dsv4_decode_step_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
                       dsv4_decode_attention(q, cache, topk, swa, win, sink, SCALE, bs, bs, topk_length=tl_)))
         cases.append((f"dsv4_decode_step_fused_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
-                      _with_env(decode_plan.ENV_VAR, "fused", dsv4_decode_attention, q, cache, topk, swa, win,
+                      _with_env(dispatch.decode.ENV_VAR, "fused", dsv4_decode_attention, q, cache, topk, swa, win,
                                 sink, SCALE, bs, bs, topk_length=tl_)))
     # indexer
     Hi, D = 32, 128
@@ -200,21 +200,21 @@ def test_digest_script_runs_on_the_cpu_references():
 # ------------------------------------------------------------------------ batch invariance
 
 def test_batch_invariant_plan_ignores_t(monkeypatch):
-    monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
-    assert decode_plan.mode() == "heads"
+    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
+    assert dispatch.decode.mode() == "heads"
     for H, K in ((8, 640), (16, 640), (64, 640), (128, 1152), (8, 16)):
-        plans = {decode_plan.plan(T, H, K, sms, decode_plan.mode()) for T in (1, 2, 17, 63, 64, 95, 264, 8192)
+        plans = {dispatch.decode.plan(T, H, K, sms, dispatch.decode.mode()) for T in (1, 2, 17, 63, 64, 95, 264, 8192)
                  for sms in (108, 132)}
         assert len(plans) == 1, (H, K, plans)
         (p,) = plans
         assert p.kernel == "heads" and p.splits == min(4 if H <= 16 else 2, -(-K // 32))
-    monkeypatch.setenv(decode_plan.ENV_VAR, "tiles")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
     with pytest.raises(ValueError, match="cannot be batch-invariant"):
-        decode_plan.mode()
-    monkeypatch.delenv(decode_plan.BATCH_INVARIANT_ENV)
-    assert decode_plan.mode() == "tiles"
-    monkeypatch.delenv(decode_plan.ENV_VAR)
-    assert {decode_plan.plan(T, 8, 640, 108, "auto").kernel for T in (1, 64)} == {"tiles", "heads"}
+        dispatch.decode.mode()
+    monkeypatch.delenv(dispatch.decode.BATCH_INVARIANT_ENV)
+    assert dispatch.decode.mode() == "tiles"
+    monkeypatch.delenv(dispatch.decode.ENV_VAR)
+    assert {dispatch.decode.plan(T, 8, 640, 108, "auto").kernel for T in (1, 64)} == {"tiles", "heads"}
 
 
 @pytest.mark.gpu
@@ -223,7 +223,7 @@ def test_batch_invariant_decode_step(monkeypatch):
     batch holds 1, 7, 64 or 300 tokens (plans that differ by T without it)."""
     from dsv4_ops.dsv4_decode import dsv4_decode_attention
 
-    monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
+    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
     monkeypatch.setenv("DSV4_AMPERE_IMPL", "portable")
     g, dev, bs, nb, H = rng(5), "cuda", 64, 64, 8
     cache = _paged_cache(nb, bs, nb * bs, g, dev)

@@ -10,7 +10,7 @@ replay on new inputs, and torch.compile(fullgraph=True). opcheck: test_opcheck.p
 import pytest
 import torch
 
-from dsv4_ops import attention, dsv4_decode, reference
+from dsv4_ops import attention, dispatch, dsv4_decode, reference
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, capture_graph, rng, short_id
 
@@ -126,7 +126,7 @@ def check(out, lse, want_out, want_lse):
 @pytest.fixture(params=["fused_gather", "two_gathers"])
 def gather_path(request, monkeypatch):
     """Both gather paths of the composite: one launch (small T) and two gathers + indices."""
-    monkeypatch.setattr(dsv4_decode, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
+    monkeypatch.setattr(dispatch.decode, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
     return request.param
 
 

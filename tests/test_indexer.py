@@ -16,7 +16,7 @@ import pytest
 
 import torch
 
-from dsv4_ops import indexer, layout
+from dsv4_ops import dispatch, indexer, layout
 from dsv4_ops.reference import (ref_e4m3_decode, ref_indexer_k_insert, ref_indexer_q_quant, ref_indexer_read_rows,
                                 ref_mqa_logits, ref_paged_mqa_logits, ref_ue8m0_exponent)
 from dsv4_ops.testing import HAS_GPU, poison_like, rng
@@ -361,7 +361,7 @@ def test_kernel_mqa_logits_v2(interpret, compressed, block_m, block_n, kernel, d
     cfg = {"KERNEL": kernel, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
     if kernel == 3:
         cfg["DOT_N"] = dot_n
-        assert indexer.mqa_rows_per_dot(H, cfg) == dot_n // 32
+        assert dispatch.indexer.mqa_rows_per_dot(H, cfg) == dot_n // 32
     dv = interpret
     got = indexer.mqa_logits(q.to(dv), w.to(dv), k.to(dv), ksc.to(dv), ks.to(dv), ke.to(dv), cols, config=cfg)
     assert_logits_close(got, ref)
@@ -384,7 +384,7 @@ def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel)
     cfg = {"KERNEL": 2 if kernel == 2 else 3, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 2,
            "TARGET_PROGRAMS": 4, "MAX_TILES_PER_PROGRAM": 3, "CODES_AHEAD": kernel == "3-ahead",
            "PAIRS": kernel == "3-pairs"}  # 3 tiles a program: PAIRS ends on a single tile
-    assert indexer.paged_tiles_per_program(B * next_n, max_len, cfg) > 1
+    assert dispatch.indexer.paged_tiles_per_program(B * next_n, max_len, cfg) > 1
     dv = interpret
     got = indexer.paged_mqa_logits(q.to(dv), cache.to(dv), w.to(dv), ctx.to(dv), bt.to(dv), max_len, config=cfg)
     assert_logits_close(got, ref)
@@ -400,13 +400,13 @@ def test_paged_tiles_per_program_one_wave():
         for rows in (1, 3, 8, 16, 64, 200, 600):
             for ctx in (64, 1000, 8192, 32768, 65536):
                 tiles = triton.cdiv(ctx, 64)
-                tpp = indexer.paged_tiles_per_program(rows, ctx, cfg, sms)
+                tpp = dispatch.indexer.paged_tiles_per_program(rows, ctx, cfg, sms)
                 assert 1 <= tpp <= min(tiles, 64)
                 programs = rows * triton.cdiv(tiles, tpp)
                 if rows <= sms * pps and triton.cdiv(tiles, 64) <= sms * pps // rows:
                     assert programs <= sms * pps, (sms, pps, rows, ctx, tpp)
         # without the SM count (warm-set key expansion, CPU): the TARGET_PROGRAMS rule
-        assert indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
+        assert dispatch.indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
 
 
 def test_kernel_k_insert_of_fp32_rows(interpret):

@@ -10,7 +10,7 @@ CUDA-graph replay on new inputs == eager, and torch.compile(fullgraph=True)."""
 import pytest
 import torch
 
-from dsv4_ops import aot, reference, sparse_prefill as sp
+from dsv4_ops import aot, dispatch, reference, sparse_prefill as sp
 from dsv4_ops.csrc_triton import sparse_prefill as pk
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng
 
@@ -192,21 +192,21 @@ def test_split_configs_launch_the_split_kernel_with_one_chunk_a_warp():
                                           (528, 8, 132, True), (132, 128, 132, True), (131, 128, 132, False),
                                           (1, 128, 108, False)])
 def test_dispatch_rule(T, H, sms, want):
-    assert sp.PREFILL_MIN_WAVES == 4  # the cases below are written for 4 waves
-    assert sp.uses_prefill_kernel(T, H, torch.int32, sms) is want
-    assert sp.uses_prefill_kernel(T, H, torch.int64, sms) is False  # int64: the decode kernels
+    assert dispatch.prefill.PREFILL_MIN_WAVES == 4  # the cases below are written for 4 waves
+    assert dispatch.prefill.uses_prefill_kernel(T, H, torch.int32, sms) is want
+    assert dispatch.prefill.uses_prefill_kernel(T, H, torch.int64, sms) is False  # int64: the decode kernels
 
 
 def test_dispatch_launches_the_prefill_kernel_only_when_the_programs_fill_the_sms(interpret, monkeypatch):
     """With 4 SMs (16 programs for 4 waves): T x G = 16 runs the prefill kernel, 12 the decode
     path, and so does a q view whose rows are not 16-byte aligned; all match the reference."""
-    monkeypatch.setattr(sp, "num_sms_of", lambda t: 4)
+    monkeypatch.setattr(dispatch.prefill, "num_sms_of", lambda t: 4)
     dev = interpret
     for T, want, shift in ((4, True, 0), (3, False, 0), (4, False, 4)):  # H = 128: four groups of 32
         q, kv, idx, tl = make_case(T, 128, 20, seed=T, device=dev)
         if shift:  # the same values at a storage offset of 4 elements (8 bytes)
             q = torch.empty(q.numel() + shift, dtype=q.dtype, device=dev)[shift:].view(q.shape).copy_(q)
-            assert not sp.aligned(q, kv, None)
+            assert not dispatch.prefill.aligned(q, kv, None)
         sink = make_sink("finite", 128, dev)
         before = dict(sp._kernel.stats)
         out, lse = sp.sparse_mla_prefill(q, kv, idx, tl, sink, SM_SCALE)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dsv4_ops import layout as L
 from dsv4_ops.csrc_triton import v32_attention as _ak
-from dsv4_ops import v32
+from dsv4_ops import dispatch, v32
 from dsv4_ops import reference as R
 from dsv4_ops.testing import HAS_GPU, assert_attention_close, poison_like, rng
 
@@ -132,12 +132,12 @@ def gpu_case(*args):
 
 def test_split_count_fits_one_wave():
     for T, H, want in ((1, 16, 64), (1, 128, 33), (16, 16, 8), (16, 128, 2), (64, 16, 2), (64, 128, 1), (128, 16, 1)):
-        s = v32.num_splits_for(T, H, 2048, 132)
+        s = dispatch.v32.num_splits_for(T, H, 2048, 132)
         assert s == want, (T, H, s)
         assert T * -(-H // (16 if H <= 16 else 32)) * s <= 132 or s == 1
     for T, H in ((1, 16), (1, 128), (16, 16), (64, 16), (128, 128)):  # f16: PER_SM programs an SM
-        cfg = v32._config("f16", 16 if H <= 16 else 32)
-        s = v32.num_splits_for(T, H, 2048, 132, "f16")
+        cfg = dispatch.v32.config_of("f16", 16 if H <= 16 else 32)
+        s = dispatch.v32.num_splits_for(T, H, 2048, 132, "f16")
         slots = 132 * cfg.get("PER_SM", 1)
         base = T * -(-H // cfg["BLOCK_H"])
         assert (base * s <= slots and (s == 64 or base * (s + 1) > slots)) or (s == 1 and base >= slots), (T, H, s)
@@ -448,27 +448,27 @@ def test_decode_int64_indices_out_of_range_never_wrap(interpret):
 
 
 def test_form_choice_and_unaligned_records_fall_back_to_w64(interpret, monkeypatch):
-    assert v32.form_for(True, "w128") == "w128" and v32.form_for(False, "w128") == "w64"
-    assert v32.form_for(True, "w64") == "w64"
-    assert v32.form_for(True, "auto", True, 16) == "w128" and v32.form_for(True, "auto", False, 16) == "w64"
+    assert dispatch.v32.form_for(True, "w128") == "w128" and dispatch.v32.form_for(False, "w128") == "w64"
+    assert dispatch.v32.form_for(True, "w64") == "w64"
+    assert dispatch.v32.form_for(True, "auto", True, 16) == "w128" and dispatch.v32.form_for(True, "auto", False, 16) == "w64"
     # auto over fp8 records: f16 at H <= 16 from T = 16, w128 at T = 1 and at H > 16 (measured)
-    assert v32.form_for(True, "auto", True, 16, 16) == "f16" and v32.form_for(True, "auto", True, 8, 128) == "f16"
-    assert v32.form_for(True, "auto", True, 128, 128) == "w128" and v32.form_for(False, "auto", True, 16, 64) == "w64"
-    assert v32.form_for(True, "auto", False, 16, 64) == "w64"
-    assert v32.form_for(True, "auto", False, 128) == "w128" and v32.form_for(False, "auto", True, 128) == "w64"
-    assert v32.form_for(True, "f16") == "f16" and v32.form_for(True, "f16:h16n16w4") == "f16:h16n16w4"
-    assert v32.form_for(True, "f16", False, 16) == "w64" and v32.form_for(True, "f16", False, 128) == "w128"
-    assert v32.form_for(False, "f16") == "w64"
+    assert dispatch.v32.form_for(True, "auto", True, 16, 16) == "f16" and dispatch.v32.form_for(True, "auto", True, 8, 128) == "f16"
+    assert dispatch.v32.form_for(True, "auto", True, 128, 128) == "w128" and dispatch.v32.form_for(False, "auto", True, 16, 64) == "w64"
+    assert dispatch.v32.form_for(True, "auto", False, 16, 64) == "w64"
+    assert dispatch.v32.form_for(True, "auto", False, 128) == "w128" and dispatch.v32.form_for(False, "auto", True, 128) == "w64"
+    assert dispatch.v32.form_for(True, "f16") == "f16" and dispatch.v32.form_for(True, "f16:h16n16w4") == "f16:h16n16w4"
+    assert dispatch.v32.form_for(True, "f16", False, 16) == "w64" and dispatch.v32.form_for(True, "f16", False, 128) == "w128"
+    assert dispatch.v32.form_for(False, "f16") == "w64"
     with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
-        v32.form_for(True, "f16:h99")
+        dispatch.v32.form_for(True, "f16:h99")
     with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
-        v32.form_for(True, "w128:h16n16w4")
-    monkeypatch.setenv(v32.FORM_ENV, "w128")
-    assert v32.form_for(True) == "w128"
-    monkeypatch.setenv(v32.FORM_ENV, "w256")
+        dispatch.v32.form_for(True, "w128:h16n16w4")
+    monkeypatch.setenv(dispatch.v32.FORM_ENV, "w128")
+    assert dispatch.v32.form_for(True) == "w128"
+    monkeypatch.setenv(dispatch.v32.FORM_ENV, "w256")
     with pytest.raises(ValueError, match="DSV4_AMPERE_V32_FORM"):
-        v32.form_for(True)
-    monkeypatch.delenv(v32.FORM_ENV)
+        dispatch.v32.form_for(True)
+    monkeypatch.delenv(dispatch.v32.FORM_ENV)
     dev = interpret
     # a block stride padded by 4 bytes: records not 16-byte aligned, so w128 must not run
     nb, bs = 3, 8
@@ -697,7 +697,7 @@ def test_gpu_insert_bit_identical_large(variant):
 def test_gpu_cuda_graph_replay_equals_eager(monkeypatch, form):
     from dsv4_ops.testing import capture_graph
 
-    monkeypatch.setenv(v32.FORM_ENV, form)
+    monkeypatch.setenv(dispatch.v32.FORM_ENV, form)
 
     q, cache, idx, tlen = flashmla_case(8, 2, 128, 1024, 2048, 64, True, 101, "cuda")
     kv_c, k_pe = make_kv(16, 102, "cuda")
@@ -725,7 +725,7 @@ def test_gpu_cuda_graph_replay_equals_eager(monkeypatch, form):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["w128", "f16"])
 def test_gpu_torch_compile_fullgraph(monkeypatch, form):
-    monkeypatch.setenv(v32.FORM_ENV, form)
+    monkeypatch.setenv(dispatch.v32.FORM_ENV, form)
     q, cache, idx, tlen = flashmla_case(4, 1, 16, 512, 64, 69, True, 111, "cuda")
     kv_c, k_pe = make_kv(8, 112, "cuda")
     slots = torch.arange(8, device="cuda")

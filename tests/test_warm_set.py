@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dsv4_ops import decode_plan, warm_keys
+from dsv4_ops import dispatch, warm_keys
 from dsv4_ops.vllm import warm_set as ws
 from dsv4_ops.vllm import warm_set_v32 as wv
 
@@ -53,15 +53,15 @@ def test_every_dispatched_specialization_is_warm(model, tp):
         assert not missing, f"{shapes.name} TP={tp} sms={sms}: {len(missing)} dispatched, not warm: {missing[:5]}"
 
 
-@pytest.mark.parametrize("mode", [m for m in decode_plan.MODES if m != "auto"] + ["invariant"])
+@pytest.mark.parametrize("mode", [m for m in dispatch.decode.MODES if m != "auto"] + ["invariant"])
 def test_every_decode_mode_is_warm(mode, monkeypatch):
-    """The set follows DSV4_AMPERE_DECODE_KERNEL (every mode decode_plan has) and
+    """The set follows DSV4_AMPERE_DECODE_KERNEL (every mode dispatch.decode has) and
     DSV4_AMPERE_BATCH_INVARIANT (read when it is built, as the launchers read them at each
     call)."""
     if mode == "invariant":
-        monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
+        monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
     else:
-        monkeypatch.setenv(decode_plan.ENV_VAR, mode)
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, mode)
     shapes = ws.v41_flash(tp=4)
     warm = ws.build(shapes, 2048, sms=108)
     counts = _sweep_token_counts(shapes, 108, seed=7)
@@ -219,7 +219,7 @@ def test_every_aot_kernel_is_warm_or_named_off_the_serve_path():
     aot_kernels = {warm_keys.kernel_id(warm_keys.jit_function(s.kernel)).rsplit(":", 1)[-1]
                    for s in aot.all_specs() if s.variant == "portable"}
     warm = set()
-    for mode in decode_plan.MODES:
+    for mode in dispatch.decode.MODES:
         for make in MODELS.values():
             for tp in (1, 8):
                 warm |= {k.kernel.rsplit(":", 1)[-1] for k in ws.build(make(tp=tp), 512, sms=108, mode=mode).keys}
@@ -344,9 +344,9 @@ def test_the_set_on_disk_is_the_set_built(tmp_path, monkeypatch):
     assert path.name == key + ".pkl"
     assert key != ws.cache_key(shapes, 512, 108, "portable", "auto") != ws.cache_key(shapes, 256, 132, "portable",
                                                                                       "auto")
-    monkeypatch.setenv(decode_plan.BATCH_INVARIANT_ENV, "1")
+    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
     assert ws.cache_key(shapes, 256, 108, "portable", "auto") != key
-    monkeypatch.delenv(decode_plan.BATCH_INVARIANT_ENV)
+    monkeypatch.delenv(dispatch.decode.BATCH_INVARIANT_ENV)
     path.write_bytes(b"not a pickle")
     assert ws.build(shapes, 256, sms=108, mode="auto", cache_dir=str(tmp_path)).keys == fresh.keys
     monkeypatch.setenv(ws.CACHE_ENV, "0")
@@ -447,7 +447,7 @@ def sweep_calls(shapes, sms: int, dev: str) -> None:
 
     H, bs = shapes.heads_per_rank, shapes.swa_block_size
     g = torch.Generator().manual_seed(0)
-    mode = decode_plan.mode()
+    mode = dispatch.decode.mode()
     with ws.on_device(dev):
         swa = ws._cache(shapes, bs)
         comps = {r: ws._cache(shapes, max(1, shapes.block_size // r)) for _, r in shapes.decode_layer_kinds()}
@@ -519,7 +519,7 @@ def gpu_sweep(model: str = "v41", tp: int = 8, max_tokens: int = SWEEP_MAX_TOKEN
     import time
 
     shapes = SWEEP_MODELS[model](tp=tp)
-    sms = decode_plan.num_sms(torch.cuda.current_device())
+    sms = dispatch.device.num_sms(torch.cuda.current_device())
     t0 = time.perf_counter()
     warm = ws.build(shapes, max_tokens, sms=sms, variant="portable")
     build_s = time.perf_counter() - t0
