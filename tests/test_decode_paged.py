@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import attention, decode_plan, dsv4_decode, reference
+from dsv4_ops import attention, dispatch, dsv4_decode, paged_decode, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
@@ -44,7 +44,7 @@ def case(*a, **k):
 def run_and_check(args, num_splits, device, config=""):
     T, H = args["q"].shape[:2]
     out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device=device))
-    got, lse = attention.dsv4_decode_fused(**args, num_splits=num_splits, out=out, form="v3", config=config)
+    got, lse = paged_decode.dsv4_decode_fused(**args, num_splits=num_splits, out=out, form="v3", config=config)
     assert got is out
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
@@ -199,8 +199,8 @@ def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
     args = _case(2, 8, 9, 4, seed=9, device=interpret)  # pages of 584 * 4 + 8 bytes
     assert args["compressed_cache"].stride(0) % 16
     called = []
-    monkeypatch.setattr(attention, "_launch_v3", lambda *a: called.append(1))
-    out, lse = attention.dsv4_decode_fused(**args, num_splits=1, form="v3")
+    monkeypatch.setattr(paged_decode, "_launch_v3", lambda *a: called.append(1))
+    out, lse = paged_decode.dsv4_decode_fused(**args, num_splits=1, form="v3")
     assert not called
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
@@ -209,26 +209,26 @@ def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
 @pytest.mark.parametrize("T,H,sms", [(1, 8, 132), (4, 64, 132), (64, 64, 132), (128, 8, 108), (256, 128, 132),
                                      (64, 8, 132), (64, 16, 108), (1, 128, 132), (16, 8, 132)])
 def test_v3_plan_is_static_and_sane(T, H, sms):
-    p = decode_plan.v3_plan(T, H, 640, sms)
+    p = dispatch.decode.v3_plan(T, H, 640, sms)
     nb = -(-640 // p.block_n)
     assert p.kernel == "v3" and 1 <= p.splits <= min(nb, 64) and p.direct == (p.splits == 1)
     assert p.groups * p.block_h >= H
-    assert decode_plan.v3_config_name(T, H) in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
+    assert dispatch.decode.v3_config_name(T, H) in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
     if p.block_n >= 64:  # 8-warp programs: at most one an SM, or one split
         assert T * p.groups * p.splits <= sms or p.splits == 1
     else:  # no balanced count puts fewer key blocks on the busiest SM (2 programs resident an SM)
         def busiest(s):
-            return -(-T * p.groups * s // (decode_plan.V3_RESIDENT_PER_SM * sms)) * -(-nb // s)
-        assert p.splits in decode_plan.balanced_splits(nb)
-        assert all(busiest(p.splits) <= busiest(s) for s in decode_plan.balanced_splits(nb))
-    assert decode_plan.v3_plan(T, H, 640, sms) == p
+            return -(-T * p.groups * s // (dispatch.decode.V3_RESIDENT_PER_SM * sms)) * -(-nb // s)
+        assert p.splits in dispatch.decode.balanced_splits(nb)
+        assert all(busiest(p.splits) <= busiest(s) for s in dispatch.decode.balanced_splits(nb))
+    assert dispatch.decode.v3_plan(T, H, 640, sms) == p
 
 
 def test_v3_mode_routes_the_composite(monkeypatch):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
-    assert decode_plan.mode() == "v3" and decode_plan.fused_form(64, 64, 640) == "v3"
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")
-    assert decode_plan.fused_form(64, 64, 640) == "v1"
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
+    assert dispatch.decode.mode() == "v3" and dispatch.decode.fused_form(64, 64, 640) == "v3"
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
+    assert dispatch.decode.fused_form(64, 64, 640) == "v1"
 
 
 def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
@@ -277,32 +277,30 @@ def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
     """AUTO_V3_SMEM_WINDOWS: kh32n64w8 (108 KB) runs where the device's blocks hold it (an A100,
     an H200), never on sm_86 (99 KB), where the shape keeps its other choice; the composite
     routes by the same rule."""
-    from dsv4_ops import dsv4_decode
-
-    monkeypatch.delenv(decode_plan.ENV_VAR, raising=False)
+    monkeypatch.delenv(dispatch.decode.ENV_VAR, raising=False)
     a100, sm86, h200 = 163 * 1024, 99 * 1024, 227 * 1024
-    for T, _, H, _, K, _ in decode_plan.AUTO_V3_SMEM_WINDOWS:  # each window's lowest T and H
+    for T, _, H, _, K, _ in dispatch.windows.AUTO_V3_SMEM_WINDOWS:  # each window's lowest T and H
         for smem in (a100, h200):
-            assert decode_plan.v3_config_name(T, H, K, smem) == "kh32n64w8"
-            assert decode_plan.auto_is_v3(T, H, K, smem) and decode_plan.fused_form(T, H, K, smem) == "v3"
-            assert dsv4_decode._choice("auto", T, H, K, smem) == "v3"
-        assert decode_plan.v3_config_name(T, H, K, sm86) != "kh32n64w8"
+            assert dispatch.decode.v3_config_name(T, H, K, smem) == "kh32n64w8"
+            assert dispatch.decode.auto_is_v3(T, H, K, smem) and dispatch.decode.fused_form(T, H, K, smem) == "v3"
+            assert dispatch.decode.route("auto", T, H, K, smem) == "v3"
+        assert dispatch.decode.v3_config_name(T, H, K, sm86) != "kh32n64w8"
         base = any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
-                   for t_lo, t_hi, h_lo, h_hi, k in decode_plan.AUTO_V3_WINDOWS)
-        assert decode_plan.auto_is_v3(T, H, K, sm86) == base
-        assert dsv4_decode._choice("auto", T, H, K, sm86) == ("v3" if base else "workspace")
+                   for t_lo, t_hi, h_lo, h_hi, k in dispatch.windows.AUTO_V3_WINDOWS)
+        assert dispatch.decode.auto_is_v3(T, H, K, sm86) == base
+        assert dispatch.decode.route("auto", T, H, K, sm86) == ("v3" if base else "workspace")
     # no CUDA device here: the plan is made for an A100's 163 KiB
-    assert decode_plan.smem_per_block(-1) == decode_plan.DEFAULT_SMEM_BYTES == a100
+    assert dispatch.device.smem_per_block(-1) == dispatch.device.DEFAULT_SMEM_BYTES == a100
 
 
 def test_sms_env_overrides_the_device_count(monkeypatch):
     """DSV4_AMPERE_SMS plans for a green context / MPS share; a bad value is an error."""
-    monkeypatch.setenv(decode_plan.SMS_ENV, "108")
-    assert decode_plan.num_sms(0) == 108
+    monkeypatch.setenv(dispatch.device.SMS_ENV, "108")
+    assert dispatch.device.num_sms(0) == 108
     for bad in ("0", "-3", "a100"):
-        monkeypatch.setenv(decode_plan.SMS_ENV, bad)
-        with pytest.raises(ValueError, match=decode_plan.SMS_ENV):
-            decode_plan.num_sms(0)
+        monkeypatch.setenv(dispatch.device.SMS_ENV, bad)
+        with pytest.raises(ValueError, match=dispatch.device.SMS_ENV):
+            dispatch.device.num_sms(0)
 
 
 @pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, "h16n16w4"), (4, 8, 640, "h16n32w4"), (16, 8, 640, "kh16n32w4"),
@@ -313,7 +311,7 @@ def test_sms_env_overrides_the_device_count(monkeypatch):
                                         (16, 16, 256, "h16n32w4")])
 def test_v3_config_is_the_measured_winner(T, H, K, want):
     """decode_paged_f16dot.md (H200 call 2): the config v3_config_name picks at every measured dispatched shape."""
-    assert decode_plan.v3_config_name(T, H, K) == want
+    assert dispatch.decode.v3_config_name(T, H, K) == want
 
 
 @pytest.mark.parametrize("T,H,K,config,want", [(1, 8, 640, "h16n16w4", 40), (4, 8, 640, "h16n32w4", 20),
@@ -325,14 +323,14 @@ def test_v3_config_is_the_measured_winner(T, H, K, want):
 def test_v3_splits_of_the_32_key_configs_are_the_measured_ones(T, H, K, config, want):
     """decode_paged_chunk128.md / decode_paged_f16dot.md / decode_paged_f16dot_splits.md (H200, 132 SMs): the best split count
     measured at each shape (T = 16, H = 64: S = 4 30.6 us against S = 3 39.1)."""
-    assert decode_plan.v3_plan(T, H, K, 132, 0, config).splits == want
+    assert dispatch.decode.v3_plan(T, H, K, 132, 0, config).splits == want
 
 
 def test_v3_splits_of_the_64_key_configs_are_the_measured_ones():
     """decode_paged_f16dot.md: kh16n64w8 at T = 64, H <= 16: S = 2 (of 1, 2, 3); T = 1, H = 128: S = 10."""
-    assert decode_plan.v3_plan(64, 8, 640, 132).splits == 2
-    assert decode_plan.v3_plan(64, 16, 640, 132).splits == 2
-    assert decode_plan.v3_plan(1, 128, 640, 132).splits == 10
+    assert dispatch.decode.v3_plan(64, 8, 640, 132).splits == 2
+    assert dispatch.decode.v3_plan(64, 16, 640, 132).splits == 2
+    assert dispatch.decode.v3_plan(1, 128, 640, 132).splits == 10
 
 
 def test_v4_config_with_odd_block_sizes_runs_v3(interpret, monkeypatch):
@@ -340,8 +338,8 @@ def test_v4_config_with_odd_block_sizes_runs_v3(interpret, monkeypatch):
     (same results)."""
     args = case(3, 8, 40, 9, seed=43, bs_c=3, nb_c=7, bs_w=5, nb_w=3, device=interpret)
     launched = []
-    orig = type(attention._v4_kernel).__call__
-    monkeypatch.setattr(type(attention._v4_kernel), "__call__",
+    orig = type(paged_decode._v4_kernel).__call__
+    monkeypatch.setattr(type(paged_decode._v4_kernel), "__call__",
                         lambda self, *a, **k: launched.append(self.name) or orig(self, *a, **k))
     run_and_check(args, 1, interpret, "kh16n32w4")
     run_and_check(args, 2, interpret, "kh16n32w4")
@@ -410,13 +408,40 @@ def test_gpu_v3_int64_adversarial(variant):
     run_and_check(args, 1, "cuda")
 
 
+GRAPH_REPLAY_CONFIGS = ["", "kh16n32w4", "kh32n64w8"]
+GRAPH_REPLAY_SHAPES = [(2, 16, 0), (64, 64, 1), (128, 8, 0)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["", "kh16n32w4", "kh32n64w8"], ids=["dispatched", "kh16n32w4", "kh32n64w8"])
-@pytest.mark.parametrize("T,H,splits", [(2, 16, 0), (64, 64, 1), (128, 8, 0)])
+@pytest.mark.parametrize("config", GRAPH_REPLAY_CONFIGS, ids=["dispatched", "kh16n32w4", "kh32n64w8"])
+@pytest.mark.parametrize("T,H,splits", GRAPH_REPLAY_SHAPES)
 def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, config):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
-    if config:  # the composite's v3 form with this config (a v4 one: csrc_triton.decode.paged_f16dot)
-        monkeypatch.setattr(decode_plan, "v3_config_name", lambda *a, **k: config)
+    graph_replay_equals_eager(monkeypatch, T, H, splits, config)
+
+
+@pytest.mark.gpu
+def test_gpu_v3_graph_replay_configs_in_adversarial_order(variant, monkeypatch):
+    """The graph-replay grid in one process, each shape through its configs and back (a config
+    after another of the same shape, the dispatched one between forced ones): the recorded
+    launch plans key on DSV4_AMPERE_DECODE_CONFIG, so no call replays another config's plan."""
+    order = ["kh32n64w8", "kh16n32w4", "kh32n64w8", "", "kh16n32w4", "", "kh32n64w8"]
+    for T, H, splits in GRAPH_REPLAY_SHAPES:
+        for config in order:
+            graph_replay_equals_eager(monkeypatch, T, H, splits, config)
+    for config in order:  # the shapes interleaved, one config at a time
+        for T, H, splits in GRAPH_REPLAY_SHAPES:
+            graph_replay_equals_eager(monkeypatch, T, H, splits, config)
+
+
+def graph_replay_equals_eager(monkeypatch, T, H, splits, config):
+    """The composite's v3 form (with ``config`` forced through DSV4_AMPERE_DECODE_CONFIG, '' for
+    the dispatched one; a k... config runs csrc_triton.decode.paged_f16dot) captured in a CUDA
+    graph and replayed on new inputs: bit-identical to the eager paged op with that config."""
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
+    if config:
+        monkeypatch.setenv(dispatch.decode.CONFIG_ENV, config)
+    else:
+        monkeypatch.delenv(dispatch.decode.CONFIG_ENV, raising=False)
     args = gpu_case(T, H, seed=4)
     new = gpu_case(T, H, seed=5)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
@@ -434,7 +459,7 @@ def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, co
             static[k].copy_(v)
     g.replay()
     torch.cuda.synchronize()
-    e_out, e_lse = attention.dsv4_decode_fused(**new, num_splits=splits, form="v3", config=config)
+    e_out, e_lse = paged_decode.dsv4_decode_fused(**new, num_splits=splits, form="v3", config=config)
     assert torch.equal(out, e_out) and torch.equal(g_lse, e_lse)
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(new), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), g_lse.cpu(), want, want_lse)
@@ -443,9 +468,9 @@ def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, co
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["", "kh16n32w4"], ids=["dispatched", "kh16n32w4"])
 def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch, config):
-    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
     if config:
-        monkeypatch.setattr(decode_plan, "v3_config_name", lambda *a, **k: config)
+        monkeypatch.setenv(dispatch.decode.CONFIG_ENV, config)
     args = gpu_case(3, 16, seed=6)
 
     def f(q, cc, topk, cw, swa, sink, tl, sl):
@@ -466,7 +491,7 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
     """The composite's v3 routing (auto_is_v3 + the cache stride check) traces under
     torch.compile(fullgraph=True): a data_ptr() check there broke it on the H200."""
     args = case(3, 16, 512, 128, seed=6, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
-    assert decode_plan.auto_is_v3(3, 16, 640) and dsv4_decode._aligned(args["compressed_cache"])
+    assert dispatch.decode.auto_is_v3(3, 16, 640) and dispatch.decode.cache_aligned(args["compressed_cache"])
 
     def f(q, cc, topk, cw, swa, sink, tl, sl):
         out = torch.empty_like(q)
@@ -494,4 +519,4 @@ def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
     T = 16, H = 64 (decode_paged_f16dot_splits.md: kh16n32w4 at S = 4);
     the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
     whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
-    assert decode_plan.auto_is_v3(T, H, K, 99 * 1024) is want
+    assert dispatch.decode.auto_is_v3(T, H, K, 99 * 1024) is want

@@ -150,7 +150,8 @@ def test_fast_kernel_rejects_constexprs_that_are_not_trailing(fake_cuda):
 def test_every_launcher_kernel_has_trailing_constexprs():
     """The launchers pass constexprs apart (keyed by value): each kernel must end with them."""
     from dsv4_ops import attention, codec, kv_cache  # noqa: F401  (fills the registry)
-    from dsv4_ops.csrc_triton import codec as ck, kv_cache as kk, merge as mk, sparse_mla as sk
+    from dsv4_ops.csrc_triton import codec as ck, kv_cache as kk
+    from dsv4_ops.csrc_triton.decode import merge as mk, tiles as sk
 
     kernels = [sk._sparse_mla_split_kernel, sk._dsv4_decode_indices_kernel, mk._merge_splits_kernel,
                kk._kv_cache_insert_kernel, kk._kv_cache_gather_kernel, kk._dsv4_decode_gather_kernel,
@@ -295,7 +296,7 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
     it replays; every call, on fresh tensors, must launch exactly what the launcher itself
     launches for the same inputs (kernels, grids, scalars, constexprs, which input tensor where,
     allocations of the same shape / strides / dtype) and return the same kind of result."""
-    from dsv4_ops import _host_plan, attention
+    from dsv4_ops import _host_plan, paged_decode
     from dsv4_ops.registration import library
 
     monkeypatch.setattr(_host_plan, "FAST_REPLAY", generated)
@@ -309,7 +310,7 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
         replayed = _host_plan.STATS["replay"] - r0
         got_launches = [_canon(e, args) for e in log]
         del log[:]
-        want = attention.dsv4_decode_fused(*args[:12], out=args[12])[1]
+        want = paged_decode.dsv4_decode_fused(*args[:12], out=args[12])[1]
         want_launches = [_canon(e, args) for e in log]
         assert got_launches == want_launches, f"call {call}"
         assert len(got_launches) >= 1
@@ -323,7 +324,7 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
 def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
     """A new shape, a new env value the launcher reads, or a different aliasing of the tensor
     arguments is a new key: recorded anew, never replayed from another key's plan."""
-    from dsv4_ops import _host_plan, decode_plan
+    from dsv4_ops import _host_plan, dispatch
     from dsv4_ops.registration import library
 
     impl = library._DEFINED["dsv4_decode_fused_out"].cuda
@@ -337,12 +338,12 @@ def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
     a = _fused_inputs(1, 8, 512, 128)
     base = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)][-1]
     assert launches(a) == base
-    monkeypatch.setenv(decode_plan.ENV_VAR, "v3")  # same form here: same launches, a new key
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")  # same form here: same launches, a new key
     assert launches(a) == base
-    monkeypatch.setenv(decode_plan.ENV_VAR, "fused")  # v1 form from the launcher (fused_form reads it)
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")  # v1 form from the launcher (fused_form reads it)
     v1 = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)]
     assert v1[0] == v1[1] == v1[2] != base and {n for n, _, _ in v1[0]} != {n for n, _, _ in base}
-    monkeypatch.delenv(decode_plan.ENV_VAR)
+    monkeypatch.delenv(dispatch.decode.ENV_VAR)
     # aliasing: the same cache object twice vs two caches of one layout
     one = _fused_inputs(2, 16, 0, 128, same_cache=True)
     two = _fused_inputs(2, 16, 0, 128)
@@ -351,6 +352,39 @@ def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
         l_one, l_two = launches(one), launches(two)
     assert [x for _, _, x in l_one] != [x for _, _, x in l_two]  # 'in 1' vs 'in 5' for the window cache
     assert any(("in", 5) in x for _, _, x in l_two)
+
+
+V3_KERNEL = {"h16n32w4": "_dsv4_decode_v3_kernel", "kh16n32w4": "_dsv4_decode_v4_kernel"}
+
+
+@pytest.mark.parametrize("order", [("h16n32w4", "kh16n32w4"), ("kh16n32w4", "h16n32w4")], ids="then".join)
+def test_replay_keys_on_the_forced_decode_config(mocked_launches, monkeypatch, order):
+    """The same layout under two DSV4_AMPERE_DECODE_CONFIG values, each run, recorded and
+    replayed, then back to the first: two plans, and every call launches its own config's kernel
+    (paged_chunk128 for h..., paged_f16dot for k...), never the plan recorded under the other."""
+    from dsv4_ops import _host_plan, envs
+    from dsv4_ops.registration import library
+
+    impl = library.cuda_impl("dsv4_decode_fused_out")
+    log = mocked_launches
+
+    def kernels(config):
+        monkeypatch.setenv(envs.DECODE_CONFIG, config)
+        seen = []
+        for i in range(4):  # run, record, replay, replay
+            del log[:]
+            r0 = _host_plan.STATS["replay"]
+            impl(*_fused_inputs(1, 8, 512, 128, seed=i))
+            seen.append(({n for n, _, _ in log}, _host_plan.STATS["replay"] - r0))
+        return seen
+
+    for config in order + order[:1]:
+        seen = kernels(config)
+        other = V3_KERNEL[order[1] if config == order[0] else order[0]]
+        assert all(V3_KERNEL[config] in names and other not in names for names, _ in seen), (config, seen)
+        assert [replayed for _, replayed in seen][2:] == [1, 1]
+    plans = [p for p in impl.plans.values() if isinstance(p, _host_plan._Plan)]
+    assert len(plans) == 2
 
 
 def test_recording_refuses_copies_views_and_torch_kernels(mocked_launches):
