@@ -324,7 +324,7 @@ def test_replayed_plan_launches_what_the_launcher_launches(mocked_launches, layo
 def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
     """A new shape, a new env value the launcher reads, or a different aliasing of the tensor
     arguments is a new key: recorded anew, never replayed from another key's plan."""
-    from dsv4_ops import _host_plan, dispatch
+    from dsv4_ops import dispatch
     from dsv4_ops.registration import library
 
     impl = library._DEFINED["dsv4_decode_fused_out"].cuda
