@@ -1,4 +1,4 @@
-"""Eager us/call of the decode step replayed from a private CUDA graph vs called directly (issue 12).
+"""Eager us/call of the decode step replayed from a private CUDA graph vs called directly.
 
     python benchmarks/bench_decode_graph.py --out DIR [--quick]
 

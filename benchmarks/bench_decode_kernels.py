@@ -1,4 +1,4 @@
-"""Decode kernels, tiles vs heads, in-graph (issue 12, priority 3). Target: < 90 s on an H200.
+"""Decode kernels, tiles vs heads, in-graph. Target: < 90 s on an H200.
 
     python benchmarks/bench_decode_kernels.py --out DIR [--quick]
 

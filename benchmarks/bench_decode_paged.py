@@ -1,4 +1,4 @@
-"""Decode v3 (issue 17, batched regime) against today's decode step, in-graph. < 200 s on an H200.
+"""The paged decode of mode v3 (batched regime) against today's decode step, in-graph. < 200 s on an H200.
 
     python benchmarks/bench_decode_paged.py --out DIR [--quick] [--configs a,b,...] [--name decode_paged_f16dot]
                                          [--shapes T:H:K1,...] [--no-pipe] [--sms 108]

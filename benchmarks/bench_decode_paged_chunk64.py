@@ -1,4 +1,4 @@
-"""The fused paged decode (issue 17) against the current decode step, in-graph. < 120 s on an H200.
+"""The fused paged decode against the current decode step, in-graph. < 120 s on an H200.
 
     python benchmarks/bench_decode_paged_chunk64.py --out DIR [--quick]
 

@@ -23,7 +23,7 @@ Columns: ``launches`` (Triton launches a call makes), ``kernels`` (which), ``fas
 ``eager_us`` (N eager calls back to back, one synchronize at the end, per call, best of 3),
 ``eager_slow_launch_us`` (steps only: the same with the direct launch and the plan replay off,
 every launch through ``kernel[grid](...)``), ``graph_us`` (in a CUDA graph, 20 calls a replay),
-``eager/graph``. Goals (issue 17, H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op
+``eager/graph``. Goals (H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op
 above 25 us.
 
 ``--mock`` (no GPU needed): CPU tensors, every Triton launch replaced by a no-op compiled
@@ -52,7 +52,7 @@ import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import _launch, dsv4_decode  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, min_page_bytes  # noqa: E402
 
-try:  # the replayed launch plans (issue 17); absent in older trees
+try:  # the replayed launch plans; absent in older trees
     from dsv4_ops import _host_plan  # noqa: E402
 except ImportError:  # pragma: no cover
     _host_plan = None
@@ -61,7 +61,7 @@ D = 512
 SM_SCALE = D ** -0.5
 K1, K2, BS = 512, 128, 64
 SHAPES = ((1, 8), (1, 64), (4, 8), (4, 64))
-GOALS = "Goals (issue 17, H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op above 25 us."
+GOALS = "Goals (H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op above 25 us."
 
 
 def eager_us(fn, n: int, sync, clock=time.perf_counter, reps: int = 3) -> float:

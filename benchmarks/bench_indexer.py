@@ -110,7 +110,7 @@ def short(cfg) -> str:
     return " ".join(f"{t}{cfg[k]}" for k, t in zip(keys, tags) if k in cfg)
 
 
-# The decode / compressed-prefill configs shipped before issue 18: the same-run baseline.
+# The decode / compressed-prefill configs shipped before the v3 indexer kernels: the same-run baseline.
 V2_PAGED = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2, "TARGET_PROGRAMS": 864,
             "MAX_TILES_PER_PROGRAM": 64}
 V2_MQA = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}

@@ -1,5 +1,5 @@
 """Long context, one layer at a time: where a 32K / 128K / 256K-token request spends its
-indexer and attention time (issue 18). < 110 s on an H200 (a wall-clock guard skips the rest).
+indexer and attention time. < 110 s on an H200 (a wall-clock guard skips the rest).
 
     DSV4_AMPERE_IMPL=portable python benchmarks/bench_long_context.py --out DIR [--budget-s 100]
     python benchmarks/bench_long_context.py --dry     # CPU: tiny shapes, each call once, no timing

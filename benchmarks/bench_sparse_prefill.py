@@ -1,4 +1,4 @@
-"""Sparse prefill (the replacement of FlashMLA's ``flash_mla_sparse_fwd``), issue 17's goal
+"""Sparse prefill (the replacement of FlashMLA's ``flash_mla_sparse_fwd``): the prefill goal
 shape: s_q = 4096 queries, K = 640 keys a query, H in {8, 64, 128}. Old (the split-KV decode
 kernels over prefill shapes, what flash_mla_sparse_fwd_ampere ran before: sparse_mla_decode
 auto) against the prefill kernel (dsv4_ops.sparse_prefill) in every candidate config and as
@@ -21,7 +21,7 @@ skips them): the H200's 228 KB fits two CTAs of up to ~113 KB, an A100 two of up
 ||out_old|| on the timed inputs (a check of the same run; the tests check against float64).
 
 Two workloads:
-  random  each query's 640 keys are random rows of an N = 16384-row workspace (issue 12's case);
+  random  each query's 640 keys are random rows of an N = 16384-row workspace (the workspace case);
   vllm    vLLM 0.33.0's real prefill path for one 4096-token request at compress ratio 4:
           the workspace holds the request's rows once (N = 1024 compressed + 4096 window rows,
           gathered once per request, not T x K rows), indices [T, 640] = the query's top-512 of
@@ -30,7 +30,7 @@ Two workloads:
 
 Floors, from the same run: flops 2 * s_q * H * K * (512 + 512) (QK^T and PV over the valid
 keys) at the rate of a cuBLAS bf16 GEMM of about the same flops; unique bytes (workspace rows +
-q + out + indices, each once) at the copy rate. Goals (issue 17): H = 64 and 128 within 2.5x of
+q + out + indices, each once) at the copy rate. Goals: H = 64 and 128 within 2.5x of
 the flop floor and >= 1.25x faster than the public Triton bf16 kernel (2.55 ms at H = 64 in
 the issue's run); H = 8 within 2x of the unique-byte floor. In-graph timing
 (benchmarks.common.time_graph_us).
@@ -53,7 +53,7 @@ from dsv4_ops.csrc_triton import sparse_prefill as pk  # noqa: E402
 
 D, S_Q, K, N_RANDOM = 512, 4096, 640, 16384
 SM_SCALE = D ** -0.5
-PUBLIC_TRITON_BF16_US = {64: 2550.0}  # issue 17's same-run measurement of the public kernel (not this run)
+PUBLIC_TRITON_BF16_US = {64: 2550.0}  # the same-run measurement (sparse_prefill.md) of the public kernel (not this run)
 
 
 def gemm_tflops(flops: float) -> float:
@@ -122,7 +122,7 @@ def main() -> int:
              "cuBLAS bf16 rate measured in this run. flops = 2 * valid keys * H * 1024; the vllm workload has "
              "fewer valid keys than s_q * K (early queries see fewer rows). speedup_vs_public_issue: against the "
              "issue's 2.55 ms for the public Triton bf16 kernel at H = 64 (random workload; not this run). "
-             "Goals (issue 17): <= 2.5x the flop floor and >= 1.25x the public kernel at H = 64/128; <= 2x the "
+             "Goals: <= 2.5x the flop floor and >= 1.25x the public kernel at H = 64/128; <= 2x the "
              "unique-byte floor at H = 8.")
     res_name = os.environ.get("SPARSE_PREFILL_NAME", "sparse_prefill")
     for H in heads:

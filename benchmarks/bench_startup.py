@@ -1,4 +1,4 @@
-"""Startup cost of the warm set (issue 19) and the cost of batch invariance.
+"""Startup cost of the warm set and the cost of batch invariance.
 
     python benchmarks/bench_startup.py --out DIR [--quick] [--part startup|invariant|both] [--budget S]
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 sparse MLA decode: vLLM 0.33.0's ROCm Triton bf16 kernels vs ours, same run (issue 20).
+"""DeepSeek-V3.2 sparse MLA decode: vLLM 0.33.0's ROCm Triton bf16 kernels vs ours, same run.
 
     python3 benchmarks/bench_v32_rocm.py --out DIR [--quick] [--shapes TxH,...] [--budget-s S]
 

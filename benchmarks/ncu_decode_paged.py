@@ -1,4 +1,4 @@
-"""Launch the decode v3-form kernels once each at a few shapes, for ``ncu`` (issue 17).
+"""Launch the decode v3-form kernels once each at a few shapes, for ``ncu``.
 
     ncu --clock-control none -k regex:_dsv4_decode_v --launch-skip-before-match 0 \
         --section WarpStateStats ... python benchmarks/ncu_decode_paged.py T:H:config,...

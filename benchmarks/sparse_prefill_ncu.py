@@ -1,4 +1,4 @@
-"""One sparse-prefill launch at issue 17's shape (s_q 4096, K 640, random workload) for Nsight
+"""One sparse-prefill launch at the prefill benchmark's shape (s_q 4096, K 640, random workload) for Nsight
 Compute: a warm-up launch (compiles), then the launch to profile (``--launch-skip 1
 --launch-count 1``). benchmarks/device/sparse_prefill.sh runs it under ncu for the fastest
 2-D and the fastest split-d config of the benchmark's H = 64 rows (``--pick``).

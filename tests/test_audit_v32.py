@@ -1,5 +1,5 @@
 """``dsv4-ops audit-vllm --model v32`` / ``--model glm5``: vLLM 0.33.0's DeepSeek-V3.2 and GLM-5
-serve paths on sm_80, every kernel decided from evidence, 0 open (issue 20).
+serve paths on sm_80, every kernel decided from evidence, 0 open.
 
 The audit of both models runs once per session (~1 min on 2 cores; cached by content like the
 V4/V4.1 audit, which "both" keeps meaning). The rows checked here come from the audit's own

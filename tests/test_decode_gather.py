@@ -1,4 +1,4 @@
-"""Decode step v2 (issue 12): the one-launch decode gather (both caches + the index build),
+"""The workspace decode step: the one-launch decode gather (both caches + the index build),
 the out= ops (merge_splits_out, sparse_mla_decode_out), the composite's out= / swa_length.
 
 CPU: the new kernel and the merge/split with out= under the Triton interpreter at small

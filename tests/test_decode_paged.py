@@ -1,4 +1,4 @@
-"""Decode v3 (issue 17): csrc_triton.decode.paged_chunk128 behind op ``dsv4_decode_fused_out`` (form 'v3').
+"""The paged decode in 128-dim chunks: csrc_triton.decode.paged_chunk128 behind op ``dsv4_decode_fused_out`` (form 'v3').
 
 The same contract as the v1 fused kernel (tests/test_decode_paged_chunk64.py), checked the same way:
 CPU through the Triton interpreter (fp16 q) against the float64 reference with outputs

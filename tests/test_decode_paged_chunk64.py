@@ -1,4 +1,4 @@
-"""The fused paged decode (issue 17): op ``dsv4_decode_fused_out``, csrc_triton.decode.paged_chunk64.
+"""The paged decode in 64-dim chunks (decode mode fused): op ``dsv4_decode_fused_out``, csrc_triton.decode.paged_chunk64.
 
 One kernel reads the 584-byte records by slot (no workspace), builds the index semantics of
 dsv4_decode_gather on the fly and attends with the sink (+ the merge when it splits).

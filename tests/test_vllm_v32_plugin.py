@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 / GLM-5 through the vLLM plugin on sm_8x (issue 20, part A): the sparse-MLA
+"""DeepSeek-V3.2 / GLM-5 through the vLLM plugin on sm_8x: the sparse-MLA
 backend vLLM's own selector picks, its check at register(), and the model-level replacements.
 
 The selector tests run vLLM 0.33.0's ``CudaPlatform.get_attn_backend_cls`` with the platform

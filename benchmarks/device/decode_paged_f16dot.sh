@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode v4 (issue 17, the fp16-dot decode of csrc_triton/decode/paged_f16dot.py) in one device call:
+# The fp16-dot decode (decode mode v3, configs kh/gh: the kernels of csrc_triton/decode/paged_f16dot.py) in one device call:
 #   A (in parallel): the GPU tests of tests/test_decode_paged.py picked by PYTEST_K, and a warm-up
 #     bench at 2 shapes (fills the Triton cache with every specialization the sweep launches);
 #   B: the sweep (benchmarks/bench_decode_paged.py --name decode_paged_f16dot) alone on the GPU;

@@ -7,7 +7,7 @@
 set -u -o pipefail
 OUT="${OUT:-/tmp/out18}"
 mkdir -p "$OUT"
-LOG="$OUT/issue18.log"
+LOG="$OUT/indexer_long_context.log"
 export PYTHONUNBUFFERED=1
 say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
 python3 -m pip install --no-deps --no-build-isolation -e . -q >> "$LOG" 2>&1 || { say "install failed"; tail -20 "$LOG"; exit 1; }

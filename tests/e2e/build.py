@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 import torch
 
-# Layer kinds (issue 15): V4.1: SWA only (0), a ratio-2 kv + index source and a ratio-2 consumer
+# Layer kinds: V4.1: SWA only (0), a ratio-2 kv + index source and a ratio-2 consumer
 # (an index source reading the source's K cache), a ratio-1 kv + index source, an Engram layer.
 V41_CONFIG = dict(
     architectures=["DeepseekV41LLMForCausalLM"], model_type="deepseek_v41",

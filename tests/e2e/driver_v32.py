@@ -1,4 +1,4 @@
-"""End-to-end driver for DeepSeek-V3.2 (issue 20): vLLM 0.33.0's own ``DeepseekV32ForCausalLM``
+"""End-to-end driver for DeepSeek-V3.2: vLLM 0.33.0's own ``DeepseekV32ForCausalLM``
 with the plugin, on a tiny checkpoint written by transformers and read by vLLM's loader; every
 step's logits against transformers' model in float64 on the same weights."""
 

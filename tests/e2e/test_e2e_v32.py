@@ -1,4 +1,4 @@
-"""End to end, DeepSeek-V3.2 and GLM-5 (issue 20): vLLM 0.33.0's own ``DeepseekV32ForCausalLM`` (its
+"""End to end, DeepSeek-V3.2 and GLM-5: vLLM 0.33.0's own ``DeepseekV32ForCausalLM`` (its
 CUDA model class, chosen as on an A100; GLM-5's ``GlmMoeDsaForCausalLM`` is the same class) with the
 plugin on the CPU: a tiny checkpoint written by
 transformers and read by vLLM's loader, vLLM's attention-backend selector answering for sm_80
