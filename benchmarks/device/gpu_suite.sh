@@ -6,7 +6,8 @@
 # passed / failed / skipped / not reached (collected but given no result before the time cap),
 # with the node ids of every test that did not pass, and $OUT/suite_part<N>.log (pytest's output).
 # env: SUITE_TIMEOUT (seconds for pytest, default 500), SUITE_WORKERS (xdist workers, default 12; 0: none),
-#      PYTEST_ARGS (extra pytest arguments).
+#      PYTEST_ARGS (extra pytest arguments), SUITE_ONLY (a file of node ids: run just those, e.g. the
+#      "not reached" of an earlier call; the summary then counts them alone).
 set -u -o pipefail
 PART="${1:?usage: gpu_suite.sh 1|2}"
 OUT="${OUT:-/tmp/dsv4_out}"
@@ -18,10 +19,11 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q > "$OUT/install_pa
 ALL=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests --include='test_*.py' | sort)
 if [ "$PART" = 1 ]; then FILES=$(echo $PART1); else FILES=$(comm -23 <(echo "$ALL") <(echo "$PART1" | tr ' ' '\n' | sort) | tr '\n' ' '); fi
 IDS="$OUT/collected_part$PART.txt"; LOG="$OUT/suite_part$PART.log"
-python3 -m pytest $FILES -q --collect-only -m "gpu and not slow" -p no:cacheprovider 2>/dev/null | grep "::" > "$IDS"
+if [ -n "${SUITE_ONLY:-}" ]; then grep "::" "$SUITE_ONLY" | sed 's/^not reached: //' > "$IDS"; FILES=$(tr '\n' ' ' < "$IDS")
+else python3 -m pytest $FILES -q --collect-only -m "gpu and not slow" -p no:cacheprovider 2>/dev/null | grep "::" > "$IDS"; fi
 export DSV4_TEST_OUTCOMES="$OUT/outcomes_part$PART.txt"; : > "$DSV4_TEST_OUTCOMES"
 timeout "${SUITE_TIMEOUT:-500}" python3 -m pytest $FILES -q -m "gpu and not slow" -p no:cacheprovider \
-  $( [ "${SUITE_WORKERS:-12}" != 0 ] && echo "-n ${SUITE_WORKERS:-12}" ) ${PYTEST_ARGS:-} > "$LOG" 2>&1
+  --durations=40 $( [ "${SUITE_WORKERS:-12}" != 0 ] && echo "-n ${SUITE_WORKERS:-12}" ) ${PYTEST_ARGS:-} > "$LOG" 2>&1
 echo "pytest rc=$?" >> "$LOG"
 python3 benchmarks/device/suite_summary.py "$IDS" "$DSV4_TEST_OUTCOMES" --part "$PART" --files "$FILES" \
   --torch "$(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())')" \
