@@ -419,20 +419,6 @@ def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, co
     graph_replay_equals_eager(monkeypatch, T, H, splits, config)
 
 
-@pytest.mark.gpu
-def test_gpu_v3_graph_replay_configs_in_adversarial_order(variant, monkeypatch):
-    """The graph-replay grid in one process, each shape through its configs and back (a config
-    after another of the same shape, the dispatched one between forced ones): the recorded
-    launch plans key on DSV4_AMPERE_DECODE_CONFIG, so no call replays another config's plan."""
-    order = ["kh32n64w8", "kh16n32w4", "kh32n64w8", "", "kh16n32w4", "", "kh32n64w8"]
-    for T, H, splits in GRAPH_REPLAY_SHAPES:
-        for config in order:
-            graph_replay_equals_eager(monkeypatch, T, H, splits, config)
-    for config in order:  # the shapes interleaved, one config at a time
-        for T, H, splits in GRAPH_REPLAY_SHAPES:
-            graph_replay_equals_eager(monkeypatch, T, H, splits, config)
-
-
 def graph_replay_equals_eager(monkeypatch, T, H, splits, config):
     """The composite's v3 form (with ``config`` forced through DSV4_AMPERE_DECODE_CONFIG, '' for
     the dispatched one; a k... config runs csrc_triton.decode.paged_f16dot) captured in a CUDA
