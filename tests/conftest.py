@@ -38,9 +38,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     """With DSV4_TEST_OUTCOMES=<file> (benchmarks/device/gpu_suite.sh), append '<node id> <outcome>'
     for each phase that decides a test: the call, or a setup / teardown that failed or skipped.
-    Under xdist this runs in the controller, so one process writes the file."""
+    Under xdist the hook runs in each worker and again in the controller: only the controller
+    (no PYTEST_XDIST_WORKER) writes, so each result is written once."""
     path = os.environ.get("DSV4_TEST_OUTCOMES")
-    if not path or (report.when != "call" and report.outcome == "passed"):
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and report.outcome == "passed"):
         return
     with open(path, "a") as f:
         f.write(f"{report.nodeid} {report.outcome}\n")
