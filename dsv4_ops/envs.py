@@ -49,11 +49,14 @@ def _flag_default_off(v: str) -> bool:
     return v.strip().lower() in _ON
 
 
-def _choice(name: str, choices: Tuple[str, ...]) -> Callable[[str], str]:
+def _choice(name: str, choices: Tuple[str, ...], listed: str = "") -> Callable[[str], str]:
+    """Parser of a choice (case and surrounding blanks ignored, empty = the first); ``listed``: the
+    error's wording when it is not the default one."""
     def parse(v: str) -> str:
         v = v.strip().lower() or choices[0]
         if v not in choices:
-            raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {v!r}")
+            raise ValueError(listed.format(name=name, choices=choices, v=v) if listed
+                             else f"{name}: expected one of {', '.join(choices)}, got {v!r}")
         return v
     return parse
 
@@ -97,7 +100,7 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob(IMPL, "auto", "auto, portable, native", "call", "kernels",
          "Kernel variant. auto: the capability table (sm_80/86/87 portable, sm_89+ native); portable on "
          "an H200 runs exactly the kernels an A100 runs; any value other than auto also routes vLLM to "
-         "this library on sm_90+.", _choice(IMPL, ("auto", "portable", "native"))),
+         "this library on sm_90+.", _choice(IMPL, ("auto", "portable", "native"), "{name} must be one of {choices}, got {v!r}")),
     Knob(DECODE_KERNEL, "auto", ", ".join(_DECODE_MODES), "call", "kernels",
          "DeepSeek-V4 decode kernel. auto: the dispatch tables (docs/dispatch.md); tiles / heads: the "
          "workspace kernels; fused: the paged 64-dim-chunk kernel; v3: the paged 128-dim-chunk / fp16-dot "

@@ -238,7 +238,7 @@ def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
 
     results = [r for r in aot_results if r.label.startswith("v3-") and r.variant == "portable"]
     assert {r.arch for r in results} == set(aot.AMPERE_ARCHS)
-    specs = [s for s in attention.aot_specs() if s.label.startswith("v3-") and s.variant == "portable"]
+    specs = [s for s in paged_decode.aot_specs() if s.label.startswith("v3-") and s.variant == "portable"]
     assert len(specs) == 18 * len(_vk.V3_DISPATCHED) and len(results) == 2 * len(specs)
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
@@ -255,7 +255,7 @@ def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
     from dsv4_ops import aot
 
     results = [r for r in aot_results if r.label.startswith("v4-") and r.variant == "portable"]
-    specs = [s for s in attention.aot_specs() if s.label.startswith("v4-") and s.variant == "portable"]
+    specs = [s for s in paged_decode.aot_specs() if s.label.startswith("v4-") and s.variant == "portable"]
     assert {s.label.split("[")[0][3:] for s in specs} == set(_v4k.V4_DISPATCHED)
     assert len(specs) == 18 * len(_v4k.V4_DISPATCHED)
     assert len(results) == sum(len(s.archs or aot.AMPERE_ARCHS) for s in specs)

@@ -222,7 +222,7 @@ def test_aot_fused_kernels_compile_for_sm80_and_sm86(aot_results):
     environment; triton 3.6 spills 8-48 B in some, see docs/journal/notes.md)."""
     results = [r for r in aot_results if r.label.startswith("fused[") and r.variant == "portable"]
     assert {r.arch for r in results} == set(aot.AMPERE_ARCHS)
-    assert len(results) == 2 * len([s for s in attention.aot_specs() if s.label.startswith("fused[portable")])
+    assert len(results) == 2 * len([s for s in paged_decode.aot_specs() if s.label.startswith("fused[portable")])
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     for r in results:
