@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import attention, dispatch, dsv4_decode, paged_decode, reference
+from dsv4_ops import dispatch, dsv4_decode, paged_decode, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
