@@ -94,17 +94,18 @@ class Knob:
     parse: Callable[[str], object]
 
 
-_DECODE_MODES = ("auto", "tiles", "heads", "fused", "v3")
+# The values of DSV4_AMPERE_DECODE_KERNEL (dispatch.decode.MODES).
+DECODE_MODES = ("auto", "tiles", "heads", "fused", "v3")
 
 KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob(IMPL, "auto", "auto, portable, native", "call", "kernels",
          "Kernel variant. auto: the capability table (sm_80/86/87 portable, sm_89+ native); portable on "
          "an H200 runs exactly the kernels an A100 runs; any value other than auto also routes vLLM to "
          "this library on sm_90+.", _choice(IMPL, ("auto", "portable", "native"), "{name} must be one of {choices}, got {v!r}")),
-    Knob(DECODE_KERNEL, "auto", ", ".join(_DECODE_MODES), "call", "kernels",
+    Knob(DECODE_KERNEL, "auto", ", ".join(DECODE_MODES), "call", "kernels",
          "DeepSeek-V4 decode kernel. auto: the dispatch tables (docs/dispatch.md); tiles / heads: the "
          "workspace kernels; fused: the paged 64-dim-chunk kernel; v3: the paged 128-dim-chunk / fp16-dot "
-         "kernels.", _choice(DECODE_KERNEL, _DECODE_MODES)),
+         "kernels.", _choice(DECODE_KERNEL, DECODE_MODES)),
     Knob(DECODE_CONFIG, "", "a paged config name (docs/dispatch.md)", "call", "kernels",
          "Force this launch config wherever the decode runs the v3 mode's paged kernels (benchmarks, tests).",
          _text),

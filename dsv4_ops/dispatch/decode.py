@@ -72,6 +72,7 @@ from typing import Tuple
 import torch
 
 from .. import envs
+from ..layout import HEAD_DIM
 from ..csrc_triton.decode import heads as _hk
 from ..csrc_triton.decode import paged_chunk64 as _pk
 from ..csrc_triton.decode import paged_chunk128 as _vk
@@ -83,8 +84,7 @@ from . import windows as _windows
 
 ENV_VAR = envs.DECODE_KERNEL
 CONFIG_ENV = envs.DECODE_CONFIG
-MODES = ("auto", "tiles", "heads", "fused", "v3")
-HEAD_DIM = 512
+MODES = envs.DECODE_MODES
 
 # Cost-model constants (H200 guesses; refit from bench_decode_kernels.py).
 BANDWIDTH_BPS = 4.0e12  # device bytes/s a full grid reaches on the gathered workspace

@@ -34,11 +34,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import envs, warm_keys
 from . import warm_set_v32
-from .warm_common import (  # noqa: F401 - shared with warm_set_v32, re-exported
-    DATA_SIZES, INDEXER_DIM, _cdiv, int_class, _DEVICE, _meta,
-    on_device, prefill_logits, WarmSet, _LauncherOps, routed_ops, SM_SOURCES,
-    device_of, trace, CACHE_ENV, default_cache_dir, source_fingerprint, cache_key,
-    cached_build, serve_limits)
+from .warm_common import (  # noqa: F401 - shared with warm_set_v32; tests and warmup read them here
+    DATA_SIZES, INDEXER_DIM, _cdiv, int_class, _meta, on_device, prefill_logits, WarmSet, SM_SOURCES,
+    trace, CACHE_ENV, default_cache_dir, cache_key, cached_build, serve_limits)
 
 HEAD_DIM = 512
 RECORD_BYTES = 584
