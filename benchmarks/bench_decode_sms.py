@@ -17,6 +17,8 @@ sink, no lengths, on each SM count (DSV4_AMPERE_SMS = the granted count):
                SM count's copy rate (measured in the same green context); mma = 4*T*H16*K*512
                flops at MMA_TFLOPS_132 * SMs / 132 (mma.sync, H16 = H padded to 16); launch =
                the plan's launches * LAUNCH_US
+  --base       also base_us: the same call under the plans before the SM-count rule (V3_COST emptied: the
+               busiest-SM split rule and the 132-SM windows; AUTO_V3_SMEM_WINDOWS as it was), same run
   --sweep      also every dispatched v3-form config x balanced split count through the paged op
                (best_us / best: config and S), for re-planning; each output checked as well
 Every time: 20 calls captured in one CUDA graph on the green stream, median of the replays.
@@ -133,13 +135,35 @@ def plan_of(T, H, K, sms) -> tuple:
     route = dispatch.decode.route("auto", T, H, K, smem)
     if route in ("v3", "fused"):
         if route == "v3":
-            name = dispatch.decode.v3_launch_config(T, H, K, smem, "", (BS, BS))
+            name = dispatch.decode.v3_launch_config(T, H, K, smem, "", (BS, BS), sms)
             p = dispatch.decode.v3_plan(T, H, K, sms, 0, name)
             return f"v3 {name} S{p.splits}", 1 + (not p.direct)
         p = dispatch.decode.fused_plan(T, H, K, sms)
         return f"v1 S{p.splits}", 1 + (not p.direct)
     p = dispatch.decode.workspace_plan("auto", T, H, K, True, torch.cuda.current_device())
     return f"step {p.kernel} S{p.splits}", 2 + (not p.direct)
+
+
+BASE_SMEM_WINDOWS = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 64, 640, "kh32n64w8"),
+                     (64, 64, 64, 64, 256, "kh32n64w8"), (128, 128, 128, 128, 256, "kh32n64w8"))
+
+
+class base_rules:
+    """The dispatch as it was before the SM-count rule, while inside (caches cleared both ways)."""
+
+    def __enter__(self):
+        self.saved = dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS
+        dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS = {}, BASE_SMEM_WINDOWS
+        self._clear()
+
+    def __exit__(self, *exc):
+        dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS = self.saved
+        self._clear()
+
+    @staticmethod
+    def _clear():
+        dispatch.decode._v3_sm_config.cache_clear()
+        _host_plan.clear()
 
 
 def sweep_candidates(T, H, K, sms):
@@ -157,7 +181,7 @@ def sweep_candidates(T, H, K, sms):
     return out
 
 
-def measure(shape, caches, ctxs, gbs, p2, sweep, replays):
+def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False):
     T, H, K1 = shape
     K = K1 + 128
     (cc, bc), (cw, bw) = caches
@@ -205,6 +229,12 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays):
                 row["launch_us"] = launches * LAUNCH_US
                 row["floor_us"] = max(row["bytes_us"], row["mma_us"], row["launch_us"])
                 row["ours/floor"] = row["ours_us"] / row["floor_us"]
+                if base:
+                    with base_rules():
+                        row["base_plan"] = plan_of(T, H, K, sms)[0]
+                        row["base_err"] = check(*ours())
+                        row["base_us"] = graph_us(ours, replays)
+                    row["base/ours"] = row["base_us"] / row["ours_us"]
                 if p2 is not None:
                     def p2_call():
                         return p2(q, bc, topk, lens0, bw, swa, lens1, SM_SCALE, sink)
@@ -279,6 +309,7 @@ def main():
     ap.add_argument("--sms", default="132,112,104")
     ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--base", action="store_true")
     ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_BUDGET_S", "1e9")))
     ap.add_argument("--replays", type=int, default=20)
@@ -298,10 +329,10 @@ def main():
     if ns.shapes:
         shapes = [tuple(int(x) for x in sh.split(":")) for sh in ns.shapes.split(",")]
     rows = []
-    cols = ["T", "H", "K", "SMs", "plan", "ours_us", "p2_us", "ours/p2", "floor_us", "ours/floor", "bytes_us",
-            "mma_us", "launch_us", "best_us", "best", "ours/best", "err", "p2_err", "error"]
+    cols = ["T", "H", "K", "SMs", "plan", "ours_us", "base_plan", "base_us", "base/ours", "p2_us", "ours/p2", "floor_us", "ours/floor", "bytes_us",
+            "mma_us", "launch_us", "best_us", "best", "ours/best", "err", "base_err", "p2_err", "error"]
     for shape in shapes:
-        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays)
+        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays, ns.base)
         write_results(ns.name, ns.out, rows, cols,
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts (benchmarks/green_ctx.py), DSV4_AMPERE_SMS = SMs; copy "
