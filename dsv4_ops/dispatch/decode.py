@@ -334,9 +334,10 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 
 
 # ---- the v3 form (csrc_triton.decode.paged_chunk128 / paged_f16dot) ----
-# Split counts of the 4-warp (32-key and smaller) configs: the balanced count with the fewest key
+# Split counts of the 4-warp (32-key and smaller) configs outside V3_COST (benchmark candidates; the
+# dispatched configs use the cost model below): the balanced count with the fewest key
 # blocks on the busiest SM, two programs resident an SM (V3_RESIDENT_PER_SM), ties to fewer
-# splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gives the
+# splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gave the
 # measured best count at every measured shape (benchmarks/results/decode_paged_chunk128.md,
 # decode_paged_f16dot.md: T = 1..4: one block a split; T = 16, H <= 16: 10 of 20; T = 128: 2;
 # T = 256: 1; K 256, T = 64, H = 64: 1) and S = 4 at T = 16, H = 64: 30.6 vs 39.1 us at S = 3
