@@ -1,7 +1,7 @@
 """The DeepSeek-V4 decode the plugin calls, at an A100's SM counts: ours (and P2 when a local copy is
 present) on 132, 112 and 104 SMs of the H200 through driver green contexts (benchmarks/green_ctx.py).
 
-    python benchmarks/bench_decode_sms.py --out DIR [--sms 132,112,104] [--shapes T:H:K1,...] [--name decode_sms]
+    python benchmarks/bench_decode_sms.py --out DIR [--sms 132,112,104] [--base] [--shapes T:H:K1,...] [--name decode_sms]
                                           [--sweep] [--p2 DIR] [--budget S]
 
 For T in {1, 4, 16, 64, 128, 256} x H in {8, 16, 64, 128} at K = 512 top-k + 128 window, and V4.1's
@@ -306,7 +306,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="decode_sms")
-    ap.add_argument("--sms", default="132,112,104")
+    ap.add_argument("--sms", default="", help="SM counts, e.g. 132,112,104 (default: the device's, and 112 and "
+                                                  "104 where the device has more)")
     ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--base", action="store_true")
@@ -318,7 +319,11 @@ def main():
     t0 = time.time()
     p2 = load_p2(ns.p2)
     print(f"P2: {'from ' + ns.p2 if p2 else 'absent, skipped'}", flush=True)
-    ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
+    from green_ctx import device_sms
+
+    full = device_sms(torch.cuda.current_device())
+    counts = [int(n) for n in ns.sms.split(",")] if ns.sms else [full] + [n for n in (112, 104) if n < full]
+    ctxs = [_Ctx(n) for n in counts]
     gbs = {}
     for c in ctxs:
         with c.reentered():
