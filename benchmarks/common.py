@@ -64,7 +64,16 @@ def time_graph_us(fn: Callable[[], object], replays: int = 50, inner: int = 20) 
     """
     from dsv4_ops.testing import capture_graph
 
-    g, _ = capture_graph(lambda: [fn() for _ in range(inner)])
+    stream = torch.cuda.current_stream()
+    if stream == torch.cuda.default_stream():
+        g, _ = capture_graph(lambda: [fn() for _ in range(inner)])
+    else:  # a green-context stream (in_green_context): captured on it, so the replays stay on its SMs
+        for _ in range(2):
+            fn()
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            [fn() for _ in range(inner)]
     for _ in range(3):
         g.replay()
     times = []
@@ -119,36 +128,13 @@ def write_results(name: str, out_dir: str, rows: List[Dict[str, object]], column
 
 
 def in_green_context(sms: int, fn: Callable[[], object]):
-    """fn() run on ``sms`` SMs of the current device in a torch.cuda green context (an A100's
-    108 on the H200), with dispatch.device's DSV4_AMPERE_SMS set to the same count so plans are made
-    for it. Raises RuntimeError where green contexts are unavailable or cannot confine torch's
-    launches (torch < 2.12)."""
-    gc_mod = getattr(torch.cuda, "green_contexts", None)
-    if gc_mod is None or not hasattr(gc_mod, "GreenContext"):
-        raise RuntimeError("torch.cuda.green_contexts unavailable")
-    try:
-        try:
-            ctx = gc_mod.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-        except TypeError:
-            ctx = gc_mod.GreenContext.create(sms, torch.cuda.current_device())
-    except Exception as exc:  # noqa: BLE001 - any failure to create one: the caller says why
-        raise RuntimeError(f"GreenContext.create: {exc!r}") from exc
-    if not hasattr(ctx, "Stream"):
-        # torch 2.10 / 2.11 offer set_context() only: measured on the H200, kernels launched on
-        # torch's streams then still ran on every SM (decode_paged_f16dot_splits.md: 108-SM plans timed like
-        # the 132-SM sweep where one program an SM needs two waves on 108), so refuse
-        raise RuntimeError(f"torch {torch.__version__}: no GreenContext.Stream(); set_context() does not "
-                           "confine kernels launched on torch's streams (benchmarks/results/decode_paged_f16dot_splits.md)")
-    saved = os.environ.get("DSV4_AMPERE_SMS")
-    os.environ["DSV4_AMPERE_SMS"] = str(sms)
-    try:  # torch >= 2.12: work goes on the context's stream (not yet run here)
-        with torch.cuda.stream(ctx.Stream()):
-            out = fn()
-        torch.cuda.synchronize()
-        return out
-    finally:
-        if saved is None:
-            os.environ.pop("DSV4_AMPERE_SMS", None)
-        else:
-            os.environ["DSV4_AMPERE_SMS"] = saved
+    """fn() run on ``sms`` SMs of the current device: a driver green-context stream made current
+    (benchmarks/green_ctx.GreenStream; torch 2.11's GreenContext.set_context() does not confine
+    kernels), DSV4_AMPERE_SMS set to the granted count so plans are made for it. Raises
+    green_ctx.GreenContextError where the work cannot be confined. CUDA graphs must be captured
+    on the current stream (``torch.cuda.graph(g, stream=torch.cuda.current_stream())``) for
+    their replays to stay on those SMs."""
+    from green_ctx import GreenStream
 
+    with GreenStream(sms):
+        return fn()

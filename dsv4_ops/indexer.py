@@ -281,6 +281,15 @@ def check_paged_args(q, kv_cache, weights, context_lens, block_table, max_contex
     return qc, flat, block_size
 
 
+
+def logits_sms(device: torch.device, cfg: dict) -> Optional[int]:
+    """The SM count the paged logits plan its tiles a program for: dispatch.device.num_sms (so
+    DSV4_AMPERE_SMS, read at each call, steers it: a green context, an MPS share) for a CUDA
+    device and a config with PROGRAMS_PER_SM, else None (TARGET_PROGRAMS: the interpreter)."""
+    if device.type != "cuda" or "PROGRAMS_PER_SM" not in cfg:
+        return None
+    return _device.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int, block_size: int = 0,
                      variant: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
@@ -305,7 +314,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     variant = variant or variant_for(qc)
     cfg = config or _di.paged_config(H)
     q3 = qc.reshape(rows, H, D)
-    sms = _device.num_sms(qc.device.index or 0) if "PROGRAMS_PER_SM" in cfg and qc.is_cuda else None
+    sms = logits_sms(qc.device, cfg)
     tpp = _di.paged_tiles_per_program(rows, max_context_len, cfg, sms)
     grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
     kernel = cfg.get("KERNEL", 1)

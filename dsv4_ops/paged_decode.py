@@ -174,10 +174,11 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
+    sms = _device.num_sms_at(dev)
     name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else _device.smem_per_block(dev), config,
-                                (compressed_block_size, swa_block_size))
+                                (compressed_block_size, swa_block_size), sms)
     cfg = _dd.v3_config(name)
-    plan = _dd.v3_plan(T, H, K1 + K2, _device.num_sms_at(dev), num_splits, name)
+    plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name)
     consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)

@@ -19,8 +19,10 @@ tables equal to windows.py).
                                               (heads_splits: cost model, forced heads only)
     paged op form (v1 / v3)                   decode.resolve_paged_form             decode_paged_chunk128.md
     v3-form config (DSV4_AMPERE_DECODE_CONFIG) decode.resolve_v3_config             decode_paged_f16dot.md, decode_paged_chunk128.md
+                                              (v3_sm_config: the SMs, V3_COST)      decode_sms_call1.md
     v3-form kernel                            decode.is_f16dot (PV_KEY)             -
-    v1 / v3 split counts                      decode.fused_splits, v3_splits        decode_paged_chunk64.md, decode_paged_f16dot_splits.md
+    v1 / v3 split counts                      decode.fused_splits, v3_splits        decode_paged_chunk64.md, decode_paged_f16dot_splits.md,
+                                              (v3: V3_COST on the plan's SMs)       decode_sms_call1.md, decode_sms.md
     batch invariance                          decode.batch_invariant_plan           decode_kernels.md
     V3.2 form (DSV4_AMPERE_V32_FORM)          v32.resolve_form, auto_form           v32_decode.md, v32_prefill.md
     V3.2 split count                          v32.num_splits_for                    v32_decode.md

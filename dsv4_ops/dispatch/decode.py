@@ -334,9 +334,10 @@ def fused_plan(T: int, H: int, K: int, sms: int, splits: int = 0) -> DecodePlan:
 
 
 # ---- the v3 form (csrc_triton.decode.paged_chunk128 / paged_f16dot) ----
-# Split counts of the 4-warp (32-key and smaller) configs: the balanced count with the fewest key
+# Split counts of the 4-warp (32-key and smaller) configs outside V3_COST (benchmark candidates; the
+# dispatched configs use the cost model below): the balanced count with the fewest key
 # blocks on the busiest SM, two programs resident an SM (V3_RESIDENT_PER_SM), ties to fewer
-# splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gives the
+# splits: time ~ cdiv(T * groups * S, 2 * SMs) * cdiv(nb, S). On the H200 (132 SMs) it gave the
 # measured best count at every measured shape (benchmarks/results/decode_paged_chunk128.md,
 # decode_paged_f16dot.md: T = 1..4: one block a split; T = 16, H <= 16: 10 of 20; T = 128: 2;
 # T = 256: 1; K 256, T = 64, H = 64: 1) and S = 4 at T = 16, H = 64: 30.6 vs 39.1 us at S = 3
@@ -402,10 +403,11 @@ def _pow2(n: int) -> bool:
 
 
 def resolve_v3_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
-                      block_sizes: Tuple[int, ...] = ()) -> Tuple[str, str]:
+                      block_sizes: Tuple[int, ...] = (), sms: int = 0) -> Tuple[str, str]:
     """(the v3 form's launch config, why), first rule that applies: the caller's ``config``
     (benchmarks, tests); DSV4_AMPERE_DECODE_CONFIG when set (ValueError naming it on an unknown
-    config); v3_config_name (the windows). Then a paged_f16dot config over ``block_sizes`` that
+    config); v3_config_name (the windows), then, for ``sms`` > 0, v3_sm_config (another config where
+    the cost model on that many SMs says so). Then a paged_f16dot config over ``block_sizes`` that
     are not all powers of two runs V3_ANY_BLOCK_SIZE_CONFIG (paged_f16dot takes them as shifts)."""
     if config:
         name, why = config, "the caller's config"
@@ -420,6 +422,9 @@ def resolve_v3_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
             name, why = forced, f"forced by {CONFIG_ENV}"
         else:
             name, why = _v3_config_name(T, H, K, smem)
+            if sms > 0:
+                name, more = v3_sm_config(T, H, K, sms, smem, name)
+                why += more
     if block_sizes and not all(_pow2(b) for b in block_sizes) and is_f16dot(v3_config(name)):
         return V3_ANY_BLOCK_SIZE_CONFIG, (f"{name} ({why}) takes power-of-two block sizes only, got "
                                           f"{tuple(block_sizes)}: {V3_ANY_BLOCK_SIZE_CONFIG}")
@@ -427,19 +432,60 @@ def resolve_v3_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
 
 
 def v3_launch_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
-                     block_sizes: Tuple[int, ...] = ()) -> str:
+                     block_sizes: Tuple[int, ...] = (), sms: int = 0) -> str:
     """resolve_v3_config's config."""
-    return resolve_v3_config(T, H, K, smem, config, block_sizes)[0]
+    return resolve_v3_config(T, H, K, smem, config, block_sizes, sms)[0]
 
 
-def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> int:
-    """Split count of the v3 form. 64-key blocks (8-warp programs, one an SM by registers): at
-    most one program an SM, snapped down (measured: T = 64, H = 8: S = 2 beat 3; K 256, T = 64,
-    H = 64: 1 beat 2). Smaller blocks: the balanced count minimising cdiv(programs * S,
-    V3_RESIDENT_PER_SM * sms) * cdiv(nb, S), the fewest splits among equals (see above)."""
+# The v3 form's cost on the SMs a plan counts on (device.num_sms: DSV4_AMPERE_SMS or the device's),
+# microseconds for one launch and its merge. Least squares over the sweep of
+# benchmarks/results/decode_sms_call1.md (H200, portable, mma.sync, 132 / 112 / 104 SMs through driver green
+# contexts, the 5 dispatched configs x balanced split counts <= 20, T <= 64, K 640: median error 4%, p90
+# 13%, its pick within 1.19x of the sweep's best at every shape):
+#   programs P = T * cdiv(H, BLOCK_H) * S, r resident an SM, waves w = cdiv(P, r * SMs),
+#   key blocks of a split b = cdiv(cdiv(K, BLOCK_N), S), partials MB = T * H * S * 512 * 4 * 2 / 1e6
+#   time = w * (us a program + b * us a key block) + [S > 1] * (V3_MERGE_US + V3_MERGE_US_PER_MB * MB)
+# A grid one wave deep on 132 SMs is two on 104 (T = 128, H = 8 at S = 2): the waves term is what
+# made the 132-SM counts fall off a cliff at 104; the per-program and merge terms keep the count
+# from running to 20 splits of one block (the busiest-SM count alone picked S = 20 at T = 128, H = 8
+# on 104 SMs: 129 us against 75 at 112).
+V3_COST = {  # config: (programs resident an SM, us a program, us a key block)
+    "h16n16w4": (2, 2.04, 2.67),
+    "h16n32w4": (2, 2.35, 3.83),
+    "kh16n32w4": (2, 2.65, 3.51),
+    "kh16n64w8": (1, 1.93, 5.30),
+    "kh32n64w8": (1, 1.56, 6.57),
+}
+V3_MERGE_US = 2.25
+V3_MERGE_US_PER_MB = 0.41
+# The measured window's config (V3_CONFIG_WINDOWS / AUTO_V3_SMEM_WINDOWS, all measured at 132 SMs) is
+# kept unless another config's modelled time is this much shorter on the plan's SM count.
+V3_CONFIG_MARGIN = 1.15
+
+
+def v3_cost_us(T: int, H: int, K: int, sms: int, config: str, splits: int) -> float:
+    """The modelled microseconds of the v3 form with ``config`` (a V3_COST name) at ``splits`` splits
+    for T tokens, H heads, K keys on ``sms`` SMs (the model above)."""
+    resident, program_us, block_us = V3_COST[config]
+    cfg = v3_config(config)
+    nb = _cdiv(max(K, 1), cfg["BLOCK_N"])
+    programs = max(T, 1) * _cdiv(H, cfg["BLOCK_H"]) * splits
+    t = _cdiv(programs, resident * max(sms, 1)) * (program_us + _cdiv(nb, splits) * block_us)
+    if splits > 1:
+        t += V3_MERGE_US + V3_MERGE_US_PER_MB * max(T, 1) * H * splits * HEAD_DIM * 8 / 1e6
+    return t
+
+
+def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int, config: str = "") -> int:
+    """Split count of the v3 form on ``sms`` SMs. A V3_COST config: the balanced count of least
+    v3_cost_us (ties: fewer splits). Any other config (benchmark candidates): 64-key blocks at most
+    one program an SM, snapped down; smaller blocks the balanced count minimising
+    cdiv(programs * S, V3_RESIDENT_PER_SM * sms) * cdiv(nb, S)."""
     nb = _cdiv(max(K, 1), block_n)
-    programs = max(T, 1) * _cdiv(H, block_h)
     cands = [s for s in balanced_splits(nb) if s <= nb] or [1]
+    if config in V3_COST:
+        return min(cands, key=lambda s: (v3_cost_us(T, H, K, sms, config, s), s))
+    programs = max(T, 1) * _cdiv(H, block_h)
     if block_n >= 64:
         want = max(1, min(nb, MAX_SPLITS, sms // programs))
         return max(s for s in cands + [1] if s <= want)
@@ -447,13 +493,38 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int) -> i
     return min(cands, key=lambda s: (_cdiv(programs * s, slots) * _cdiv(nb, s), s))
 
 
+def _v3_best_cost(T: int, H: int, K: int, sms: int, config: str) -> float:
+    cfg = v3_config(config)
+    return v3_cost_us(T, H, K, sms, config, v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], config))
+
+
+@functools.lru_cache(maxsize=4096)
+def _v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> Tuple[str, str]:
+    if window not in V3_COST:
+        return window, ""
+    cands = [n for n in V3_COST if config_fits(n, smem) and (v3_config(n)["BLOCK_H"] <= 16 or H > 16)]
+    best = min(cands, key=lambda n: (_v3_best_cost(T, H, K, sms, n), n))
+    keep = _v3_best_cost(T, H, K, sms, window)
+    if keep <= V3_CONFIG_MARGIN * _v3_best_cost(T, H, K, sms, best):
+        return window, ""
+    return best, f"; on {sms} SMs V3_COST models {best} {keep / _v3_best_cost(T, H, K, sms, best):.2f}x faster"
+
+
+def v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> Tuple[str, str]:
+    """(the config for ``sms`` SMs, why suffix): the window's config ``window`` unless another V3_COST
+    config that fits ``smem`` bytes a block (-1: the current device's) is modelled more than
+    V3_CONFIG_MARGIN faster at its own best split count (BLOCK_H 32 only for H > 16)."""
+    return _v3_sm_config(T, H, K, sms, smem if smem >= 0 else _device.smem_per_block(-1), window)
+
+
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
-    """The plan of the v3 form (kernel 'v3'); config: a name to force one (benchmarks), else
-    resolve_v3_config's (DSV4_AMPERE_DECODE_CONFIG, then the windows); splits 0 = v3_splits."""
-    name = config or v3_launch_config(T, H, K)
+    """The plan of the v3 form (kernel 'v3') on ``sms`` SMs; config: a name to force one (benchmarks),
+    else resolve_v3_config's for ``sms`` (DSV4_AMPERE_DECODE_CONFIG, then the windows and
+    v3_sm_config); splits 0 = v3_splits."""
+    name = config or v3_launch_config(T, H, K, sms=sms)
     cfg = v3_config(name)
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    s = splits or v3_splits(T, H, K, sms, bh, bn)
+    s = splits or v3_splits(T, H, K, sms, bh, bn, name)
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1, name)
 
 

@@ -34,10 +34,16 @@ AUTO_V3_WINDOWS = ((1, 256, 1, 16, 640), (1, 16, 1, 16, 256), (1, 1, 1, 64, 640)
 # H = 64, K 640: T = 4 14.5 vs 16.5 us, T = 64 74.2 vs 93.2, T = 128 150 vs 172, T = 256 295 vs
 # 324 (T = 16 even, T = 1 slower); K 256: T = 64, H = 64 32.5 vs 40.7 (kh16n32w4), T = 128,
 # H = 128 132 vs 149.
-AUTO_V3_SMEM_WINDOWS = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 64, 640, "kh32n64w8"),
-                        (64, 64, 64, 64, 256, "kh32n64w8"), (128, 128, 128, 128, 256, "kh32n64w8"))
+# benchmarks/results/decode_sms_call1.md (132 / 112 / 104 SMs, same run): T = 16, H = 64: kh32n64w8
+# 27.5 / 33.4 / 34.0 us against kh16n32w4's 30.7 / 39.4 / 39.6; T = 4..16, H = 128 against the
+# step: T = 4 20.6 / 20.4 / 20.5 vs 20.5 / 23.5 / 24.0, T = 16 41.1 / 59.8 / 64.0 vs 51.5 / 70.1 / 71.1.
+AUTO_V3_SMEM_WINDOWS = ((4, 4, 64, 64, 640, "kh32n64w8"), (16, 16, 64, 64, 640, "kh32n64w8"),
+                        (48, 256, 64, 64, 640, "kh32n64w8"), (64, 64, 64, 64, 256, "kh32n64w8"),
+                        (128, 128, 128, 128, 256, "kh32n64w8"), (4, 16, 128, 128, 640, "kh32n64w8"))
 
-# Which v3-form config auto runs outside AUTO_V3_SMEM_WINDOWS, first match wins. Rows
+# Which v3-form config auto runs outside AUTO_V3_SMEM_WINDOWS, first match wins (measured at 132
+# SMs; on the plan's SM count dispatch.decode.v3_sm_config may take another where its cost model,
+# V3_COST, says the window's config is more than V3_CONFIG_MARGIN slower there). Rows
 # (T_lo, T_hi, H_lo, H_hi, K, config); the k/g configs are paged_f16dot's. From
 # benchmarks/results/decode_paged_f16dot.md (call 2, same-run medians) and decode_paged_chunk128.md:
 #   T 48..96, H <= 16, K 640: kh16n64w8 (T = 64: 32.9 / 34.6 us vs paged_chunk128's 42.2 / 44.1 at
