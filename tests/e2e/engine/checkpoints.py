@@ -1,0 +1,239 @@
+"""Tiny HF-style checkpoint directories (config.json, bf16 safetensors, a locally built
+tokenizer.json) for DeepSeek-V4.1, V4 and V3.2, read by vLLM's own loader.
+
+V4.1 / V4 tensors are named as the original DeepSeek checkpoints name them (``layers.N.attn.wq_a``,
+``layers.N.ffn.experts.E.w1``, ``embed.weight``, ``head.weight``, ...): the writer builds vLLM's
+model class on the CPU harness (tests/e2e/driver.py setup), draws random weights with
+``build.init_weights`` and splits vLLM's fused parameters back into the checkpoint's pieces, so
+``load_weights`` exercises the model's real ``hf_to_vllm_mapper`` and stacked/expert loaders.
+V3.2 is written by transformers' own ``save_pretrained`` (v32_checkpoint.write).
+``verify`` reloads each directory into a fresh model with vLLM's ``get_model_loader`` and
+``process_weights_after_loading`` and compares every parameter with what was written.
+
+    usage (CPU): python tests/e2e/engine/checkpoints.py OUT_DIR [v41 v4 v32] [--verify]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))   # tests/e2e (build, driver, v32_checkpoint)
+
+# Engine-sized geometry: the e2e configs (build.CONFIGS), with room for 1024-token prompts.
+MAX_LEN = 4096
+
+
+def configs() -> dict:
+    import build
+    import v32_checkpoint
+
+    v41 = dict(build.V41_CONFIG, max_position_embeddings=MAX_LEN)
+    v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN)
+    v32 = dict(v32_checkpoint.V32_CONFIG)
+    return {"v41": v41, "v4": v4, "v32": v32}
+
+
+def write_tokenizer(d: str, vocab_size: int, bos: int = 0, eos: int = 1) -> None:
+    """A WordLevel tokenizer over ``vocab_size`` words (``<s>``, ``</s>``, ``w2`` ...), whitespace
+    pre-tokenised, built with the ``tokenizers`` library (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": bos, "</s>": eos}
+    for i in range(vocab_size):
+        if i not in (bos, eos):
+            vocab[f"w{i}"] = i
+    vocab["<unk>"] = vocab.pop(f"w{vocab_size - 1}")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    tok.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+                       unk_token="<unk>", model_max_length=MAX_LEN, add_bos_token=False), f)
+
+
+def _split(name: str, t: torch.Tensor, cfg: dict, sizes=None) -> list:
+    """One vLLM parameter -> [(checkpoint name, tensor)] in the original checkpoint's naming;
+    sizes: the fused module's ``output_sizes`` (MergedColumnParallelLinear)."""
+    return [(_ckpt_name(n), x) for n, x in _unfuse(name, t, cfg, sizes)]
+
+
+def _ckpt_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return "head.weight"
+    if name == "model.embed_tokens.weight":
+        return "embed.weight"
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _unfuse(name: str, t: torch.Tensor, cfg: dict, sizes) -> list:
+    if name.endswith(".attn.fused_wqa_wkv.weight"):
+        q = cfg["q_lora_rank"]
+        base = name[: -len("fused_wqa_wkv.weight")]
+        return [(base + "wq_a.weight", t[:q]), (base + "wkv.weight", t[q:])]
+    if name.endswith(".compressor.fused_wkv_wgate.weight"):
+        base = name[: -len("fused_wkv_wgate.weight")]
+        if len(sizes) == 1:   # ratio 1 pools single tokens: the checkpoint carries no gate
+            return [(base + "wkv.weight", t)]
+        h = sizes[0]
+        return [(base + "wkv.weight", t[:h]), (base + "wgate.weight", t[h:])]
+    if name.endswith(".shared_experts.gate_up_proj.weight"):
+        h = t.shape[0] // 2
+        base = name[: -len("gate_up_proj.weight")]
+        return [(base + "w1.weight", t[:h]), (base + "w3.weight", t[h:])]
+    if name.endswith(".shared_experts.down_proj.weight"):
+        return [(name.replace(".down_proj.", ".w2."), t)]
+    if name.endswith(".experts.routed_experts.w13_weight"):
+        base = name[: -len("routed_experts.w13_weight")]
+        h = t.shape[1] // 2
+        out = []
+        for e in range(t.shape[0]):
+            out += [(f"{base}{e}.w1.weight", t[e, :h]), (f"{base}{e}.w3.weight", t[e, h:])]
+        return out
+    if name.endswith(".experts.routed_experts.w2_weight"):
+        base = name[: -len("routed_experts.w2_weight")]
+        return [(f"{base}{e}.w2.weight", t[e]) for e in range(t.shape[0])]
+    if name.endswith(".ffn.gate.e_score_correction_bias"):
+        return [(name.replace("e_score_correction_bias", "bias"), t)]
+    return [(name, t)]
+
+
+def _build_vllm_model(d: str):
+    """vLLM's model class for the config in ``d`` (CPU harness already set up)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    import build
+
+    arch = json.load(open(os.path.join(d, "config.json")))["architectures"][0]
+    if arch not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(arch, build.TEXT_MODELS[arch])
+    vc = build.make_vllm_config(d, "cpu")
+    ctx = set_current_vllm_config(vc)
+    ctx.__enter__()
+    _init_distributed()
+    cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architectures, vc.model_config)
+    with set_default_torch_dtype(torch.bfloat16):
+        model = cls(vllm_config=vc, prefix="")
+    return model, vc, ctx
+
+
+def _init_distributed():
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is None:
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo")
+        initialize_model_parallel(1, 1)
+
+
+def write_v4(kind: str, d: str, cfg: dict, seed: int = 0) -> dict:
+    """V4.1 / V4: config.json, tokenizer, model.safetensors. Returns {vLLM name: written tensor}."""
+    from safetensors.torch import save_file
+    import build
+
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    model, _vc, ctx = _build_vllm_model(d)
+    build.init_weights(model, seed)
+    tensors, params = {}, {}
+    sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
+    for name, p in model.named_parameters():
+        params[name] = p.detach().clone()
+        for ck, t in _split(name, p.detach(), cfg, sizes.get(name)):
+            assert ck not in tensors, ck
+            tensors[ck] = t.contiguous().clone()
+    for name, b in model.named_buffers():   # persistent routing tables (V4 hash MoE)
+        if name.endswith("tid2eid"):
+            params[name] = b.detach().clone()
+            tensors[_split(name, b, cfg)[0][0]] = b.detach().contiguous().clone()
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    ctx.__exit__(None, None, None)
+    return params
+
+
+def write_v32(d: str) -> None:
+    import shutil
+    import v32_checkpoint
+
+    src = v32_checkpoint.write("v32")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    shutil.rmtree(src, ignore_errors=True)
+    write_tokenizer(d, v32_checkpoint.V32_CONFIG["vocab_size"])
+
+
+def verify(d: str, expected: dict = None) -> dict:
+    """Load ``d`` with vLLM's own loader (``get_model_loader().load_weights``: it raises on a
+    parameter the checkpoint leaves unloaded) and ``process_weights_after_loading``; compare
+    every parameter with ``expected`` (vLLM names) when given. Returns a summary."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model, vc, ctx = _build_vllm_model(d)
+    for p in model.parameters():            # poison: an unloaded element shows as NaN
+        if p.is_floating_point():
+            p.data.fill_(float("nan"))
+    get_model_loader(vc.load_config).load_weights(model, vc.model_config)
+    process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    n, mismatched = 0, []
+    for name, p in model.named_parameters():
+        n += 1
+        if p.is_floating_point() and torch.isnan(p).any():
+            mismatched.append(f"{name}: NaN after load")
+        elif expected is not None and name in expected and not torch.equal(p.detach(), expected[name]):
+            mismatched.append(f"{name}: differs from the written tensor")
+    ctx.__exit__(None, None, None)
+    return dict(dir=d, arch=vc.model_config.architectures[0], params=n,
+                compared=sum(1 for k in expected or () if k), mismatched=mismatched)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("models", nargs="*", default=["v41", "v4", "v32"])
+    ap.add_argument("--verify", action="store_true")
+    a = ap.parse_args(argv)
+    import driver
+
+    driver.setup("cpu")
+    if "v32" in a.models:   # as tests/e2e/driver_v32.py: V3.2's MLA backend through the CUDA selector rules
+        import importlib
+        import platform_spoof
+        import standins_v32
+        import vllm.models.deepseek_v32 as v32_pkg
+        from dsv4_ops.vllm import plugin, v32_backend
+
+        standins_v32.install()
+        platform_spoof.cpu_cuda_attention_selector()
+        v32_backend.check_registration(plugin.VllmPatchError)
+        v32_backend.install()
+        importlib.reload(v32_pkg)
+    cfgs = configs()
+    results = []
+    for m in a.models:
+        d = os.path.join(a.out, m)
+        if m == "v32":
+            write_v32(d)
+            exp = None
+        else:
+            exp = write_v4(m, d, cfgs[m])
+        if a.verify:
+            r = verify(d, exp)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    return 1 if any(r["mismatched"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
