@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build .e2e_bundle/ (ignored, never committed) for tests/e2e/gpu_run.sh: vLLM 0.33.0's Python
 # sources (from `pip download`), the cp312 wheels the H200 image lacks, and the audits' JSON.
+# E2E_BUNDLE: another (ignored) folder, e.g. the engine run's carry folder (tests/e2e/engine/device.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-B=.e2e_bundle; mkdir -p "$B/whl" "$B/dl"
+B="${E2E_BUNDLE:-.e2e_bundle}"; mkdir -p "$B/whl" "$B/dl"
 python3 -m pip download -q --no-deps vllm==0.33.0 -d "$B/dl"
 python3 - "$B" <<'PY'
 import io, sys, tarfile, zipfile, glob

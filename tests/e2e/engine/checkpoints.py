@@ -11,6 +11,8 @@ V3.2 is written by transformers' own ``save_pretrained`` (v32_checkpoint.write).
 ``process_weights_after_loading`` and compares every parameter with what was written.
 
     usage (CPU): python tests/e2e/engine/checkpoints.py OUT_DIR [v41 v4 v32] [--verify]
+      (also writes OUT_DIR/manifest.json: vLLM's parameter names/shapes)
+    the device: python tests/e2e/engine/checkpoints.py OUT_DIR v41 v4 v32 --from-manifest MANIFEST
 """
 
 from __future__ import annotations
@@ -134,30 +136,62 @@ def _init_distributed():
         initialize_model_parallel(1, 1)
 
 
-def write_v4(kind: str, d: str, cfg: dict, seed: int = 0) -> dict:
-    """V4.1 / V4: config.json, tokenizer, model.safetensors. Returns {vLLM name: written tensor}."""
+def manifest(kind: str, cfg: dict) -> dict:
+    """What the writer needs of vLLM's model, read on the CPU harness: every parameter (and the
+    hash-routing buffer) in ``named_parameters`` order with shape, dtype and, for a fused linear,
+    its ``output_sizes``. The device rewrites the same bytes from it (``write_v4``) without
+    building vLLM's model."""
+    d = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    model, _vc, ctx = _build_vllm_model(d)
+    sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
+    params = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
+              for n, p in model.named_parameters()]
+    bufs = [dict(name=n, shape=list(b.shape), dtype=str(b.dtype).replace("torch.", ""))
+            for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    ctx.__exit__(None, None, None)
+    return dict(kind=kind, config=cfg, params=params, buffers=bufs)
+
+
+class _Shell(torch.nn.Module):
+    """Stand-in with vLLM's parameter names and shapes, so ``build.init_weights`` draws exactly
+    what it draws for vLLM's model (same order, same rules)."""
+
+    def __init__(self, man: dict):
+        super().__init__()
+        self._p = [(e["name"], torch.nn.Parameter(torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])),
+                                                  requires_grad=False)) for e in man["params"]]
+        self._b = [(e["name"], torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]))) for e in man["buffers"]]
+
+    def named_parameters(self, *a, **k):
+        return iter(self._p)
+
+    def named_buffers(self, *a, **k):
+        return iter(self._b)
+
+
+def write_v4(man: dict, d: str, seed: int = 0) -> dict:
+    """V4.1 / V4 from a manifest: config.json, tokenizer, model.safetensors (original names).
+    Returns {vLLM name: written tensor}."""
     from safetensors.torch import save_file
     import build
 
+    cfg = man["config"]
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
-    model, _vc, ctx = _build_vllm_model(d)
-    build.init_weights(model, seed)
+    shell = _Shell(man)
+    build.init_weights(shell, seed)
+    sizes = {e["name"]: e["sizes"] for e in man["params"]}
     tensors, params = {}, {}
-    sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
-    for name, p in model.named_parameters():
+    for name, p in list(shell.named_parameters()) + list(shell.named_buffers()):
         params[name] = p.detach().clone()
         for ck, t in _split(name, p.detach(), cfg, sizes.get(name)):
             assert ck not in tensors, ck
             tensors[ck] = t.contiguous().clone()
-    for name, b in model.named_buffers():   # persistent routing tables (V4 hash MoE)
-        if name.endswith("tid2eid"):
-            params[name] = b.detach().clone()
-            tensors[_split(name, b, cfg)[0][0]] = b.detach().contiguous().clone()
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    ctx.__exit__(None, None, None)
     return params
 
 
@@ -203,7 +237,16 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("models", nargs="*", default=["v41", "v4", "v32"])
     ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--from-manifest", default="", help="write V4.1/V4 from OUT's manifest JSON (no vLLM)")
     a = ap.parse_args(argv)
+    if a.from_manifest:   # the device: no vLLM model build, the same bytes
+        mans = json.load(open(a.from_manifest))
+        for m in a.models:
+            if m == "v32":
+                write_v32(os.path.join(a.out, m))
+            else:
+                write_v4(mans[m], os.path.join(a.out, m))
+        return 0
     import driver
 
     driver.setup("cpu")
@@ -220,18 +263,21 @@ def main(argv=None) -> int:
         v32_backend.install()
         importlib.reload(v32_pkg)
     cfgs = configs()
-    results = []
+    results, mans = [], {}
     for m in a.models:
         d = os.path.join(a.out, m)
         if m == "v32":
             write_v32(d)
             exp = None
         else:
-            exp = write_v4(m, d, cfgs[m])
+            mans[m] = manifest(m, cfgs[m])
+            exp = write_v4(mans[m], d)
         if a.verify:
             r = verify(d, exp)
             results.append(r)
             print(json.dumps(r), flush=True)
+    with open(os.path.join(a.out, "manifest.json"), "w") as f:
+        json.dump(mans, f)
     return 1 if any(r["mismatched"] for r in results) else 0
 
 
