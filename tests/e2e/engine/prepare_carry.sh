@@ -8,7 +8,7 @@
 set -euo pipefail
 DEST=$1; SRC="$(cd "$(dirname "$0")/../../.." && pwd)"
 mkdir -p "$DEST/bundle"
-rsync -a --delete --exclude .git --exclude '*.egg-info' --exclude __pycache__ --exclude /bundle "$SRC/" "$DEST/"
+(cd "$SRC" && git ls-files -z | xargs -0 cp --parents -t "$DEST")   # tracked files only
 if [ "${2:-}" != "--skip-bundle" ]; then E2E_BUNDLE="$DEST/bundle" bash "$SRC/tests/e2e/make_bundle.sh"; fi
 if [ ! -f "$DEST/bundle/manifest.json" ]; then
   T=$(mktemp -d); python "$SRC/tests/e2e/engine/checkpoints.py" "$T" v41 v4 v32 --verify

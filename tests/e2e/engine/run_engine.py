@@ -38,6 +38,10 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.ckpt, tokenizer=a.ckpt, dtype="bfloat16", seed=0, max_model_len=2048,
               gpu_memory_utilization=a.gpu_mem, max_num_seqs=16, max_num_batched_tokens=a.batched_tokens,
               enforce_eager=a.mode == "eager", enable_prefix_caching=True)
+    if a.mode == "graphs":
+        # vLLM's JIT warmup imports its TileLang mHC kernels (tilelang is not on the device image;
+        # the mHC wrappers run as vLLM's torch references): the one default changed for graphs
+        kw["kernel_config"] = {"enable_jit_warmup": False}
     if a.spec_method:
         kw["speculative_config"] = dict(method=a.spec_method, num_speculative_tokens=a.spec_k)
     if a.extra:

@@ -23,7 +23,11 @@ def _arm(model_name: str) -> None:
     from dsv4_ops.vllm import plugin
 
     models = ("v32", "glm5") if model_name == "v32" else None
+    env = "DSV4_E2E_AUDIT_JSON_V32" if model_name == "v32" else "DSV4_E2E_AUDIT_JSON"
+    path = os.environ.get(env, "")
     try:
+        if not (path and os.path.isfile(path) and os.path.getsize(path) > 0):
+            raise FileNotFoundError(f"{env}={path!r}: no audit JSON (tests/e2e/make_bundle.sh writes it)")
         STATE["tripwire"] = tripwire.install(model_name, plugin.STATE.originals, models=models)
     except Exception as exc:  # noqa: BLE001 (reported: the summary fails a run whose tripwire is not armed)
         STATE["tripwire"] = f"NOT ARMED: {type(exc).__name__}: {exc}"[:500]
@@ -67,8 +71,11 @@ def worker_report(*_args, **_kw) -> dict:
     import torch
     from dsv4_ops.vllm import plugin
     from dsv4_e2e_a100 import plugin as e2e_plugin
+    from vllm.platforms import current_platform as cp
 
-    return dict(pid=os.getpid(), armed=STATE.get("armed"), tripwire=STATE.get("tripwire"),
+    cap = cp.get_device_capability()
+    return dict(pid=os.getpid(), platform=type(cp).__name__, capability=f"{cap.major}.{cap.minor}",
+                device_name=cp.get_device_name(), sms=cp.num_compute_units(), plugin_registered=plugin.STATE.registered, armed=STATE.get("armed"), tripwire=STATE.get("tripwire"),
                 mutation=STATE.get("mutation"), tripped=list(tripwire.TRIPPED),
                 triton_launches=dict(tripwire.LAUNCHES), standin_calls=dict(standins.CALLS),
                 ops_called=dict(counters.OPS), plugin_routed=plugin.STATE.routed,
