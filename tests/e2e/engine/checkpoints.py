@@ -36,7 +36,8 @@ def configs() -> dict:
     import v32_checkpoint
 
     v41 = dict(build.V41_CONFIG, max_position_embeddings=MAX_LEN)
-    v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN)
+    # one MTP layer (``mtp.0.*``): V4's speculative path (method "mtp") drafts with it
+    v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN, num_nextn_predict_layers=1)
     v32 = dict(v32_checkpoint.V32_CONFIG)
     return {"v41": v41, "v4": v4, "v32": v32}
 
@@ -106,8 +107,39 @@ def _unfuse(name: str, t: torch.Tensor, cfg: dict, sizes) -> list:
     return [(name, t)]
 
 
-def _build_vllm_model(d: str):
-    """vLLM's model class for the config in ``d`` (CPU harness already set up)."""
+class _DraftSpec:
+    """What vLLM's MTP layer reads of ``speculative_config`` at construction (the draft config is
+    the target's hf_config with vLLM's ``hf_config_override`` for V4: n_predict, the MTP arch)."""
+
+    method = "mtp"
+    num_speculative_tokens = 1
+
+    def __init__(self, draft_model_config):
+        self.draft_model_config = draft_model_config
+
+    def use_dspark(self) -> bool:
+        return False
+
+    def __getattr__(self, name):   # any other feature query (v2-runner support, eagle, ...): off
+        return _Off()
+
+
+class _Off:
+    def __bool__(self):
+        return False
+
+    def __call__(self, *a, **k):
+        return False
+
+
+def mtp_config(cfg: dict) -> dict:
+    """vLLM's ``SpeculativeConfig.hf_config_override`` for V4 (config/speculative.py)."""
+    return dict(cfg, architectures=["DeepSeekV4MTPModel"], n_predict=cfg["num_nextn_predict_layers"])
+
+
+def _build_vllm_model(d: str, draft: bool = False):
+    """vLLM's model class for the config in ``d`` (CPU harness already set up); draft: the
+    config is a draft (MTP) config and ``speculative_config`` names it."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -117,6 +149,8 @@ def _build_vllm_model(d: str):
     if arch not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(arch, build.TEXT_MODELS[arch])
     vc = build.make_vllm_config(d, "cpu")
+    if draft:
+        vc.speculative_config = _DraftSpec(vc.model_config)
     ctx = set_current_vllm_config(vc)
     ctx.__enter__()
     _init_distributed()
@@ -151,18 +185,42 @@ def manifest(kind: str, cfg: dict) -> dict:
     bufs = [dict(name=n, shape=list(b.shape), dtype=str(b.dtype).replace("torch.", ""))
             for n, b in model.named_buffers() if n.endswith("tid2eid")]
     ctx.__exit__(None, None, None)
-    return dict(kind=kind, config=cfg, params=params, buffers=bufs)
+    man = dict(kind=kind, config=cfg, params=params, buffers=bufs)
+    if cfg.get("num_nextn_predict_layers"):
+        dm = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_mtp_")
+        with open(os.path.join(dm, "config.json"), "w") as f:
+            json.dump(mtp_config(cfg), f)
+        model, _vc, ctx = _build_vllm_model(dm, draft=True)
+        sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
+        man["mtp"] = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
+                      for n, p in model.named_parameters()]
+        ctx.__exit__(None, None, None)
+    return man
+
+
+def _mtp_ckpt_name(name: str, cfg: dict) -> str:
+    """A vLLM MTP parameter name -> the checkpoint's ``mtp.{i}.*`` name (the inverse of
+    ``DeepSeekV4MTP.load_weights``' renames)."""
+    import re
+
+    if name == "model.embed_tokens.weight":
+        return "mtp.0.emb.tok_emb.weight"
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    assert m, name
+    i, rest = int(m.group(1)) - cfg["num_hidden_layers"], m.group(2)
+    rest = rest.replace("mtp_block.", "", 1).replace("shared_head.head.", "head.").replace("shared_head.norm.", "norm.")
+    return f"mtp.{i}.{rest}"
 
 
 class _Shell(torch.nn.Module):
     """Stand-in with vLLM's parameter names and shapes, so ``build.init_weights`` draws exactly
     what it draws for vLLM's model (same order, same rules)."""
 
-    def __init__(self, man: dict):
+    def __init__(self, params: list, buffers: list = ()):
         super().__init__()
         self._p = [(e["name"], torch.nn.Parameter(torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])),
-                                                  requires_grad=False)) for e in man["params"]]
-        self._b = [(e["name"], torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]))) for e in man["buffers"]]
+                                                  requires_grad=False)) for e in params]
+        self._b = [(e["name"], torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]))) for e in buffers]
 
     def named_parameters(self, *a, **k):
         return iter(self._p)
@@ -182,7 +240,7 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
-    shell = _Shell(man)
+    shell = _Shell(man["params"], man["buffers"])
     build.init_weights(shell, seed)
     sizes = {e["name"]: e["sizes"] for e in man["params"]}
     tensors, params = {}, {}
@@ -191,6 +249,16 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
         for ck, t in _split(name, p.detach(), cfg, sizes.get(name)):
             assert ck not in tensors, ck
             tensors[ck] = t.contiguous().clone()
+    if man.get("mtp"):   # the MTP layer's own draws (another seed), named mtp.{i}.*
+        shell = _Shell(man["mtp"])
+        build.init_weights(shell, seed + 1)
+        msizes = {e["name"]: e["sizes"] for e in man["mtp"]}
+        for name, p in shell.named_parameters():
+            params["mtp:" + name] = p.detach().clone()
+            for vname, t in _unfuse(name, p.detach(), cfg, msizes.get(name)):
+                ck = _mtp_ckpt_name(vname, cfg)
+                assert ck not in tensors, ck
+                tensors[ck] = t.contiguous().clone()
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     return params
 
@@ -205,29 +273,49 @@ def write_v32(d: str) -> None:
     write_tokenizer(d, v32_checkpoint.V32_CONFIG["vocab_size"])
 
 
-def verify(d: str, expected: dict = None) -> dict:
-    """Load ``d`` with vLLM's own loader (``get_model_loader().load_weights``: it raises on a
-    parameter the checkpoint leaves unloaded) and ``process_weights_after_loading``; compare
-    every parameter with ``expected`` (vLLM names) when given. Returns a summary."""
+def _load_and_check(model, vc, expected: dict, prefix: str = "") -> tuple:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    model, vc, ctx = _build_vllm_model(d)
     for p in model.parameters():            # poison: an unloaded element shows as NaN
         if p.is_floating_point():
             p.data.fill_(float("nan"))
     get_model_loader(vc.load_config).load_weights(model, vc.model_config)
     process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
-    n, mismatched = 0, []
+    n, compared, bad = 0, 0, []
     for name, p in model.named_parameters():
         n += 1
         if p.is_floating_point() and torch.isnan(p).any():
-            mismatched.append(f"{name}: NaN after load")
-        elif expected is not None and name in expected and not torch.equal(p.detach(), expected[name]):
-            mismatched.append(f"{name}: differs from the written tensor")
+            bad.append(f"{prefix}{name}: NaN after load")
+        elif expected is not None and prefix + name in expected:
+            compared += 1
+            if not torch.equal(p.detach(), expected[prefix + name]):
+                bad.append(f"{prefix}{name}: differs from the written tensor")
+    return n, compared, bad
+
+
+def verify_mtp(d: str, expected: dict = None) -> dict:
+    """V4's MTP draft model (vLLM's ``DeepSeekV4MTP``, as the speculative path builds it from the
+    target's config) loaded from the same safetensors with vLLM's loader."""
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    dm = tempfile.mkdtemp(prefix="dsv4_verify_mtp_")
+    with open(os.path.join(dm, "config.json"), "w") as f:
+        json.dump(mtp_config(cfg), f)
+    os.symlink(os.path.join(os.path.abspath(d), "model.safetensors"), os.path.join(dm, "model.safetensors"))
+    model, vc, ctx = _build_vllm_model(dm, draft=True)
+    n, compared, bad = _load_and_check(model, vc, expected, prefix="mtp:")
     ctx.__exit__(None, None, None)
-    return dict(dir=d, arch=vc.model_config.architectures[0], params=n,
-                compared=sum(1 for k in expected or () if k), mismatched=mismatched)
+    return dict(dir=d + "#mtp", arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
+
+
+def verify(d: str, expected: dict = None) -> dict:
+    """Load ``d`` with vLLM's own loader (``get_model_loader().load_weights``: it raises on a
+    parameter the checkpoint leaves unloaded) and ``process_weights_after_loading``; compare
+    every parameter with ``expected`` (vLLM names) when given. Returns a summary."""
+    model, vc, ctx = _build_vllm_model(d)
+    n, compared, bad = _load_and_check(model, vc, expected)
+    ctx.__exit__(None, None, None)
+    return dict(dir=d, arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
 
 
 def main(argv=None) -> int:
@@ -276,6 +364,10 @@ def main(argv=None) -> int:
             r = verify(d, exp)
             results.append(r)
             print(json.dumps(r), flush=True)
+            if mans.get(m, {}).get("mtp"):
+                r = verify_mtp(d, exp)
+                results.append(r)
+                print(json.dumps(r), flush=True)
     with open(os.path.join(a.out, "manifest.json"), "w") as f:
         json.dump(mans, f)
     return 1 if any(r["mismatched"] for r in results) else 0
