@@ -7,21 +7,23 @@
 # whl/*.whl, audit.json, audit_v32.json: tests/e2e/make_bundle.sh; manifest.json:
 # tests/e2e/engine/checkpoints.py), from which the checkpoints are rewritten here (E2E_MODELS).
 #   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve][:mutate], e.g.
-#     "v41e=v41:eager v41g=v41:graphs v41d1=v41:eager:dspark:1"
+#     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
+#      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_EXTRA: JSON of more LLM(...) kwargs
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
+R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
 B=bundle
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/e2e_site "$B"/whl/*.whl > "$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3 tests/e2e/a100_platform/make_wheel.py /tmp/e2e_whl)" >> "$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/e2e_site "$B"/whl/*.whl > "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3 tests/e2e/a100_platform/make_wheel.py /tmp/e2e_whl)" >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
 python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
 export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm:$PWD/tests/e2e:$PWD/tests/e2e/engine PYTHONUNBUFFERED=1
 export DSV4_E2E_A100=1 DSV4_AMPERE_IMPL=portable VLLM_LOGGING_LEVEL=INFO VLLM_ALLOW_INSECURE_SERIALIZATION=1
 export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_AUDIT_JSON_V32="$PWD/$B/audit_v32.json"
 CK=/tmp/e2e_ckpt
-python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v4 v32} --from-manifest "$B/manifest.json" > "$OUT/ckpt.log" 2>&1 || { tail -20 "$OUT/ckpt.log"; exit 1; }
+python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
 echo "setup $(( $(date +%s) - T0 )) s" | tee "$OUT/setup.txt"
 python3 -c "
 from importlib.metadata import entry_points as e
@@ -30,7 +32,7 @@ print('general_plugins', sorted(x.value for x in e(group='vllm.general_plugins')
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/setup.txt" 2>&1
 for run in ${E2E_RUNS:-v41e=v41:eager}; do
   name=${run%%=*}; IFS=: read -r model mode a3 a4 a5 <<< "${run#*=}"
-  args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$OUT/$name.json")
+  args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$R/$name.json")
   envs=()
   for x in "${a3:-}" "${a4:-}" "${a5:-}"; do
     case "$x" in
@@ -42,8 +44,10 @@ for run in ${E2E_RUNS:-v41e=v41:eager}; do
   done
   [ -n "${E2E_EXTRA:-}" ] && args+=(--extra "$E2E_EXTRA")
   t=$(date +%s)
-  env "${envs[@]}" timeout -k 10 "${E2E_RUN_TIMEOUT:-150}" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/runs.txt"
+  env "${envs[@]}" timeout -k 10 "${E2E_RUN_TIMEOUT:-150}" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
 done
-python3 tests/e2e/engine/summary.py "$OUT" > "$OUT/SUMMARY.md" 2>&1; tail -60 "$OUT/SUMMARY.md"
-echo "total $(( $(date +%s) - T0 )) s"
+python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
+tar czf "$OUT/runs.tgz" -C "$R" .
+echo "total $(( $(date +%s) - T0 )) s; summary rc=$RC (1: a check failed, e.g. a mutated run did not change the output)"
+exit $RC

@@ -85,6 +85,12 @@ def serve(a, prompt: list, max_tokens: int) -> dict:
         ch = r["choices"][0]
         res["token_ids"] = ch.get("token_ids")
         res["text"] = ch.get("text")
+        if res["token_ids"] is None and res["text"] is not None:
+            # the WordLevel tokenizer's words map back to ids one to one (special tokens excepted)
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(os.path.join(a.ckpt, "tokenizer.json"))
+            res["token_ids_from_text"] = [tok.token_to_id(w) for w in res["text"].split()]
         lp = ch.get("logprobs") or {}
         res["logprob_tokens"] = lp.get("tokens")
     except Exception as exc:  # noqa: BLE001

@@ -54,9 +54,9 @@ def worker(r, key):
 def main(out: str) -> int:
     runs = load(out)
     failures = []
-    print("| run | model | mode | spec | plugin pids (dsv4_ops / platform) | KV blocks | block | graph sizes |"
-          " startup s | generate s | compiles after warmup | tripped | peak alloc MiB | error |")
-    print("|" + "---|" * 14)
+    print("| run | model | mode | spec | plugin pids (dsv4_ops / platform) | worker pid: platform, capability, plugin routed |"
+          " KV blocks | block | graph sizes | startup s | generate s | compiles after warmup | tripped | peak alloc MiB | error |")
+    print("|" + "---|" * 15)
     for name, r in runs.items():
         L = r["_lines"]
         wb, wa = worker(r, "worker_before"), worker(r, "worker_after")
@@ -65,7 +65,9 @@ def main(out: str) -> int:
         err = (r.get("error") or "")[:120].replace("|", "/")
         sizes = r.get("cudagraph_capture_sizes")
         print(f"| {name} | {r['model']} | {r['mode']} | {r.get('spec') or '-'} | {pids(L, 'dsv4_ops plugin (pid')} /"
-              f" {pids(L, 'dsv4_e2e_a100 (pid')} | {r.get('num_gpu_blocks')} | {r.get('block_size')} |"
+              f" {pids(L, 'dsv4_e2e_a100 (pid')} |"
+              f" {(str(wa.get('pid')) + ': ' + str(wa.get('platform')) + ', ' + str(wa.get('capability')) + ', ' + str(wa.get('plugin_routed'))) if wa else '-'} |"
+              f" {r.get('num_gpu_blocks')} | {r.get('block_size')} |"
               f" {sizes if r['mode'] == 'graphs' else 'eager'} | {r.get('startup_s')} | {r.get('generate_s')} |"
               f" {comp} | {wa.get('tripped') if wa else '-'} | {peak} | {err} |")
         if r.get("error") and "mutate" not in name:
@@ -107,7 +109,7 @@ def main(out: str) -> int:
                 failures.append(f"{n}: tokens differ from eager")
             s = r.get("serve")
             if s:
-                st = s.get("token_ids")
+                st = s.get("token_ids") or s.get("token_ids_from_text")
                 ok = st == base["tokens"][1]
                 print(f"- {n} serve: ready {s.get('ready_s')} s, /v1/completions tokens == LLM.generate: {ok},"
                       f" exit rc {s.get('exit_rc')}{'; error ' + s['error'] if s.get('error') else ''}")

@@ -4,7 +4,6 @@ e2e's tripwire and counters; ``worker_report`` returns them through ``LLM.collec
 from __future__ import annotations
 
 import os
-import sys
 
 from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM as _V4
 from vllm.models.deepseek_v41.nvidia.model import DeepseekV41LLMForCausalLM as _V41
