@@ -11,8 +11,12 @@ import base64
 import hashlib
 import os
 import sys
-import tomllib
 import zipfile
+
+try:
+    import tomllib
+except ImportError:   # Python 3.10: pip's vendored parser
+    from pip._vendor import tomli as tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
