@@ -19,6 +19,8 @@ oracle's MoE), so a stand-in that were wrong would fail the test rather than pas
 | ``_moe_C.moe_align_block_size`` / ``moe_sum`` | the algorithm of vLLM's docstring / a sum over top-k |
 | ``_C.silu_and_mul_with_clamp`` | ``SiluAndMulWithClamp.forward_native``'s formula in fp32 |
 | ``_C.rms_norm`` / ``fused_add_rms_norm`` | the native RMSNorm formula (fp32) |
+| ``_C.get_cuda_view_from_cpu_tensor`` (GPU only: the V2 runner's UVA buffers) | the pinned tensor's own address aliased on cuda through ``__cuda_array_interface__`` |
+| ``_C.weak_ref_tensor`` (GPU only: CUDA-graph outputs) | an owning alias |
 | ``_C.cutlass_scaled_mm_supports_*`` | the sm_80 answer (False) |
 | ``aten::mm.dtype`` (CPU only) | fp32 upcast + mm |
 """
@@ -260,6 +262,35 @@ def _fused_add_rms_norm(x, residual, w, eps):
     _rms_norm(x, residual, w, eps)
 
 
+class _CudaArrayInterface:
+    """``__cuda_array_interface__`` of raw bytes at a device-accessible address (torch aliases it,
+    no copy; the caller keeps the owner alive)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(ptr, False), version=2)
+
+
+def _cuda_view_from_cpu_tensor(cpu_tensor):
+    """The pinned CPU tensor's memory seen from the GPU through unified virtual addressing (the
+    same address: cudaHostAlloc memory is mapped under UVA), as the C++ op returns it: an alias
+    on cuda, not a copy."""
+    CALLS["_C.get_cuda_view_from_cpu_tensor"] += 1
+    assert cpu_tensor.is_pinned(), "UVA view of an unpinned CPU tensor"
+    st = cpu_tensor.untyped_storage()
+    if st.nbytes() == 0:
+        return torch.empty(cpu_tensor.shape, dtype=cpu_tensor.dtype, device="cuda")
+    raw = torch.as_tensor(_CudaArrayInterface(st.data_ptr(), st.nbytes()), device="cuda")
+    return raw.view(cpu_tensor.dtype).as_strided(cpu_tensor.shape, cpu_tensor.stride(),
+                                                 cpu_tensor.storage_offset())
+
+
+def _weak_ref_tensor(t):
+    """An owning alias instead of the C++ op's non-owning one (only the lifetime of a CUDA
+    graph's output memory differs)."""
+    CALLS["_C.weak_ref_tensor"] += 1
+    return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 def install(cpu: bool = True) -> None:
     """Register every stand-in that is not already defined (idempotent)."""
     c, cc, moe = _lib("_C"), _lib("_C_cache_ops"), _lib("_moe_C")
@@ -279,6 +310,9 @@ def install(cpu: bool = True) -> None:
     _define(c, "_C", "rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()", _rms_norm)
     _define(c, "_C", "fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()",
             _fused_add_rms_norm)
+    if not cpu:
+        _define(c, "_C", "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor", _cuda_view_from_cpu_tensor)
+        _define(c, "_C", "weak_ref_tensor(Tensor(a) tensor) -> Tensor(a)", _weak_ref_tensor)
     for probe in ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
                   "cutlass_scaled_mm_supports_fp4", "cutlass_group_gemm_supported"):
         _define(c, "_C", f"{probe}(int cap) -> bool", lambda cap: False)

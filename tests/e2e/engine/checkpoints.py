@@ -1,0 +1,377 @@
+"""Tiny HF-style checkpoint directories (config.json, bf16 safetensors, a locally built
+tokenizer.json) for DeepSeek-V4.1, V4 and V3.2, read by vLLM's own loader.
+
+V4.1 / V4 tensors are named as the original DeepSeek checkpoints name them (``layers.N.attn.wq_a``,
+``layers.N.ffn.experts.E.w1``, ``embed.weight``, ``head.weight``, ...): the writer builds vLLM's
+model class on the CPU harness (tests/e2e/driver.py setup), draws random weights with
+``build.init_weights`` and splits vLLM's fused parameters back into the checkpoint's pieces, so
+``load_weights`` exercises the model's real ``hf_to_vllm_mapper`` and stacked/expert loaders.
+V3.2 is written by transformers' own ``save_pretrained`` (v32_checkpoint.write).
+``verify`` reloads each directory into a fresh model with vLLM's ``get_model_loader`` and
+``process_weights_after_loading`` and compares every parameter with what was written.
+
+    usage (CPU): python tests/e2e/engine/checkpoints.py OUT_DIR [v41 v4 v32] [--verify]
+      (also writes OUT_DIR/manifest.json: vLLM's parameter names/shapes)
+    the device: python tests/e2e/engine/checkpoints.py OUT_DIR v41 v4 v32 --from-manifest MANIFEST
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))   # tests/e2e (build, driver, v32_checkpoint)
+
+# Engine-sized geometry: the e2e configs (build.CONFIGS), with room for 1024-token prompts.
+MAX_LEN = 4096
+
+
+def configs() -> dict:
+    import build
+    import v32_checkpoint
+
+    v41 = dict(build.V41_CONFIG, max_position_embeddings=MAX_LEN)
+    # one MTP layer (``mtp.0.*``): V4's speculative path (method "mtp") drafts with it
+    v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN, num_nextn_predict_layers=1)
+    v32 = dict(v32_checkpoint.V32_CONFIG)
+    return {"v41": v41, "v4": v4, "v32": v32}
+
+
+def write_tokenizer(d: str, vocab_size: int, bos: int = 0, eos: int = 1) -> None:
+    """A WordLevel tokenizer over ``vocab_size`` words (``<s>``, ``</s>``, ``w2`` ...), whitespace
+    pre-tokenised, built with the ``tokenizers`` library (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": bos, "</s>": eos}
+    for i in range(vocab_size):
+        if i not in (bos, eos):
+            vocab[f"w{i}"] = i
+    vocab["<unk>"] = vocab.pop(f"w{vocab_size - 1}")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    tok.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
+                       unk_token="<unk>", model_max_length=MAX_LEN, add_bos_token=False), f)
+
+
+def _split(name: str, t: torch.Tensor, cfg: dict, sizes=None) -> list:
+    """One vLLM parameter -> [(checkpoint name, tensor)] in the original checkpoint's naming;
+    sizes: the fused module's ``output_sizes`` (MergedColumnParallelLinear)."""
+    return [(_ckpt_name(n), x) for n, x in _unfuse(name, t, cfg, sizes)]
+
+
+def _ckpt_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return "head.weight"
+    if name == "model.embed_tokens.weight":
+        return "embed.weight"
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _unfuse(name: str, t: torch.Tensor, cfg: dict, sizes) -> list:
+    if name.endswith(".attn.fused_wqa_wkv.weight"):
+        q = cfg["q_lora_rank"]
+        base = name[: -len("fused_wqa_wkv.weight")]
+        return [(base + "wq_a.weight", t[:q]), (base + "wkv.weight", t[q:])]
+    if name.endswith(".compressor.fused_wkv_wgate.weight"):
+        base = name[: -len("fused_wkv_wgate.weight")]
+        if len(sizes) == 1:   # ratio 1 pools single tokens: the checkpoint carries no gate
+            return [(base + "wkv.weight", t)]
+        h = sizes[0]
+        return [(base + "wkv.weight", t[:h]), (base + "wgate.weight", t[h:])]
+    if name.endswith(".shared_experts.gate_up_proj.weight"):
+        h = t.shape[0] // 2
+        base = name[: -len("gate_up_proj.weight")]
+        return [(base + "w1.weight", t[:h]), (base + "w3.weight", t[h:])]
+    if name.endswith(".shared_experts.down_proj.weight"):
+        return [(name.replace(".down_proj.", ".w2."), t)]
+    if name.endswith(".experts.routed_experts.w13_weight"):
+        base = name[: -len("routed_experts.w13_weight")]
+        h = t.shape[1] // 2
+        out = []
+        for e in range(t.shape[0]):
+            out += [(f"{base}{e}.w1.weight", t[e, :h]), (f"{base}{e}.w3.weight", t[e, h:])]
+        return out
+    if name.endswith(".experts.routed_experts.w2_weight"):
+        base = name[: -len("routed_experts.w2_weight")]
+        return [(f"{base}{e}.w2.weight", t[e]) for e in range(t.shape[0])]
+    if name.endswith(".ffn.gate.e_score_correction_bias"):
+        return [(name.replace("e_score_correction_bias", "bias"), t)]
+    return [(name, t)]
+
+
+class _DraftSpec:
+    """What vLLM's MTP layer reads of ``speculative_config`` at construction (the draft config is
+    the target's hf_config with vLLM's ``hf_config_override`` for V4: n_predict, the MTP arch)."""
+
+    method = "mtp"
+    num_speculative_tokens = 1
+
+    def __init__(self, draft_model_config):
+        self.draft_model_config = draft_model_config
+
+    def use_dspark(self) -> bool:
+        return False
+
+    def __getattr__(self, name):   # any other feature query (v2-runner support, eagle, ...): off
+        return _Off()
+
+
+class _Off:
+    def __bool__(self):
+        return False
+
+    def __call__(self, *a, **k):
+        return False
+
+
+def mtp_config(cfg: dict) -> dict:
+    """vLLM's ``SpeculativeConfig.hf_config_override`` for V4 (config/speculative.py)."""
+    return dict(cfg, architectures=["DeepSeekV4MTPModel"], n_predict=cfg["num_nextn_predict_layers"])
+
+
+def _build_vllm_model(d: str, draft: bool = False):
+    """vLLM's model class for the config in ``d`` (CPU harness already set up); draft: the
+    config is a draft (MTP) config and ``speculative_config`` names it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    import build
+
+    arch = json.load(open(os.path.join(d, "config.json")))["architectures"][0]
+    if arch not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(arch, build.TEXT_MODELS[arch])
+    vc = build.make_vllm_config(d, "cpu")
+    if draft:
+        vc.speculative_config = _DraftSpec(vc.model_config)
+    ctx = set_current_vllm_config(vc)
+    ctx.__enter__()
+    _init_distributed()
+    cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architectures, vc.model_config)
+    with set_default_torch_dtype(torch.bfloat16):
+        model = cls(vllm_config=vc, prefix="")
+    return model, vc, ctx
+
+
+def _init_distributed():
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is None:
+        init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo")
+        initialize_model_parallel(1, 1)
+
+
+def manifest(kind: str, cfg: dict) -> dict:
+    """What the writer needs of vLLM's model, read on the CPU harness: every parameter (and the
+    hash-routing buffer) in ``named_parameters`` order with shape, dtype and, for a fused linear,
+    its ``output_sizes``. The device rewrites the same bytes from it (``write_v4``) without
+    building vLLM's model."""
+    d = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    model, _vc, ctx = _build_vllm_model(d)
+    sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
+    params = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
+              for n, p in model.named_parameters()]
+    bufs = [dict(name=n, shape=list(b.shape), dtype=str(b.dtype).replace("torch.", ""))
+            for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    ctx.__exit__(None, None, None)
+    man = dict(kind=kind, config=cfg, params=params, buffers=bufs)
+    if cfg.get("num_nextn_predict_layers"):
+        dm = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_mtp_")
+        with open(os.path.join(dm, "config.json"), "w") as f:
+            json.dump(mtp_config(cfg), f)
+        model, _vc, ctx = _build_vllm_model(dm, draft=True)
+        sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
+        man["mtp"] = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
+                      for n, p in model.named_parameters()]
+        ctx.__exit__(None, None, None)
+    return man
+
+
+def _mtp_ckpt_name(name: str, cfg: dict) -> str:
+    """A vLLM MTP parameter name -> the checkpoint's ``mtp.{i}.*`` name (the inverse of
+    ``DeepSeekV4MTP.load_weights``' renames)."""
+    import re
+
+    if name == "model.embed_tokens.weight":
+        return "mtp.0.emb.tok_emb.weight"
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    assert m, name
+    i, rest = int(m.group(1)) - cfg["num_hidden_layers"], m.group(2)
+    rest = rest.replace("mtp_block.", "", 1).replace("shared_head.head.", "head.").replace("shared_head.norm.", "norm.")
+    return f"mtp.{i}.{rest}"
+
+
+class _Shell(torch.nn.Module):
+    """Stand-in with vLLM's parameter names and shapes, so ``build.init_weights`` draws exactly
+    what it draws for vLLM's model (same order, same rules)."""
+
+    def __init__(self, params: list, buffers: list = ()):
+        super().__init__()
+        self._p = [(e["name"], torch.nn.Parameter(torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])),
+                                                  requires_grad=False)) for e in params]
+        self._b = [(e["name"], torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]))) for e in buffers]
+
+    def named_parameters(self, *a, **k):
+        return iter(self._p)
+
+    def named_buffers(self, *a, **k):
+        return iter(self._b)
+
+
+def write_v4(man: dict, d: str, seed: int = 0) -> dict:
+    """V4.1 / V4 from a manifest: config.json, tokenizer, model.safetensors (original names).
+    Returns {vLLM name: written tensor}."""
+    from safetensors.torch import save_file
+    import build
+
+    cfg = man["config"]
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    shell = _Shell(man["params"], man["buffers"])
+    build.init_weights(shell, seed)
+    sizes = {e["name"]: e["sizes"] for e in man["params"]}
+    tensors, params = {}, {}
+    for name, p in list(shell.named_parameters()) + list(shell.named_buffers()):
+        params[name] = p.detach().clone()
+        for ck, t in _split(name, p.detach(), cfg, sizes.get(name)):
+            assert ck not in tensors, ck
+            tensors[ck] = t.contiguous().clone()
+    if man.get("mtp"):   # the MTP layer's own draws (another seed), named mtp.{i}.*
+        shell = _Shell(man["mtp"])
+        build.init_weights(shell, seed + 1)
+        msizes = {e["name"]: e["sizes"] for e in man["mtp"]}
+        for name, p in shell.named_parameters():
+            params["mtp:" + name] = p.detach().clone()
+            for vname, t in _unfuse(name, p.detach(), cfg, msizes.get(name)):
+                ck = _mtp_ckpt_name(vname, cfg)
+                assert ck not in tensors, ck
+                tensors[ck] = t.contiguous().clone()
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    return params
+
+
+def write_v32(d: str) -> None:
+    import shutil
+    import v32_checkpoint
+
+    src = v32_checkpoint.write("v32")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    shutil.rmtree(src, ignore_errors=True)
+    write_tokenizer(d, v32_checkpoint.V32_CONFIG["vocab_size"])
+
+
+def _load_and_check(model, vc, expected: dict, prefix: str = "") -> tuple:
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    for p in model.parameters():            # poison: an unloaded element shows as NaN
+        if p.is_floating_point():
+            p.data.fill_(float("nan"))
+    get_model_loader(vc.load_config).load_weights(model, vc.model_config)
+    process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+    n, compared, bad = 0, 0, []
+    for name, p in model.named_parameters():
+        n += 1
+        if p.is_floating_point() and torch.isnan(p).any():
+            bad.append(f"{prefix}{name}: NaN after load")
+        elif expected is not None and prefix + name in expected:
+            compared += 1
+            if not torch.equal(p.detach(), expected[prefix + name]):
+                bad.append(f"{prefix}{name}: differs from the written tensor")
+    return n, compared, bad
+
+
+def verify_mtp(d: str, expected: dict = None) -> dict:
+    """V4's MTP draft model (vLLM's ``DeepSeekV4MTP``, as the speculative path builds it from the
+    target's config) loaded from the same safetensors with vLLM's loader."""
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    dm = tempfile.mkdtemp(prefix="dsv4_verify_mtp_")
+    with open(os.path.join(dm, "config.json"), "w") as f:
+        json.dump(mtp_config(cfg), f)
+    os.symlink(os.path.join(os.path.abspath(d), "model.safetensors"), os.path.join(dm, "model.safetensors"))
+    model, vc, ctx = _build_vllm_model(dm, draft=True)
+    n, compared, bad = _load_and_check(model, vc, expected, prefix="mtp:")
+    ctx.__exit__(None, None, None)
+    return dict(dir=d + "#mtp", arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
+
+
+def verify(d: str, expected: dict = None) -> dict:
+    """Load ``d`` with vLLM's own loader (``get_model_loader().load_weights``: it raises on a
+    parameter the checkpoint leaves unloaded) and ``process_weights_after_loading``; compare
+    every parameter with ``expected`` (vLLM names) when given. Returns a summary."""
+    model, vc, ctx = _build_vllm_model(d)
+    n, compared, bad = _load_and_check(model, vc, expected)
+    ctx.__exit__(None, None, None)
+    return dict(dir=d, arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("models", nargs="*", default=["v41", "v4", "v32"])
+    ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--from-manifest", default="", help="write V4.1/V4 from OUT's manifest JSON (no vLLM)")
+    a = ap.parse_args(argv)
+    if a.from_manifest:   # the device: no vLLM model build, the same bytes
+        mans = json.load(open(a.from_manifest))
+        for m in a.models:
+            if m == "v32":
+                write_v32(os.path.join(a.out, m))
+            else:
+                write_v4(mans[m], os.path.join(a.out, m))
+        return 0
+    import driver
+
+    driver.setup("cpu")
+    if "v32" in a.models:   # as tests/e2e/driver_v32.py: V3.2's MLA backend through the CUDA selector rules
+        import importlib
+        import platform_spoof
+        import standins_v32
+        import vllm.models.deepseek_v32 as v32_pkg
+        from dsv4_ops.vllm import plugin, v32_backend
+
+        standins_v32.install()
+        platform_spoof.cpu_cuda_attention_selector()
+        v32_backend.check_registration(plugin.VllmPatchError)
+        v32_backend.install()
+        importlib.reload(v32_pkg)
+    cfgs = configs()
+    results, mans = [], {}
+    for m in a.models:
+        d = os.path.join(a.out, m)
+        if m == "v32":
+            write_v32(d)
+            exp = None
+        else:
+            mans[m] = manifest(m, cfgs[m])
+            exp = write_v4(mans[m], d)
+        if a.verify:
+            r = verify(d, exp)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            if mans.get(m, {}).get("mtp"):
+                r = verify_mtp(d, exp)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    with open(os.path.join(a.out, "manifest.json"), "w") as f:
+        json.dump(mans, f)
+    return 1 if any(r["mismatched"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The engine run on the device (H200), one call: install the carried bundle, run
+# tests/e2e/engine/run_engine.py once per entry of E2E_RUNS, write $OUT/SUMMARY.md.
+#
+# Carry layout (ignored folder, never committed; built on the CPU machine by
+# tests/e2e/engine/prepare_carry.sh): the repo (worktree copy) with bundle/ (vllm_py.tar.xz,
+# whl/*.whl, audit.json, audit_v32.json: tests/e2e/make_bundle.sh; manifest.json:
+# tests/e2e/engine/checkpoints.py), from which the checkpoints are rewritten here (E2E_MODELS).
+#   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve][:mutate], e.g.
+#     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
+#      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
+#   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_EXTRA: JSON of more LLM(...) kwargs
+set -u -o pipefail
+OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
+R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
+B=bundle
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/e2e_site "$B"/whl/*.whl > "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3 tests/e2e/a100_platform/make_wheel.py /tmp/e2e_whl)" >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
+export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm:$PWD/tests/e2e:$PWD/tests/e2e/engine PYTHONUNBUFFERED=1
+export DSV4_E2E_A100=1 DSV4_AMPERE_IMPL=portable VLLM_LOGGING_LEVEL=INFO VLLM_ALLOW_INSECURE_SERIALIZATION=1
+export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_AUDIT_JSON_V32="$PWD/$B/audit_v32.json"
+CK=/tmp/e2e_ckpt
+python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
+echo "setup $(( $(date +%s) - T0 )) s" | tee "$OUT/setup.txt"
+python3 -c "
+from importlib.metadata import entry_points as e
+print('platform_plugins', sorted(x.value for x in e(group='vllm.platform_plugins')))
+print('general_plugins', sorted(x.value for x in e(group='vllm.general_plugins')))" | tee -a "$OUT/setup.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/setup.txt" 2>&1
+for run in ${E2E_RUNS:-v41e=v41:eager}; do
+  name=${run%%=*}; IFS=: read -r model mode a3 a4 a5 <<< "${run#*=}"
+  args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$R/$name.json")
+  envs=()
+  for x in "${a3:-}" "${a4:-}" "${a5:-}"; do
+    case "$x" in
+      serve) args+=(--serve);;
+      mutate) envs+=(DSV4_E2E_MUTATE=topk_off_by_one);;
+      dspark|mtp|deepseek_mtp) args+=(--spec-method "$x");;
+      [0-9]*) args+=(--spec-k "$x");;
+    esac
+  done
+  [ -n "${E2E_EXTRA:-}" ] && args+=(--extra "$E2E_EXTRA")
+  t=$(date +%s)
+  env "${envs[@]}" timeout -k 10 "${E2E_RUN_TIMEOUT:-150}" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
+done
+python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
+tar czf "$OUT/runs.tgz" -C "$R" .
+echo "total $(( $(date +%s) - T0 )) s; summary rc=$RC (1: a check failed, e.g. a mutated run did not change the output)"
+exit $RC

@@ -1,0 +1,128 @@
+"""SUMMARY.md of a device run (tests/e2e/engine/device.sh): one table row per engine run, then
+the cross-run checks (graphs == eager, speculative == plain, serve == generate, the mutation
+fails). Reads OUT/<name>.json and OUT/<name>.log. Exit status 1 when a check fails.
+
+    python tests/e2e/engine/summary.py OUT
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+
+LOG_KEYS = ("dsv4_ops plugin (pid", "dsv4_e2e_a100 (pid", "GPU KV cache size", "Maximum concurrency",
+            "KV cache", "num_gpu_blocks", "Graph capturing finished", "Capturing CUDA graphs",
+            "Model loading took", "Memory profiling", "torch.compile took", "init engine",
+            "Available KV cache memory", "Traceback", "Error", "rror:")
+
+
+def log_lines(path: str) -> list:
+    try:
+        lines = open(path, errors="replace").read().splitlines()
+    except OSError:
+        return []
+    return [ln for ln in lines if any(k in ln for k in LOG_KEYS)]
+
+
+def pids(lines, key) -> list:
+    return sorted({int(m.group(1)) for ln in lines for m in [re.search(re.escape(key) + r" (\d+)", ln)] if m})
+
+
+def load(out: str) -> dict:
+    runs = {}
+    for p in sorted(glob.glob(os.path.join(out, "*.json"))):
+        name = os.path.basename(p)[:-5]
+        try:
+            r = json.load(open(p))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(r, dict) or "model" not in r:
+            continue
+        r["_lines"] = log_lines(os.path.join(out, name + ".log"))
+        runs[name] = r
+    return runs
+
+
+def worker(r, key):
+    w = r.get(key) or []
+    return w[0] if w else {}
+
+
+def main(out: str) -> int:
+    runs = load(out)
+    failures = []
+    print("| run | model | mode | spec | plugin pids (dsv4_ops / platform) | worker pid: platform, capability, plugin routed |"
+          " KV blocks | block | graph sizes | startup s | generate s | compiles after warmup | tripped | peak alloc MiB | error |")
+    print("|" + "---|" * 15)
+    for name, r in runs.items():
+        L = r["_lines"]
+        wb, wa = worker(r, "worker_before"), worker(r, "worker_after")
+        comp = (len(wa.get("triton_compiles", [])) - len(wb.get("triton_compiles", []))) if wa else "-"
+        peak = round(wa.get("max_memory_allocated", 0) / 2**20) if wa else "-"
+        err = (r.get("error") or "")[:120].replace("|", "/")
+        sizes = r.get("cudagraph_capture_sizes")
+        print(f"| {name} | {r['model']} | {r['mode']} | {r.get('spec') or '-'} | {pids(L, 'dsv4_ops plugin (pid')} /"
+              f" {pids(L, 'dsv4_e2e_a100 (pid')} |"
+              f" {(str(wa.get('pid')) + ': ' + str(wa.get('platform')) + ', ' + str(wa.get('capability')) + ', ' + str(wa.get('plugin_routed'))) if wa else '-'} |"
+              f" {r.get('num_gpu_blocks')} | {r.get('block_size')} |"
+              f" {sizes if r['mode'] == 'graphs' else 'eager'} | {r.get('startup_s')} | {r.get('generate_s')} |"
+              f" {comp} | {wa.get('tripped') if wa else '-'} | {peak} | {err} |")
+        if r.get("error") and "mutate" not in name:
+            failures.append(f"{name}: {err}")
+        if wa and "NOT ARMED" in str(wa.get("tripwire")):
+            failures.append(f"{name}: tripwire {wa['tripwire']}")
+        if wa and wa.get("tripped"):
+            failures.append(f"{name}: tripwire {wa['tripped']}")
+    print()
+    by = {}
+    for name, r in runs.items():
+        by.setdefault(r["model"], {})[name] = r
+    for model, rs in by.items():
+        base = next((r for n, r in rs.items() if r["mode"] == "eager" and not r.get("spec")
+                     and "mutat" not in n and r.get("tokens")), None)
+        print(f"## {model}")
+        if base is None:
+            print("no plain eager run with tokens")
+            continue
+        print(f"- prompt lengths {base.get('prompt_lens')}; prefix pass tokens equal first pass: "
+              f"{base.get('prefix_pass_tokens') == base['tokens'][-3:]} (cached tokens {base.get('prefix_pass_cached_tokens')})")
+        if base.get("prefix_pass_tokens") != base["tokens"][-3:]:
+            failures.append(f"{model}: prefix-cache pass differs")
+        for n, r in rs.items():
+            if r is base:
+                continue
+            same = r.get("tokens") == base["tokens"]
+            if "mutat" in n:
+                ok = not same
+                print(f"- {n} (topk_off_by_one mutation, must fail): tokens differ from eager: {not same}"
+                      f"{'; error ' + r['error'][:200] if r.get('error') else ''} -> {'FAILS as it must' if ok else 'DID NOT FAIL'}")
+                if not ok:
+                    failures.append(f"{n}: the mutation did not change the output")
+                continue
+            diff = [i for i, (x, y) in enumerate(zip(r.get("tokens") or [], base["tokens"])) if x != y]
+            print(f"- {n} ({r['mode']}, spec {r.get('spec') or '-'}): tokens == eager: {same}"
+                  f"{'' if same else f' (prompts differing: {diff})'}")
+            if r.get("tokens") is not None and not same:
+                failures.append(f"{n}: tokens differ from eager")
+            s = r.get("serve")
+            if s:
+                st = s.get("token_ids") or s.get("token_ids_from_text")
+                ok = st == base["tokens"][1]
+                print(f"- {n} serve: ready {s.get('ready_s')} s, /v1/completions tokens == LLM.generate: {ok},"
+                      f" exit rc {s.get('exit_rc')}{'; error ' + s['error'] if s.get('error') else ''}")
+                if not ok:
+                    failures.append(f"{n}: serve tokens differ or missing")
+        print("- log lines (base run):")
+        for ln in base["_lines"][:40]:
+            print(f"    {ln[:220]}")
+    print("\nFAILURES:" if failures else "\nall checks passed")
+    for f in failures:
+        print(f"- {f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
