@@ -218,6 +218,7 @@ class Bridge:
             req_idx=np.array([st.index for st in rows], dtype=np.int32),
             schedule=[(rid, int(so.num_scheduled_tokens[rid])) for rid in order],
             starts={rid: st.computed for rid, st in zip(order, rows)}, replay_padded=padded,
+            replay_starts={rid: rs for rid, rs in zip(order, replay) if rs},
         )
         out["query_start_loc_gpu"] = out["query_start_loc_cpu"].to(dev)
         if self.window or getattr(self.b.model, "decoder_replay_layers", None) is not None:
@@ -287,7 +288,10 @@ SCENARIOS = {
     # features for pools of 28..32 blocks at this budget
     "v41": dict(shared=128, tails=(8, 12), q=16, max_tokens=(3, 2, 2), budget=32, num_blocks=30,
                 order=("p0", "q", "p1")),
-    "v32": dict(shared=64, tails=(8, 12), q=24, max_tokens=(3, 2, 2), budget=40, num_blocks=None),
+    # V3.2: one group (MLA + indexer K) of 64-token blocks; q's decodes cross into a second block
+    # while p0's chunks hold the rest of a 4-block pool (3 usable: block 0 is the null block)
+    "v32": dict(shared=64, tails=(8, 12), q=60, max_tokens=(2, 2, 6), budget=40, num_blocks=4,
+                order=("q", "p0", "p1")),
 }
 
 
@@ -322,6 +326,7 @@ def run_steps(bridge: Bridge, on_step, max_steps: int = 24) -> List[dict]:
         logits = on_step(f"s{k}", so, bt)
         sampled = bridge.finish_step(so, bt, logits)
         entry = dict(step=f"s{k}", schedule=bt["schedule"], starts=bt["starts"], replay_padded=bt["replay_padded"],
+                     replay_starts=bt["replay_starts"],
                      sampled=sampled, seconds=round(time.time() - t, 1), free_blocks=bridge.sched.kv_cache_manager
                      .block_pool.get_num_free_blocks(), **cls, **ev)
         if not os.environ.get("DSV4_E2E_QUIET"):
@@ -400,8 +405,10 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     report["bridge"] = bridge.config
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
+    report["max_tokens"] = {}
     for rid, toks, mt in scenario_requests(model, cfg["vocab_size"], seed):
         bridge.add(rid, toks, mt)
+        report["max_tokens"][rid] = mt
     if dry:
         return dry_sweep(report, b, model, cfg["vocab_size"], seed)
     rec = capture.Recorder(b.model)
@@ -415,6 +422,16 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
         assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
         att_step, att_layers, skipped = without_truncated_windows(step, bt, bridge.window, b.model)
         report["replay_rows_not_compared"] += skipped
+        if skipped:   # for the report: those rows against the full-window oracle (not asserted)
+            only_step, only_layers, _ = without_truncated_windows(step, bt, bridge.window, b.model, invert=True)
+            for i in sorted(only_layers):
+                try:
+                    res = chk.check_attention(only_step, only_layers[i])
+                    chk.results.pop()
+                    res = {k: res[k] for k in ("step", "layer", "tokens", "cos")}
+                except Exception as exc:  # noqa: BLE001 (a diagnostic: stale blocks may decode to anything)
+                    res = dict(step=name, layer=i, error=repr(exc)[:200])
+                report["replay_rows_full_window"].append(res)
         for i, lr in sorted(step.layers.items()):
             chk.check_attention(att_step, att_layers[i])
             chk.check_indexer(step, lr)
@@ -425,6 +442,7 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
         return logits
 
     report["replay_rows_not_compared"] = 0
+    report["replay_rows_full_window"] = []
     report["steps"] = run_steps(bridge, on_step)
     report["features"] = feature_counts(report["steps"])
     report["checks"] = chk.results
@@ -435,12 +453,12 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     return report
 
 
-def without_truncated_windows(step, bt: dict, window: int, model):
+def without_truncated_windows(step, bt: dict, window: int, model, invert: bool = False):
     """The step's records for the attention check, less the replayed rows whose sliding window
     reaches below their request's ``replay_start``: by design (SWA bounded replay) those rows
     attend only to window KV at or above it (``sparse_swa.py``: "Context below replay_start has
     no window KV"), and the oracle's full window would read blocks the request never wrote.
-    Returns (step, {layer: record}, rows left out)."""
+    Returns (step, {layer: record}, rows left out); ``invert``: those rows only."""
     import dataclasses
     import torch
 
@@ -456,6 +474,9 @@ def without_truncated_windows(step, bt: dict, window: int, model):
                 keep[seg] &= pos[seg] - (W - 1) >= int(rs[r])
     if bool(keep.all()):
         return step, step.layers, 0
+    left_out = int((~keep).sum())
+    if invert:
+        keep = ~keep
     new_qsl = [0]
     for r in range(len(qsl) - 1):
         new_qsl.append(new_qsl[-1] + int(keep[qsl[r]:qsl[r + 1]].sum()))
@@ -467,7 +488,7 @@ def without_truncated_windows(step, bt: dict, window: int, model):
               for i, lr in step.layers.items()}
     batch = dict(step.batch, query_start_loc_cpu=torch.tensor(new_qsl, dtype=torch.int32),
                  input_ids=sub(step.batch["input_ids"]))
-    return dataclasses.replace(step, batch=batch, layers=layers), layers, int((~keep).sum())
+    return dataclasses.replace(step, batch=batch, layers=layers), layers, left_out
 
 
 # ---------------------------------------------------------------------------- V3.2
@@ -481,8 +502,10 @@ def run_v32(device: str, cache_dtype: str, dry: bool, num_blocks: int) -> dict:
     report["bridge"] = bridge.config
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
+    report["max_tokens"] = {}
     for rid, toks, mt in scenario_requests("v32", 512, seed):
         bridge.add(rid, toks, mt)
+        report["max_tokens"][rid] = mt
     if dry:
         return dry_sweep(report, b, "v32", 512, seed)
     runner = ctx["runner"]

@@ -81,8 +81,13 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
     assert preempted, "no preemption"
     resumed = [r for s in steps for r in s["resumed"]]
     assert {r["rid"] for r in resumed} >= set(preempted), (preempted, resumed)
-    # every request ran to its max_tokens (the scheduler finished them all)
-    assert {r for s in steps for r in s["finished"]} == {"p0", "p1", "q"}
+    # every request ran to its max_tokens (the driver ran until the scheduler had none unfinished;
+    # a preempted request's tokens sampled before the preemption count)
+    sampled = {}
+    for s in steps:
+        for rid in s["sampled"]:
+            sampled[rid] = sampled.get(rid, 0) + 1
+    assert sampled == report["max_tokens"], (sampled, report["max_tokens"])
 
 
 def test_every_step_passed_the_oracle_v41(report):
@@ -110,8 +115,10 @@ def test_every_step_passed_the_oracle_v41(report):
             assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
     # left out of the attention comparison: only each replay's first window - 1 rows, whose window
     # vLLM clips at replay_start by design (sched_driver.without_truncated_windows)
-    replays = [h for s in _steps(report) for h in s["hits"] if h["replay_start"] > 0]
-    assert report["replay_rows_not_compared"] == (report["bridge"]["replay_window"] - 1) * len(replays), replays
+    W = report["bridge"]["replay_window"]
+    clipped = sum(1 for s in _steps(report) for rid, n in s["schedule"] if rid in s["replay_starts"]
+                  for p in range(s["starts"][rid], s["starts"][rid] + n) if p < s["replay_starts"][rid] + W - 1)
+    assert 0 < report["replay_rows_not_compared"] == clipped
     # the indexer's long path ran (more compressed entries than top-k) and was checked
     assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
 
