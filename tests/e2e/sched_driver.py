@@ -286,7 +286,7 @@ def classify(ev: dict, bt: dict, bridge: Bridge) -> dict:
 SCENARIOS = {
     # V4.1: the prefix-cacheable group (compressed + indexer) hashes 128-token blocks; all
     # features for pools of 28..32 blocks at this budget
-    "v41": dict(shared=128, tails=(8, 12), q=16, max_tokens=(3, 2, 2), budget=32, num_blocks=30,
+    "v41": dict(shared=128, tails=(8, 12), q=16, max_tokens=(3, 1, 2), budget=32, num_blocks=30,
                 order=("p0", "q", "p1")),
     # V3.2: one group (MLA + indexer K) of 64-token blocks; q's decodes cross into a second block
     # while p0's chunks hold the rest of a 4-block pool (3 usable: block 0 is the null block)

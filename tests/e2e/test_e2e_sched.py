@@ -46,9 +46,19 @@ def run_sched(tmp_path, model):
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=["v41", "v32"])
-def report(request, tmp_path_factory):
-    return run_sched(tmp_path_factory.mktemp("e2e_sched"), request.param)
+@pytest.fixture(scope="module")
+def report_v41(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v41")
+
+
+@pytest.fixture(scope="module")
+def report_v32(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v32")
+
+
+@pytest.fixture(params=["v41", "v32"])
+def report(request):
+    return request.getfixturevalue(f"report_{request.param}")
 
 
 def _steps(report):
@@ -90,9 +100,8 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
     assert sampled == report["max_tokens"], (sampled, report["max_tokens"])
 
 
-def test_every_step_passed_the_oracle_v41(report):
-    if report["model"] != "v41":
-        pytest.skip("V4.1's per-layer checks (V3.2: test_every_step_passed_the_oracle_v32)")
+def test_every_step_passed_the_oracle_v41(report_v41):
+    report = report_v41
     names = {s["step"] for s in _steps(report)}
     checks = report["checks"]
     n_layers = v4_e2e.LAYERS["v41"]["n"]
@@ -123,10 +132,10 @@ def test_every_step_passed_the_oracle_v41(report):
     assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
 
 
-def test_every_step_passed_the_oracle_v32(report):
-    if report["model"] != "v32":
-        pytest.skip("V3.2's checks (V4.1: test_every_step_passed_the_oracle_v41)")
+def test_every_step_passed_the_oracle_v32(report_v32):
     import test_e2e_v32 as v32_e2e
+
+    report = report_v32
 
     steps = _steps(report)
     cos_min, rel_max = v32_e2e.LOGITS_BOUNDS[report["resolved"]["cache_dtype"]]
