@@ -21,8 +21,9 @@ def cfg_topk(ckpt: str) -> int:
         return int(json.load(f)["index_topk"])
 
 
-def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40) -> dict:
-    import torch
+def prepare(device: str, cache_dtype: str, family: str = "v32") -> dict:
+    """The model with the plugin, its recorders and the float64 oracle (the steps are the
+    caller's: ``run`` below, or vLLM's scheduler in sched_driver.py)."""
     import build
     import steps
     import v32_checkpoint
@@ -75,7 +76,63 @@ def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40
     mqa = checks_v32.MqaRecorder(choice)
     mqa.install(type(b.model.model.layers[0].self_attn.impl))
     oracle = v32_checkpoint.oracle(ckpt, fp8_latent=str(cc.cache_dtype) == "fp8_ds_mla", family=family)
-    sch = steps.Scheduler(b)
+    report["checks"] = []
+    return dict(report=report, built=b, choice=choice, mqa=mqa, oracle=oracle, runner=steps.Scheduler(b))
+
+
+def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
+    """rows: [(rid, the request's tokens up to this step's last, first position, n)] in batch order;
+    each request's rows of ``logits`` against the float64 oracle over its tokens."""
+    import torch
+    import v32_checkpoint
+
+    report, row = ctx["report"], 0
+    for rid, tokens, start, n in rows:
+        ref, margin = v32_checkpoint.oracle_logits(ctx["oracle"], tokens)
+        ref, margin = ref[start:], margin[start:]
+        got = logits[row:row + n].double().cpu()
+        row += n
+        # a token whose expert choice is a near-tie in float64 may route differently in bf16
+        # (V4's e2e: the choice must match where the margin > 0.02); those rows are reported
+        # and left out of the comparison
+        clear = margin > ROUTE_MARGIN
+        near_ties = int((~clear).sum())
+        if not clear.any():
+            report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, skipped=True))
+            continue
+        got, ref = got[clear], ref[clear]
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+        rel = ((got - ref).abs().max() / ref.abs().max()).item()
+        report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, cos=cos, rel_max=rel,
+                                     argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean())))
+
+
+def finish(ctx: dict) -> dict:
+    """The run's recorders and counters into the report."""
+    import counters
+    import standins
+    import tripwire
+
+    report, b, choice = ctx["report"], ctx["built"], ctx["choice"]
+    report["mqa"] = ctx["mqa"].results
+    report["indexer_choice"] = choice.results
+    report["index_topk"] = choice.topk
+    report["ops_called"] = dict(counters.OPS)
+    report["tripped"] = list(tripwire.TRIPPED)
+    report["triton_launches"] = dict(tripwire.LAUNCHES)
+    report["standin_calls"] = dict(standins.CALLS)
+    report["indexer_layers"] = [i for i, l in enumerate(b.model.model.layers)
+                                if getattr(l.self_attn, "indexer", None) is not None]
+    report["impl_classes"] = sorted({type(l.self_attn.impl).__module__ + "." + type(l.self_attn.impl).__name__
+                                     for l in b.model.model.layers})
+    return report
+
+
+def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40) -> dict:
+    import torch
+
+    ctx = prepare(device, cache_dtype, family)
+    report, choice, sch = ctx["report"], ctx["choice"], ctx["runner"]
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
     g = torch.Generator().manual_seed(seed)
@@ -85,7 +142,6 @@ def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40
     sch.add(1, torch.randint(2, vocab, (P1 + 4,), generator=g).tolist())
     plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
             ("decode2", [(0, 1), (1, 1)])]
-    report["checks"] = []
     for name, schedule in plan:
         t = time.time()
         starts = {rid: sch.requests[rid].computed for rid, _ in schedule}
@@ -94,40 +150,10 @@ def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40
             sch._ensure_blocks(sch.requests[rid], sch.requests[rid].computed + n)
         choice.set_step(name, toks, {rid: list(sch.requests[rid].blocks[0]) for rid, _ in schedule})
         hidden, logits, bt = sch.step(schedule)
-        row = 0
-        for rid, n in schedule:
-            req = sch.requests[rid]
-            ref, margin = v32_checkpoint.oracle_logits(oracle, req.tokens[: starts[rid] + n])
-            ref, margin = ref[starts[rid]:], margin[starts[rid]:]
-            got = logits[row:row + n].double().cpu()
-            row += n
-            # a token whose expert choice is a near-tie in float64 may route differently in bf16
-            # (V4's e2e: the choice must match where the margin > 0.02); those rows are reported
-            # and left out of the comparison
-            clear = margin > ROUTE_MARGIN
-            near_ties = int((~clear).sum())
-            if not clear.any():
-                report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, skipped=True))
-                continue
-            got, ref = got[clear], ref[clear]
-            cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
-            rel = ((got - ref).abs().max() / ref.abs().max()).item()
-            report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, cos=cos, rel_max=rel,
-                                         argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean())))
+        check_logits(ctx, name, [(rid, sch.requests[rid].tokens[: starts[rid] + n], starts[rid], n)
+                                 for rid, n in schedule], logits)
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
-    report["mqa"] = mqa.results
-    report["indexer_choice"] = choice.results
-    report["index_topk"] = choice.topk
-    report["ops_called"] = dict(counters.OPS)
-    report["tripped"] = list(tripwire.TRIPPED)
-    report["triton_launches"] = dict(tripwire.LAUNCHES)
-    import standins
-    report["standin_calls"] = dict(standins.CALLS)
-    report["indexer_layers"] = [i for i, l in enumerate(b.model.model.layers)
-                                if getattr(l.self_attn, "indexer", None) is not None]
-    report["impl_classes"] = sorted({type(l.self_attn.impl).__module__ + "." + type(l.self_attn.impl).__name__
-                                     for l in b.model.model.layers})
-    return report
+    return finish(ctx)
 
 
 def main(argv=None):

@@ -98,10 +98,19 @@ class Scheduler:
     def step(self, schedule: List[tuple], hook=None):
         """Build vLLM's metadata for ``schedule`` and run the model's forward; returns
         (hidden_states [T, hidden], logits [T, vocab], batch)."""
+        bt = self.batch(schedule)
+        hidden, logits = self.forward(bt, hook)
+        for rid, n in schedule:
+            self.requests[rid].computed += n
+        return hidden, logits, bt
+
+    def forward(self, bt: dict, hook=None):
+        """Run vLLM's metadata builders and the model's forward on a prepared batch (``batch()``'s
+        dict, or one made from a vLLM SchedulerOutput: tests/e2e/sched_driver.py); returns
+        (hidden_states [T, hidden], logits [T, vocab])."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.worker.gpu import attn_utils
 
-        bt = self.batch(schedule)
         md = attn_utils.build_attn_metadata(
             attn_groups=self.b.attn_groups, num_reqs=bt["num_reqs"], num_tokens=bt["num_tokens"],
             query_start_loc_gpu=bt["query_start_loc_gpu"], query_start_loc_cpu=bt["query_start_loc_cpu"],
@@ -110,6 +119,7 @@ class Scheduler:
             kv_cache_config=self.b.kv_cache_config,
             seq_lens_cpu_upper_bound=bt["seq_lens"].cpu(), positions=bt["positions"],
             is_prefilling=bt["is_prefilling"], req_idx=bt["req_idx"],
+            model_specific_attn_metadata=bt.get("model_specific_attn_metadata"),
         )
         # the per-layer slot mappings, as the V2 runner passes them (model_runner.py: V3.2's MLA
         # layers read their cache slots from here, not from the metadata)
@@ -123,6 +133,4 @@ class Scheduler:
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
             logits = self.b.model.compute_logits(hidden)
-        for rid, n in schedule:
-            self.requests[rid].computed += n
-        return hidden, logits, bt
+        return hidden, logits

@@ -1,0 +1,163 @@
+"""End to end with vLLM 0.33.0's own scheduler: its ``Scheduler`` and KV-cache manager (prefix
+caching on, chunked prefill with a small ``max_num_batched_tokens``, a small block pool) decide
+every step of the model e2e for DeepSeek-V4.1 and V3.2; ``sched_driver.py`` turns each
+``SchedulerOutput`` into the step's inputs as the V2 GPU model runner does, runs vLLM's model with
+the plugin, checks the step against the float64 oracle (the model e2e's checks, unchanged), and
+feeds the greedy tokens back through ``update_from_output``.
+
+Three requests: two share a prefix of whole hash blocks, a third is short. What must happen, as
+counted from the SchedulerOutputs: a prefill split across steps, a step mixing decodes with a
+prefill, a prefix-cache hit (V4.1: with SWA bounded replay, the hit's last window recomputed and
+its slots in the prefix-cacheable groups padded), a preemption by the small block pool and the
+preempted request's return (V2 sends it as a new request with every token so far).
+
+Every step passes the model e2e's float64 checks (the same bounds), with one exception by design:
+after a V4.1 prefix hit, the first window - 1 replayed rows attend only to window KV at or above
+``replay_start`` (vLLM's SWA bounded replay), so their attention rows are left out of the
+comparison and counted; their MoE, indexer and logits rows are compared.
+
+Not covered here: the engine's processes, the profile run and vLLM's own KV sizing (the pool is
+set), CUDA graphs, async scheduling, speculative decoding, sampling other than greedy, V4.1's
+decoder-side replay sub-batch (the layers past the last KV source run on the whole batch, as in
+FULL graphs), the runner's own UVA block tables and Triton input kernels (their rules are
+mirrored in ``Bridge.batch``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="the end-to-end test needs vllm==0.33.0 (pip install dsv4-ops[test])")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import test_e2e as v4_e2e  # noqa: E402  (bounds of the model e2e)
+
+
+def run_sched(tmp_path, model):
+    out = tmp_path / f"e2e_sched_{model}.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sched_driver.py"), "--model", model, "--out", str(out)],
+                          env=dict(os.environ, DSV4_E2E_QUIET="1"), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report_v41(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v41")
+
+
+@pytest.fixture(scope="module")
+def report_v32(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v32")
+
+
+@pytest.fixture(params=["v41", "v32"])
+def report(request):
+    return request.getfixturevalue(f"report_{request.param}")
+
+
+def _steps(report):
+    return [s for s in report["steps"] if not s.get("empty")]
+
+
+def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
+    steps = _steps(report)
+    br = report["bridge"]
+    # every step within the token budget, and the budget below the longest prompt
+    assert all(sum(n for _, n in s["schedule"]) <= br["max_num_batched_tokens"] for s in steps), steps
+    # a prefill split across steps: a request's partial chunk, then in a later step its final chunk
+    kinds = [{rid: k for (rid, _), k in zip(s["schedule"], s["kinds"])} for s in steps]
+    assert any(kinds[i].get(rid) == "partial_prefill" and kinds[j].get(rid) == "final_chunk"
+               for i in range(len(steps)) for j in range(i + 1, len(steps)) for rid in kinds[i]), kinds
+    # a step with a decode and a prefill together
+    assert any(s["mixed"] for s in steps), [s["kinds"] for s in steps]
+    # a prefix-cache hit: a new (not resumed) request starting past 0 on the other's cached blocks
+    hits = [h for s in steps for h in s["hits"] if h["rid"] == "p1"]
+    assert hits, [s["hits"] for s in steps]
+    if br["replay_window"]:       # V4.1: bounded replay recomputes the hit's last window
+        h = hits[0]
+        assert h["replay_start"] > 0 and h["computed"] == h["replay_start"], h
+        assert h["replay_start"] % br["hash_block_size"] == br["hash_block_size"] - br["replay_window"], (h, br)
+        assert any(s["replay_padded"] > 0 for s in steps)
+    else:
+        assert hits[0]["computed"] % br["hash_block_size"] == 0 and hits[0]["computed"] > 0, hits
+    # a preemption by the small pool, and the preempted request back with its generated tokens
+    preempted = [r for s in steps for r in s["preempted"]]
+    assert preempted, "no preemption"
+    resumed = [r for s in steps for r in s["resumed"]]
+    assert {r["rid"] for r in resumed} >= set(preempted), (preempted, resumed)
+    # every request ran to its max_tokens (the driver ran until the scheduler had none unfinished;
+    # a preempted request's tokens sampled before the preemption count)
+    sampled = {}
+    for s in steps:
+        for rid in s["sampled"]:
+            sampled[rid] = sampled.get(rid, 0) + 1
+    assert sampled == report["max_tokens"], (sampled, report["max_tokens"])
+
+
+def test_every_step_passed_the_oracle_v41(report_v41):
+    report = report_v41
+    names = {s["step"] for s in _steps(report)}
+    checks = report["checks"]
+    n_layers = v4_e2e.LAYERS["v41"]["n"]
+    for step in names:
+        rows = [c for c in checks if c["step"] == step]
+        assert sum(c["kind"].startswith("attn") for c in rows) == n_layers, (step, rows)
+        assert sum(c["kind"] == "moe" for c in rows) == n_layers, (step, rows)
+        assert sum(c["kind"] == "logits" for c in rows) == 1 and sum(c["kind"] == "mhc_first" for c in rows) == 1
+        assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS["v41"]["indexer"]), step
+    for c in checks:
+        if c["kind"].startswith("attn"):
+            assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, c
+            assert c["cos"] >= v4_e2e.ATTN_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+        elif c["kind"] == "indexer":
+            assert c["mismatched"] == 0 and c["q_err"] <= 1.0 and c["q_scale_pow2"], c
+        elif c["kind"] == "moe":
+            assert c["choice_mismatch"] == 0, c
+            assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+        else:
+            assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+    # left out of the attention comparison: only each replay's first window - 1 rows, whose window
+    # vLLM clips at replay_start by design (sched_driver.without_truncated_windows)
+    W = report["bridge"]["replay_window"]
+    clipped = sum(1 for s in _steps(report) for rid, n in s["schedule"] if rid in s["replay_starts"]
+                  for p in range(s["starts"][rid], s["starts"][rid] + n) if p < s["replay_starts"][rid] + W - 1)
+    assert 0 < report["replay_rows_not_compared"] == clipped
+    # the indexer's long path ran (more compressed entries than top-k) and was checked
+    assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
+
+
+def test_every_step_passed_the_oracle_v32(report_v32):
+    import test_e2e_v32 as v32_e2e
+
+    report = report_v32
+
+    steps = _steps(report)
+    cos_min, rel_max = v32_e2e.LOGITS_BOUNDS[report["resolved"]["cache_dtype"]]
+    # every scheduled request of every step has its logits checked against transformers in float64
+    want = {(s["step"], rid) for s in steps for rid, _ in s["schedule"]}
+    assert {(c["step"], c["rid"]) for c in report["checks"]} == want
+    compared = sum(c["tokens"] - c["near_ties"] for c in report["checks"])
+    assert compared >= 0.6 * sum(c["tokens"] for c in report["checks"]), report["checks"]
+    for c in report["checks"]:
+        if not c.get("skipped"):
+            assert c["cos"] >= cos_min and c["rel_max"] <= rel_max, c
+    # every sparse-MLA call (2 layers a step) against float64 over the cache bytes
+    assert len(report["mqa"]) == 2 * len(steps), report["mqa"]
+    for r in report["mqa"]:
+        assert r["out_of_range"] == 0 and r["nonfinite"] == 0 and r["valid"] > 0, r
+        assert r["cos"] >= v32_e2e.MQA_COS and r["rel_max"] <= v32_e2e.MQA_REL, r
+    rows = [c for c in report["indexer_choice"] if c["kind"] == "indexer"]
+    assert {(c["step"], c["layer"]) for c in rows} == {(s["step"], l) for s in steps for l in report["indexer_layers"]}
+    for c in rows:
+        assert c["mismatched"] == 0 and c["outside_request"] == 0 and c["checked"] == c["tokens"], c
+
+
+def test_no_dead_kernel_ran(report):
+    assert report["tripped"] == [], report["tripped"]
+    assert report["tripwire"]["dead_rows"] > 0
