@@ -1,12 +1,11 @@
 """Per-element error bounds of a V4 / V4.1 attention layer's output, from the rounding model of
 the path vLLM + the plugin run (float64, next to the oracle in checks.py).
 
-Model: every bf16 value the path stores is its exact value times (1 + e), |e| <= u = 2**-8,
-independent across values; fp32 accumulation adds n * 2**-24 relative per dot product (far below
-the bf16 terms); the cache keys are the decoded cache bytes, exact in the oracle, and are read as
-bf16 by the kernels. Each rounding is taken as uniform on [-u|x|, u|x|] (variance u^2 x^2 / 3, an
-upper bound: the true half-ulp is u|x| only at the bottom of a binade), and the variances are
-propagated to first order through the layer:
+Model: every bf16 value x the path stores carries a rounding error uniform on [-ulp(x)/2,
+ulp(x)/2] (ulp(x) = 2**(floor(log2|x|) - 7), variance ulp^2 / 12), independent across values;
+fp32 accumulation adds n * 2**-24 relative per dot product (far below the bf16 terms); the cache
+keys are the decoded cache bytes, exact in the oracle, and are read as bf16 by the kernels. The
+variances are propagated to first order through the layer:
 
   x (bf16, exact) -> qr = rms_norm(x Wqa^T) -> q = qr Wqb^T (V4: per-head rms_norm) -> RoPE
   -> o = softmax_with_sink(scale q.K) V -> inverse RoPE -> grouped wo_a -> wo_b.
@@ -27,10 +26,15 @@ import torch
 import oracle as O
 
 F64 = torch.float64
-U = 2.0 ** -8            # bf16 unit roundoff
-V_ROUND = U * U / 3      # variance of one bf16 rounding, relative to x^2
 V_ACC = (2.0 ** -24) ** 2 / 3
 Z = 6.0                  # standard deviations: the largest of ~10^6 checked elements stays below
+
+
+def rv(x: torch.Tensor) -> torch.Tensor:
+    """Variance of rounding x to bf16: ulp(x)^2 / 12 (8 significant bits); 0 at x = 0."""
+    a = x.abs()
+    ulp = torch.exp2(torch.floor(torch.log2(a.clamp(min=1e-300))) - 7)
+    return torch.where(a > 0, ulp * ulp / 12, torch.zeros_like(a))
 
 
 @contextlib.contextmanager
@@ -49,7 +53,7 @@ def _lin(w: torch.Tensor, x: torch.Tensor, vx: torch.Tensor) -> tuple:
     """y = x @ w.T and Var(y) (bf16 output). x, vx [..., n]; w [m, n]."""
     y = x @ w.T
     n = w.shape[1]
-    vy = vx @ (w * w).T + n * V_ACC * ((x * x) @ (w * w).T) + V_ROUND * y * y
+    vy = vx @ (w * w).T + n * V_ACC * ((x * x) @ (w * w).T) + rv(y)
     return y, vy
 
 
@@ -60,7 +64,7 @@ def _rms(x: torch.Tensor, vx: torch.Tensor, weight, eps: float) -> tuple:
     w2 = 1.0 if weight is None else weight * weight
     proj = (x * x * vx).sum(-1, keepdim=True) / (n * n * r2)      # Var of mean(x dx) / r^2 term
     y = O.rms_norm(x, weight, eps)
-    vy = w2 / r2 * (vx + x * x / r2 * proj) + V_ROUND * y * y
+    vy = w2 / r2 * (vx + x * x / r2 * proj) + rv(y)
     return y, vy
 
 
@@ -72,7 +76,7 @@ def _rope_var(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Te
     r = v[..., -2 * half:]
     ve, vo = r[..., 0::2], r[..., 1::2]
     rot = torch.stack((c2 * ve + s2 * vo, s2 * ve + c2 * vo), dim=-1).flatten(-2)
-    return torch.cat((v[..., : -2 * half], rot), dim=-1) + V_ROUND * y * y
+    return torch.cat((v[..., : -2 * half], rot), dim=-1) + rv(y)
 
 
 def q_variance(attn, x: torch.Tensor, cos, sin, v4: bool, w) -> tuple:
@@ -113,10 +117,10 @@ def attention_variance(q, vq, keys, valid, sink, scale, dv: int | None = None) -
             PGP = p[:, :, None] * G * p[:, None, :]
             var = scale * scale * (a * (PGP @ a)).sum(1)
         # the keys' bf16 rounding (in the logits and as values) and the fp32 logits' accumulation
-        lk = scale * scale * (V_ROUND + D * V_ACC) * torch.einsum("hd,kd->hk", q[t] * q[t], k * k)   # Var(dl_k)
-        var = var + ((p * p * lk)[:, :, None] * a * a).sum(1) + V_ROUND * (p * p) @ (v * v)
+        lk = scale * scale * ((q[t] * q[t]) @ (rv(k) + D * V_ACC * k * k).T)     # Var(dl_k) [H, K]
+        var = var + ((p * p * lk)[:, :, None] * a * a).sum(1) + (p * p) @ rv(v)
         o_all[t] = o
-        v_all[t] = var + V_ROUND * o * o
+        v_all[t] = var + rv(o)
     return o_all, v_all
 
 
@@ -129,7 +133,7 @@ def o_proj_variance(o, vo, cos, sin, wo_a, wo_b, n_groups) -> tuple:
     x, vx = oi.reshape(t, g, (h // g) * d), vi.reshape(t, g, (h // g) * d)
     wa = wo_a.reshape(g, -1, (h // g) * d)
     y = torch.einsum("tgi,gri->tgr", x, wa)
-    vy = torch.einsum("tgi,gri->tgr", vx, wa * wa) + V_ROUND * y * y
+    vy = torch.einsum("tgi,gri->tgr", vx, wa * wa) + rv(y)
     out, vout = _lin(wo_b, y.reshape(t, -1), vy.reshape(t, -1))
     return out, vout
 

@@ -26,6 +26,13 @@ request's window and the compressed entries the indexer chose (read from the byt
 caches); inverse RoPE + grouped wo_a + wo_b; MoE teacher-forced on vLLM's experts, whose choice
 must equal the oracle's wherever the router margin is clear (hash layers: the tid2eid table);
 layer 0's input from the embedding through the first-layer mHC and attn_norm; the LM head.
+Writer and reader are pinned separately: ``writer_checks.py`` recomputes, from the layers' inputs
+of every step, what the compressed-KV and indexer-K caches must hold (pooling, RMSNorm, RoPE at
+the window's first token) and checks the decoded bytes entry by entry (E4M3 + bf16 bound), while
+the attention and indexer checks read the same bytes as vLLM does. Each attention row is held to a
+bound from the rounding model of the served path (``bounds.py``: bf16 storage, fp32 arithmetic,
+Z = 6 standard deviations per element) rather than a cosine per layer; the planted bugs of
+``plants.py`` fail it >= 5x (``test_planted_bugs.py``, opt-in: DSV4_E2E_PLANTS=1).
 
 Stand-ins (``standins.py``; all KEPT rows of the audit: the plugin replaces none of them, and
 each output is checked downstream by the oracle, so a wrong stand-in fails rather than hides):
