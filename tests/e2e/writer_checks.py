@@ -56,12 +56,16 @@ def cos_sin(rotary, positions) -> tuple:
 
 
 # ----------------------------------------------------------------------------------- V4 / V4.1
-def request_ids(batch) -> List[int]:
-    """The request id of every block-table row of the step (the scheduler's schedule order)."""
+def request_ids(batch) -> List:
+    """The request id of every block-table row of the step (the scheduler's schedule order, or
+    the batch's ``req_ids``). A batch with neither gets ids of its own: windows that straddle
+    steps then count as unseen rather than pairing another request's inputs."""
     sch = batch.get("schedule")
     if sch:
         return [int(rid) for rid, _ in sch]
-    return list(range(len(batch["query_start_loc_cpu"]) - 1))
+    if batch.get("req_ids") is not None:
+        return list(batch["req_ids"])
+    return [(id(batch), r) for r in range(len(batch["query_start_loc_cpu"]) - 1)]
 
 
 def _pooled(comp, rows: torch.Tensor) -> torch.Tensor:
