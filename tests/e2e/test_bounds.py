@@ -138,3 +138,35 @@ MIN_MARGIN = {"drop_sink": 5.0, "scale_576": 4.0, "window_short": 5.0, "topk_no_
 def test_a_planted_bug_exceeds_the_bound(plant):
     ratio, seed = _ratio(v4=False, plant=plant)
     assert ratio >= MIN_MARGIN[plant], (plant, ratio, seed)
+
+
+def _fp8_ds_mla_roundtrip(ref):
+    """ref [N, 512] f64 -> what an fp8_ds_mla writer stores, decoded: 448 NoPE dims as E4M3 with
+    one UE8M0 scale per 64 (torch's own E4M3 cast), 64 RoPE dims as bf16."""
+    nope = ref[:, :448].reshape(-1, 7, 64)
+    scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448)))
+    codes = (nope / scale).to(torch.float32).to(torch.float8_e4m3fn).to(F64)
+    return torch.cat(((codes * scale).reshape(-1, 448), ref[:, 448:].to(BF).to(F64)), dim=-1)
+
+
+def test_the_writer_bound_holds_and_a_rope_position_off_by_one_breaks_it():
+    """writer_checks.quant_ratio on fresh rows: a correct fp8_ds_mla write of the bf16-rounded
+    entry is within the bound; the same entry RoPE'd one position late is far outside it."""
+    import writer_checks as WC
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    N = 32
+    entry = torch.randn(N, D, generator=g, dtype=F64) * (1 + 3 * torch.rand(N, 1, generator=g, dtype=F64))
+    inv = 1.0 / 4e4 ** (torch.arange(0, RD, 2, dtype=F64) / RD)
+    pos = torch.randint(0, 4000, (N,), generator=g)
+
+    def rope(p):
+        return O.rope_interleaved(entry, (p[:, None] * inv).cos(), (p[:, None] * inv).sin())
+
+    ref = rope(pos)
+    good = _fp8_ds_mla_roundtrip(ref.to(BF).to(F64))          # the bf16 pipeline, then the record
+    bad = _fp8_ds_mla_roundtrip(rope(pos + 1))
+    ok = max(WC.quant_ratio(good[i], ref[i], 448, 64, True) for i in range(N))
+    off = max(WC.quant_ratio(bad[i], ref[i], 448, 64, True) for i in range(N))
+    assert ok <= 1.0 and off >= 5.0, (ok, off, seed)
