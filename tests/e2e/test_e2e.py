@@ -219,7 +219,7 @@ def test_no_dead_kernel_ran_and_the_tripwire_fires(report):
 
 def _failures(report):
     bad = [c for c in report["checks"] if c["kind"].startswith("attn")
-           and (c["cos"] < ATTN_COS or c["max_abs"] > REL_MAX * c["ref_max"])]
+           and (c["cos"] < ATTN_COS or c["max_abs"] > REL_MAX * c["ref_max"] or c["bound_ratio"] > 1.0)]
     return bad
 
 
