@@ -13,7 +13,9 @@ from typing import Dict, List
 
 import torch
 
+import bounds as B
 import oracle as O
+import writer_checks as WC
 
 F64 = torch.float64
 MARGIN = 2e-2   # router-key gap above which vLLM's bf16 choice must equal the oracle's
@@ -142,13 +144,25 @@ class Checker:
             keyt[t, : k.shape[0]] = k
             valid[t, : k.shape[0]] = True
         sink = _w(attn.attn_sink[: attn.n_local_heads])
-        o, _ = O.sparse_attention(q, keyt, valid, sink, attn.scale)
+        # the oracle uses DeepSeek's scale (head_dim ** -0.5), not the module's
+        o, _ = O.sparse_attention(q, keyt, valid, sink, attn.head_dim ** -0.5)
         out = O.o_proj(o, cos, sin, attn.rotary_emb.rotary_dim if hasattr(attn.rotary_emb, "rotary_dim") else 64,
                        _w(attn.wo_a.weight), _w(attn.wo_b.weight), attn.n_local_groups)
         got = rec.out.cpu().to(F64)
+        # per-row bounds from the rounding model (bounds.py): Z standard deviations per element
+        with B.one_thread():
+            bq, vq = B.q_variance(attn, rec.x.cpu().to(F64), cos, sin, self.v4, _w)
+            bo, vo = B.attention_variance(bq, vq, keyt, valid, sink, attn.head_dim ** -0.5)
+            _, vout = B.o_proj_variance(bo, vo, cos, sin, _w(attn.wo_a.weight), _w(attn.wo_b.weight),
+                                        attn.n_local_groups)
+            rows = B.row_ratios(got, out, vout)
+            writers = WC.v4_writers(self, step, rec, attn, req)
         res = dict(step=step.name, layer=rec.layer, kind=f"attn(ratio={ratio})", tokens=T,
                    cos=cosine(got, out), max_abs=float((got - out).abs().max()),
-                   ref_max=float(out.abs().max()), writer_err=werr, topk_out_of_range=topk_bad)
+                   ref_max=float(out.abs().max()), writer_err=werr, topk_out_of_range=topk_bad,
+                   bound_ratio=float(rows.max()), bound_row=int(rows.argmax()),
+                   bound_rows_over=int((rows > 1).sum()))
+        res.update(writers)
         self.results.append(res)
         return res
 

@@ -69,9 +69,17 @@ class MqaRecorder:
         got = out.double().cpu()
         cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
         rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+        # per row: the error over the rounding model's bound (bf16 q exact, keys read as bf16,
+        # fp32 accumulation, bf16 output; bounds.py)
+        import bounds as B   # beside this module on the driver's path (test_checks_v32 imports only valid_top_k)
+
+        with B.one_thread():
+            _, var = B.attention_variance(qq, None, k, idx >= 0, None, float(impl.scale), dv=NOPE)
+        rows = B.row_ratios(got.reshape(T, -1), ref.reshape(T, -1), var.reshape(T, -1))
         self.results.append(dict(kind="mqa", decode=bool(kw.get("is_decode")), tokens=T,
                                  valid=int((idx >= 0).sum()), out_of_range=bad, cos=cos, rel_max=rel,
-                                 cache=str(kv_cache.dtype), nonfinite=int((~torch.isfinite(got)).sum())))
+                                 bound_ratio=float(rows.max()), cache=str(kv_cache.dtype),
+                                 nonfinite=int((~torch.isfinite(got)).sum())))
         if self.indexer_choice is not None:
             self.indexer_choice.check(kw.get("layer"), kv_cache, idx)
 
@@ -113,6 +121,11 @@ class IndexerChoice:
         self.q_layer = None
         self.results: List[dict] = []
         self.rows_of_layer: Dict[int, torch.Tensor] = {}
+        self.tokens = None
+        # the cache writers against float64 from each layer's input (kind "writer" rows)
+        import writer_checks
+
+        self.writers = writer_checks.V32Writers(model, self, self.results)
 
     def wrap_fused_q(self, fn):
         def fused_q(*args, **kw):

@@ -162,6 +162,10 @@ def mutate(kind: str) -> str:
         a41.indexer_k_norm_rope_store = plugin.STATE.originals[
             ("vllm.models.deepseek_v41.attention", "indexer_k_norm_rope_store")][2]
         return kind
+    import plants
+
+    if kind in plants.PLANTS:   # the bound-margin plants (issue 29): plants.py
+        return plants.plant(kind)
     raise ValueError(f"unknown DSV4_E2E_MUTATE={kind!r}")
 
 

@@ -244,6 +244,39 @@ def o_proj(
 # ----------------------------------------------------------------------------------------------
 
 
+def compress_pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor | None,
+    ratio: int,
+    overlap: bool,
+    prev_window: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The gated pooling step of `compress` (before its RMSNorm and RoPE): [n // m, D] f64.
+    kv, gate [n, D'] as in `compress`; ape [ratio, D'] or None (no position bias: V4.1)."""
+    kv, gate = _f64(kv), _f64(gate)
+    ape = 0.0 if ape is None else _f64(ape)
+    m = ratio
+    nw = kv.shape[0] // m
+    dp = kv.shape[-1]
+    d = dp // 2 if overlap else dp
+    kvw = kv[: nw * m].reshape(nw, m, dp)
+    lgw = gate[: nw * m].reshape(nw, m, dp) + ape
+    if overlap:
+        if prev_window is not None:
+            pkv = _f64(prev_window[0]).reshape(1, m, dp)
+            plg = _f64(prev_window[1]).reshape(1, m, dp) + ape
+        else:
+            pkv = torch.zeros(1, m, dp, dtype=F64)
+            plg = torch.full((1, m, dp), float("-inf"), dtype=F64)
+        prev_kv = torch.cat((pkv, kvw[:-1]), 0)[..., :d]  # Ca of window w-1
+        prev_lg = torch.cat((plg, lgw[:-1]), 0)[..., :d]
+        kvw = torch.cat((prev_kv, kvw[..., d:]), dim=1)  # [nw, 2m, D]
+        lgw = torch.cat((prev_lg, lgw[..., d:]), dim=1)
+    c = (torch.softmax(lgw, dim=1) * kvw).sum(dim=1)
+    return c
+
+
 def compress(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -273,27 +306,9 @@ def compress(
             (compress rope: rope_cos_sin(pos, rope_dim, rope_base, rope_scaling)).
     Returns entries [n // m, D] f64 and their positions [n // m] int64 (= window first tokens).
     """
-    kv, gate, ape = _f64(kv), _f64(gate), _f64(ape)
-    m = ratio
-    nw = kv.shape[0] // m
-    dp = kv.shape[-1]
-    d = dp // 2 if overlap else dp
-    kvw = kv[: nw * m].reshape(nw, m, dp)
-    lgw = gate[: nw * m].reshape(nw, m, dp) + ape
-    if overlap:
-        if prev_window is not None:
-            pkv = _f64(prev_window[0]).reshape(1, m, dp)
-            plg = _f64(prev_window[1]).reshape(1, m, dp) + ape
-        else:
-            pkv = torch.zeros(1, m, dp, dtype=F64)
-            plg = torch.full((1, m, dp), float("-inf"), dtype=F64)
-        prev_kv = torch.cat((pkv, kvw[:-1]), 0)[..., :d]  # Ca of window w-1
-        prev_lg = torch.cat((plg, lgw[:-1]), 0)[..., :d]
-        kvw = torch.cat((prev_kv, kvw[..., d:]), dim=1)  # [nw, 2m, D]
-        lgw = torch.cat((prev_lg, lgw[..., d:]), dim=1)
-    c = (torch.softmax(lgw, dim=1) * kvw).sum(dim=1)
+    c = compress_pool(kv, gate, ape, ratio, overlap, prev_window)
     c = rms_norm(c, norm_weight, eps)
-    pos = start_pos + torch.arange(nw, dtype=torch.long) * m
+    pos = start_pos + torch.arange(c.shape[0], dtype=torch.long) * ratio
     cos, sin = rope_cos_sin(pos, rope_dim, rope_base, rope_scaling)
     return rope_interleaved(c, cos, sin), pos
 

@@ -26,6 +26,13 @@ request's window and the compressed entries the indexer chose (read from the byt
 caches); inverse RoPE + grouped wo_a + wo_b; MoE teacher-forced on vLLM's experts, whose choice
 must equal the oracle's wherever the router margin is clear (hash layers: the tid2eid table);
 layer 0's input from the embedding through the first-layer mHC and attn_norm; the LM head.
+Writer and reader are pinned separately: ``writer_checks.py`` recomputes, from the layers' inputs
+of every step, what the compressed-KV and indexer-K caches must hold (pooling, RMSNorm, RoPE at
+the window's first token) and checks the decoded bytes entry by entry (E4M3 + bf16 bound), while
+the attention and indexer checks read the same bytes as vLLM does. Each attention row is held to a
+bound from the rounding model of the served path (``bounds.py``: bf16 storage, fp32 arithmetic,
+Z = 6 standard deviations per element) rather than a cosine per layer; the planted bugs of
+``plants.py`` fail it >= 5x (``test_planted_bugs.py``, opt-in: DSV4_E2E_PLANTS=1).
 
 Stand-ins (``standins.py``; all KEPT rows of the audit: the plugin replaces none of them, and
 each output is checked downstream by the oracle, so a wrong stand-in fails rather than hides):
@@ -88,6 +95,9 @@ OPS_ON_PATH = ("kv_cache_gather", "kv_cache_insert", "sparse_mla_decode_out", "d
 LAYERS = {"v41": dict(n=5, attn={"attn(ratio=0)", "attn(ratio=1)", "attn(ratio=2)"}, indexer=(1, 2, 3)),
           "v4": dict(n=4, attn={"attn(ratio=0)", "attn(ratio=4)", "attn(ratio=128)"}, indexer=(1, 3))}
 STEPS = ("prefill", "mixed", "decode1", "decode2")
+# the layers that write compressed KV entries / indexer K entries. V4.1: kv sources 1 (ratio 2)
+# and 3 (ratio 1) write both, layer 2 reads layer 1's; V4: C4A 1 and 3 both, C128A 2 its KV only
+WRITERS = {"v41": ({1, 3}, {1, 3}), "v4": ({1, 2, 3}, {1, 3})}
 ATTN_COS, MOE_COS, LOGITS_COS = 0.9999, 0.9999, 0.9999
 REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activations and weights
 
@@ -131,6 +141,23 @@ def test_every_attention_layer_matches_the_oracle(report):
         assert c["topk_out_of_range"] == 0, c
         assert c["writer_err"] <= 1.0, c
         assert c["cos"] >= ATTN_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
+        # every row within its rounding-model bound (tests/e2e/bounds.py; the planted bugs of
+        # test_planted_bugs.py exceed it >= 5x)
+        assert c["bound_ratio"] <= 1.0, c
+
+
+def test_every_cache_entry_is_the_float64_one(report):
+    """The compressed KV entries (pooling, RMSNorm, RoPE at the window's first token) and the
+    indexer K entries each step closes, recomputed in float64 from the layers' inputs of every
+    step (writer_checks.py), are what the decoded cache bytes hold, element by element within the
+    E4M3 + bf16 bound; every compressor layer writes entries and every window's inputs were seen."""
+    rows = [c for c in report["checks"] if c["kind"].startswith("attn")]
+    for c in rows:
+        assert c["comp_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, c
+        assert c["writer_unseen"] == 0, c
+    comp, index = WRITERS[report["model"]]
+    assert {c["layer"] for c in rows if c["comp_written"]} == comp, rows
+    assert {c["layer"] for c in rows if c["index_written"]} == index, rows
 
 
 def test_indexer_choice_is_the_oracles(report):
@@ -192,7 +219,7 @@ def test_no_dead_kernel_ran_and_the_tripwire_fires(report):
 
 def _failures(report):
     bad = [c for c in report["checks"] if c["kind"].startswith("attn")
-           and (c["cos"] < ATTN_COS or c["max_abs"] > REL_MAX * c["ref_max"])]
+           and (c["cos"] < ATTN_COS or c["max_abs"] > REL_MAX * c["ref_max"] or c["bound_ratio"] > 1.0)]
     return bad
 
 
@@ -211,6 +238,7 @@ def test_an_unpatched_by_name_import_fails(tmp_path):
 
 
 REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_matches_the_oracle,
+                 test_every_cache_entry_is_the_float64_one,
                  test_indexer_choice_is_the_oracles, test_every_moe_matches_the_oracle,
                  test_first_layer_mhc_matches_the_oracle, test_logits_match_the_oracle,
                  test_every_plugin_row_on_the_path_ran, test_no_dead_kernel_ran_and_the_tripwire_fires)

@@ -89,6 +89,18 @@ def test_every_sparse_mla_call_matches_float64_over_the_cache_bytes(report):
     for r in rows:
         assert r["out_of_range"] == 0 and r["nonfinite"] == 0 and r["valid"] > 0, r
         assert r["cos"] >= MQA_COS and r["rel_max"] <= MQA_REL, r
+        assert r["bound_ratio"] <= 1.0, r      # every row within its rounding-model bound (bounds.py)
+
+
+def test_every_cache_row_is_the_float64_one(report):
+    """Each step's MLA cache rows (RMSNorm'd kv_c, RoPE'd k_pe) and indexer K rows (LayerNorm,
+    RoPE, FP8 + scale), recomputed in float64 from each layer's input (writer_checks.V32Writers),
+    are what the decoded cache bytes hold, element by element within the E4M3 + bf16 bound."""
+    rows = [c for c in report["indexer_choice"] if c["kind"] == "writer"]
+    assert {(c["step"], c["layer"]) for c in rows} == {(s, l) for s in STEPS for l in (0, 1)}, rows
+    for c in rows:
+        assert c["kv_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, c
+        assert c["index_written"] == (c["tokens"] if c["layer"] in report["indexer_layers"] else 0), c
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +165,8 @@ def test_no_dead_kernel_ran(report):
 
 REPORT_CHECKS = (test_vllm_picks_the_plugin_backend_and_cache, test_logits_match_transformers,
                  test_every_sparse_mla_call_matches_float64_over_the_cache_bytes, test_the_plugin_ops_ran,
-                 test_no_dead_kernel_ran, test_the_indexer_attends_to_every_causal_key_below_top_k)
+                 test_no_dead_kernel_ran, test_the_indexer_attends_to_every_causal_key_below_top_k,
+                 test_every_cache_row_is_the_float64_one)
 
 
 @pytest.mark.gpu
