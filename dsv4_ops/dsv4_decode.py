@@ -102,6 +102,42 @@ def _route(T: int, H: int, K: int, smem: int, windows: tuple) -> str:
 _route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, smem, windows) and the env it reads
 
 
+def _paged_splits(T: int, H: int, K: int, sms: int, smem: int, form: str, block_sizes: tuple) -> int:
+    """dispatch.decode.composite_splits (the paged op's partials capped)."""
+    return _dd.composite_splits(T, H, K, sms, smem, form, block_sizes)
+
+
+_paged_splits_memo = _host_plan.env_memo(_paged_splits)
+
+
+def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, aligned: bool = True,
+                      block_sizes: tuple = (64, 64)) -> Tuple[str, int]:
+    """(route, bytes) of what one dsv4_decode_attention call allocates on the device besides
+    its inputs and the caller's ``out`` (vLLM's memory profile skips the attention call, so
+    these are the bytes it never reserved), for the current mode: the paged op's lse fp32
+    [T, H] plus its split partials (fp32 [T, H, S, 513]) when it splits; the workspace step's
+    bf16 workspace [T * K, 512], int32 indices [T, K], and its kernel's partials + lse.
+    ``aligned``: the caches' page strides and addresses are multiples of 16 (vLLM's are)."""
+    K = K1 + K2
+    choice = _dd.route(_dd.mode(), T, H, K, smem)
+    paged = choice in ("fused", "paged") or (choice == "v3" and aligned)
+    if paged:
+        form = "v3" if aligned and _dd.fused_form(T, H, K, smem) == "v3" else "v1"
+        S = _dd.composite_splits(T, H, K, sms, smem, form, block_sizes)
+        if not S:
+            S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes)).splits
+                 if form == "v3" else _dd.fused_plan(T, H, K, sms).splits)
+        return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 if S > 1 else 0)
+    m = _dd.mode()
+    m = "auto" if m in ("fused", "v3") else m
+    if m == "heads" or (m == "auto" and T >= _dd.AUTO_HEADS_MIN_T):  # int32 indices: heads
+        wplan = _dd.plan(T, H, K, sms, m)
+    else:
+        wplan = _dd.tiles_plan(T, H, K)
+    partials = T * H * wplan.splits * (HEAD_DIM + 1) * 4 if (wplan.kernel == "tiles" or wplan.splits > 1) else 0
+    return choice, T * K * HEAD_DIM * 2 + T * K * 4 + T * H * 4 + partials
+
+
 def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
                           swa_cache: torch.Tensor, swa_slots: torch.Tensor, sink: Optional[torch.Tensor],
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
@@ -136,6 +172,17 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        if not num_splits:  # the split partials capped (dispatch.decode.composite_splits)
+            H, K = q.shape[1], K1 + K2
+            bs = (compressed_block_size, swa_block_size)
+            if _is_compiling():
+                smem = _device.known_smem(q.get_device())
+                num_splits = _dd.composite_splits(T, H, K, _device.num_sms_at(q.get_device()), smem,
+                                                  _dd.fused_form(T, H, K, smem), bs)
+            elif _dd.composite_may_cap(T, H, K):
+                smem = _device.smem_per_block(q.get_device())
+                form = _dd.paged_form(None, T, H, K, smem, compressed_cache, swa_cache)
+                num_splits = _paged_splits_memo(T, H, K, _device.num_sms_at(q.get_device()), smem, form, bs)
         lse = _fused_out(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
                          swa_length, swa_block_size, sink, sm_scale, num_splits, out)
         return out, lse

@@ -1,9 +1,11 @@
 """``dsv4-ops audit-vllm``: vLLM 0.33.0's DeepSeek-V4/V4.1 serve path on sm_80, from evidence.
 
 CI gate: no row of the default serve path (TP=8, PP=1, no MTP) is dead/unknown on sm_80 and
-unreplaced, except KNOWN_OPEN, which may only shrink. The full audit runs once per session
-(~3-4 min on 2 CPU cores, mostly importing vLLM) and is cached by content (vLLM version +
-dsv4_ops.vllm sources), so `dsv4-ops check` in the same CI run reuses it.
+unreplaced, except KNOWN_OPEN, which may only shrink. The full audit runs once per session and
+is cached by content (vLLM version + dsv4_ops.vllm sources), so `dsv4-ops check` in the same CI
+run reuses it. It compiles every TileLang warmup key: with TileLang's disk cache warm
+(~/.tilelang/cache) it takes minutes (importing vLLM, Triton AOT); cold, nvcc adds tens of
+minutes on 2 shared cores (docs/vllm_plugin.md).
 """
 
 import logging
@@ -147,6 +149,81 @@ def test_a_selection_without_an_sm80_candidate_is_dead():
     assert row["status"] == "dead" and not row["patch"]
     row = audit.Row(**row)
     assert row.open  # a dead, unreplaced default-path row fails the gate
+
+
+def test_every_tilelang_warmup_key_is_compiled(result):
+    """Every TileLang row of the default path compiled all of its warmup keys for sm_80 (vLLM's JIT
+    warmup compiles each key at startup and aborts on the first failure); V4.1's
+    MHC_PRE_NORM_KERNEL (TileLang under a plain VllmJitKernel) has rows, with its four
+    registration variants' keys."""
+    tl = [r for r in result.rows if r.path == "default" and r.tech == "TileLang"]
+    assert {r.model for r in tl} == set(audit.MODELS)
+    for r in tl:
+        if r.status == "off":
+            continue
+        assert r.status == "runs" and "TileLang compile for sm_80 ok (all " in r.evidence, r
+    pre = [r for r in tl if r.model == "v41" and r.kernel.endswith(".MHC_PRE_NORM_KERNEL")]
+    assert {r.phase for r in pre} == {"forward", "jit-warmup"}, pre
+    keys = int(pre[0].evidence.split("(all ", 1)[1].split()[0])
+    assert keys >= 7, pre[0].evidence  # 1 broadcast + 3 hc-stream variants x (1 + the fused GEMM's splits)
+
+
+def test_no_plain_jit_kernel_is_left_unclassified(result):
+    """A kernel owner the classifier does not know (tech 'JIT') would be unknown: none is on a
+    default path."""
+    assert not [r for r in result.rows if r.path == "default" and r.tech == "JIT" and r.status != "off"]
+
+
+def test_v41_overlap_prenorm_gemm_is_off_by_its_guard(result):
+    rows = [r for r in result.rows if r.model == "v41" and r.kernel == "DeepGEMM.tf32_hc_prenorm_gemm"
+            and "mhc_pre_delayed_overlap" in r.location]
+    assert rows and all(r.status == "off" and "is_device_capability_family(100)" in r.evidence
+                        and not r.patch for r in rows), rows
+
+
+def test_a_guard_that_no_longer_matches_is_not_applied(monkeypatch):
+    from dsv4_ops.vllm.audit import _paths
+
+    mod, fn, checks, why = _paths._GUARDED_OFF[0]
+    assert _paths.guarded_off(mod, fn) == why
+    monkeypatch.setattr(_paths, "_GUARDED_OFF", ((mod, fn, ((mod, (r"no such source text",)),), why),))
+    assert _paths.guarded_off(mod, fn) is None
+
+
+def test_decoder_replay_is_on_the_default_path():
+    """V4.1's YOCO decoder replay (cudagraph_decoder_replay, default True) runs on sm_80: its
+    module is not pruned from the scope."""
+    from dsv4_ops.vllm.serve_graph import _scope
+
+    assert not [k for k in _scope.OFF_PATH_MODULES if "decoder_replay" in k]
+    from vllm.config.compilation import CompilationConfig
+
+    assert CompilationConfig().cudagraph_decoder_replay is True
+
+
+def test_speculative_decoding_runner_kernels_have_rows(result):
+    """V4 MTP and V4.1 DSpark: the runner's rejection sampler, the top-k / top-p split warmups and
+    DSpark's DFlash input preparation are listed (reported under their path), each decided."""
+    for model, path in (("v4", "mtp"), ("v41", "dspark")):
+        rows = [r for r in result.rows if r.model == model and r.path == path
+                and r.kernel.startswith(("vllm.v1.worker.gpu.spec_decode", "vllm.v1.sample.ops.topk_topp_sampler"))]
+        names = {r.kernel for r in rows}
+        assert any(".rejection_sampler." in k for k in names), (model, path)
+        assert any("_topp_split_" in k for k in names), (model, path)
+        assert all(r.status in ("runs", "dead", "unknown", "off") and r.evidence for r in rows)
+        if path == "dspark":
+            assert any(".dflash." in k for k in names), names
+    assert not [r for r in result.rows if r.path != "default" and r.open]
+
+
+def test_nvfp4_experts_layout_is_reported_not_audited(result):
+    from dsv4_ops.vllm.audit import _modules
+
+    for model in audit.MODELS:
+        rows = [r for r in result.rows if r.model == model and r.path == _modules.NVFP4_PATH]
+        assert len(rows) == 1 and "ModelOptNvFp4FusedMoE" in rows[0].kernel, rows
+        assert rows[0].status == "unknown" and "unsupported by dsv4-ops" in rows[0].evidence
+        assert "select_nvfp4_moe_backend on sm_80" in rows[0].evidence
 
 
 def test_summary_and_table_render(result):

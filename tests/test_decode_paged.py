@@ -287,7 +287,7 @@ def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
         base = any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
                    for t_lo, t_hi, h_lo, h_hi, k in dispatch.windows.AUTO_V3_WINDOWS)
         assert dispatch.decode.auto_is_v3(T, H, K, sm86) == base
-        assert dispatch.decode.route("auto", T, H, K, sm86) == ("v3" if base else "workspace")
+        assert dispatch.decode.route("auto", T, H, K, sm86) == ("v3" if base else "paged")
     # no CUDA device here: the plan is made for an A100's 163 KiB
     assert dispatch.device.smem_per_block(-1) == dispatch.device.DEFAULT_SMEM_BYTES == a100
 

@@ -132,11 +132,12 @@ def test_decode_resolvers_give_their_reasons(monkeypatch):
     assert dd.resolve_mode() == ("auto", f"{envs.DECODE_KERNEL} unset: auto")
     assert dd.resolve_route("auto", 4, 8, 640, 163 * 1024) == ("fused", "auto: AUTO_FUSED_WINDOWS")
     assert dd.resolve_route("auto", 1, 8, 640, 163 * 1024)[0] == "v3"
-    assert dd.resolve_route("auto", 4, 64, 640, 99 * 1024) == ("workspace", "auto: no paged window holds the shape")
+    assert dd.resolve_route("auto", 4, 64, 640, 99 * 1024) == ("paged", dd.AUTO_PAGED_WHY)
     assert dd.resolve_route("tiles", 1, 8, 640, 163 * 1024)[0] == "workspace"
     aligned, odd = torch.zeros(4, 576 * 4, dtype=torch.uint8), torch.zeros(4, 584 * 4 + 8, dtype=torch.uint8)
     assert dd.resolve_composite("v3", aligned, aligned)[0] and not dd.resolve_composite("v3", odd, aligned)[0]
     assert dd.uses_fused_op("fused", odd, odd) and not dd.uses_fused_op("workspace", aligned, aligned)
+    assert dd.uses_fused_op("paged", odd, odd) and dd.resolve_composite("paged", odd, aligned)[0]
     assert dd.resolve_gather(dd.FUSED_GATHER_MAX_ROWS)[0] and not dd.gather_in_one_launch(dd.FUSED_GATHER_MAX_ROWS + 1)
     p, why = dd.resolve_workspace("auto", 64, 8, 640, True, -1)
     assert p.kernel == "heads" and "AUTO_HEADS_MIN_T" in why
@@ -164,4 +165,4 @@ def test_the_route_memo_follows_swapped_windows(monkeypatch):
     monkeypatch.setattr(dispatch.windows, "AUTO_FUSED_WINDOWS", ())
     assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "v3"
     monkeypatch.setattr(dispatch.windows, "AUTO_V3_WINDOWS", ())
-    assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "workspace"
+    assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "paged"

@@ -125,7 +125,9 @@ def check(out, lse, want_out, want_lse):
 
 @pytest.fixture(params=["fused_gather", "two_gathers"])
 def gather_path(request, monkeypatch):
-    """Both gather paths of the composite: one launch (small T) and two gathers + indices."""
+    """Both gather paths of the composite's workspace step (mode tiles: auto runs the paged op):
+    one launch (small T) and two gathers + indices."""
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
     monkeypatch.setattr(dispatch.decode, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
     return request.param
 
@@ -144,7 +146,8 @@ def test_composite_on_cpu_matches_independent_gather(swa_length, gather_path):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-def test_composite_bad_workspace_raises():
+def test_composite_bad_workspace_raises(monkeypatch):
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")  # the workspace step (auto runs the paged op)
     args = composite_inputs()
     with pytest.raises(ValueError, match="workspace"):
         dsv4_decode.dsv4_decode_attention(**args, workspace=torch.zeros(4, D, dtype=torch.bfloat16))

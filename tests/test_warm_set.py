@@ -4,6 +4,8 @@ DeepSeek-V3.2 / GLM-5 with either cache format (CPU: launchers driven with meta 
 by Triton's own specialization rule, sm_80 AOT compiles); the vLLM JIT warmup registers it; on
 a GPU, a sweep of mixed batches after warmup compiles nothing."""
 
+import dataclasses
+import functools
 import os
 import random
 import subprocess
@@ -384,6 +386,30 @@ def test_shapes_from_vllm_config():
     mtp = fake_vllm_config(tp=8)
     mtp.speculative_config = _Obj(num_speculative_tokens=3)
     assert ws.shapes_from_vllm_config(mtp).next_n == (1, 4)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_drafts_widths_are_warm(model):
+    """Speculative decoding: DSpark's non-causal draft decode passes window + N rounded up to 64
+    window slots (192 at window 128, N = 3) and the target verifies next_n = N + 1 rows a request;
+    with the speculative config, the warm set holds every key a scan of draft and verify steps
+    dispatches (every layer kind, both window widths, T up to 512), and without the draft's width
+    it misses some (the scan can fail)."""
+    cfg = fake_vllm_config("DeepseekV41ForCausalLM" if model == "v41" else "DeepseekV4ForCausalLM", tp=8)
+    cfg.speculative_config = _Obj(num_speculative_tokens=3, method="dspark")
+    got = ws.shapes_from_vllm_config(cfg)
+    assert (got.next_n, got.draft_windows, got.swa_widths()) == ((1, 4), (192,), (128, 192))
+    cfg.speculative_config = _Obj(num_speculative_tokens=1, method="mtp")  # causal draft: the plain window
+    assert ws.shapes_from_vllm_config(cfg).draft_windows == ()
+    shapes = MODELS[model](tp=8, next_n=(1, 4), draft_windows=(192,), max_model_len=1 << 20)
+    warm = ws.build(shapes, 512, sms=108, mode="auto")
+    counts = sorted(set(range(1, 97)) | set(range(97, 513, 13)) | {128, 256, 511, 512})
+    calls = [functools.partial(ws.decode_step, shapes, T, K1, "portable", True, "auto", ratio, 192)
+             for T in counts for K1, ratio in shapes.decode_layer_kinds()]
+    seen = ws.trace(calls + ws.serve_calls(shapes, counts[::5], "portable", 108, "auto"), 108)
+    assert seen <= warm.keys, sorted(k.label() for k in seen - warm.keys)[:3]
+    plain = ws.build(dataclasses.replace(shapes, draft_windows=()), 512, sms=108, mode="auto")
+    assert seen - plain.keys, "the draft's window width adds no key: the scan cannot fail"
 
 
 def test_vllm_jit_warmup_compiles_the_warm_set(monkeypatch):

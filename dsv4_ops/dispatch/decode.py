@@ -553,9 +553,18 @@ def windows_identity() -> tuple:
             id(_windows.V3_CONFIG_WINDOWS))
 
 
+# Auto never takes the workspace step: its bf16 workspace is T x K x 1 KiB a call, allocated
+# inside the attention call that vLLM's memory profile skips (profile_run: skip_attn), and K
+# grows with max_model_len (V4's C128A top-k width reaches 8192 at 1M: 8.1 MiB a token). Where
+# no measured window holds the shape, the paged op runs (form v3, paged_chunk128's config for
+# the shape; v1 on unaligned caches): no workspace at any K.
+AUTO_PAGED_WHY = "auto: no paged window holds the shape; the paged op (no workspace outside vLLM's memory profile)"
+
+
 def resolve_route(kernel_mode: str, T: int, H: int, K: int, smem: int) -> Tuple[str, str]:
     """(the composite's route, why): 'fused' (the paged op), 'v3' (the paged op when both caches
-    are 16-byte aligned, else the workspace step; resolve_composite) or 'workspace', for the
+    are 16-byte aligned, else the workspace step; resolve_composite), 'paged' (auto outside
+    every window: the paged op, AUTO_PAGED_WHY) or 'workspace' (modes tiles / heads), for the
     mode, the static shapes and the device's shared memory a block (device.smem_per_block)."""
     if kernel_mode in ("fused", "v3"):
         return "fused", f"mode {kernel_mode}: the paged op"
@@ -564,13 +573,47 @@ def resolve_route(kernel_mode: str, T: int, H: int, K: int, smem: int) -> Tuple[
             return "fused", "auto: AUTO_FUSED_WINDOWS"
         if auto_is_v3(T, H, K, smem):
             return "v3", "auto: AUTO_V3_WINDOWS / AUTO_V3_SMEM_WINDOWS"
-        return "workspace", "auto: no paged window holds the shape"
+        return "paged", AUTO_PAGED_WHY
     return "workspace", f"mode {kernel_mode}: the workspace step"
 
 
 def route(kernel_mode: str, T: int, H: int, K: int, smem: int) -> str:
     """resolve_route's route."""
     return resolve_route(kernel_mode, T, H, K, smem)[0]
+
+
+# The paged op allocates its split partials in the call (o_part fp32 [T, H, S, 512] + lse_part
+# fp32 [T, H, S]), outside vLLM's memory profile like a workspace would be. The composite caps
+# S so that they stay under PAGED_PARTIALS_MAX_BYTES: small batches keep their planned splits,
+# large T (many programs already) runs fewer or one.
+PAGED_PARTIALS_MAX_BYTES = 16 << 20
+
+
+def composite_split_cap(T: int, H: int) -> int:
+    """The most splits whose partials fit: the largest S >= 1 with T * H * S * (512 + 1) * 4
+    bytes <= PAGED_PARTIALS_MAX_BYTES."""
+    return max(1, PAGED_PARTIALS_MAX_BYTES // (max(T * H, 1) * (HEAD_DIM + 1) * 4))
+
+
+def composite_may_cap(T: int, H: int, K: int) -> bool:
+    """Whether a plan of K keys could exceed composite_split_cap (no plan has more splits than
+    16-key blocks): else composite_splits is 0 without planning."""
+    return composite_split_cap(T, H) < _cdiv(max(K, 1), 16)
+
+
+def composite_splits(T: int, H: int, K: int, sms: int, smem: int, form: str,
+                     block_sizes: Tuple[int, ...] = ()) -> int:
+    """The num_splits the composite passes to the paged op: 0 (the op's own plan) where that
+    plan's count is within composite_split_cap, else the cap (at most MAX_SPLITS). ``form``: the
+    op's form ('v3' / 'v1', paged_form)."""
+    if not composite_may_cap(T, H, K):
+        return 0
+    cap = composite_split_cap(T, H)
+    if form == "v3":
+        planned = v3_plan(T, H, K, sms, 0, v3_launch_config(T, H, K, smem, "", block_sizes)).splits
+    else:
+        planned = fused_plan(T, H, K, sms).splits
+    return 0 if planned <= cap else min(cap, MAX_SPLITS)
 
 
 def cache_aligned(cache) -> bool:
@@ -585,8 +628,8 @@ def cache_aligned(cache) -> bool:
 def resolve_composite(choice: str, compressed_cache, swa_cache) -> Tuple[bool, str]:
     """(whether the composite calls the paged op, why), for a route: 'fused' always; 'v3' when
     both caches' page strides are multiples of 16 (cache_aligned), else the workspace step."""
-    if choice == "fused":
-        return True, "route fused"
+    if choice in ("fused", "paged"):
+        return True, f"route {choice}"
     if choice == "v3":
         if cache_aligned(compressed_cache) and cache_aligned(swa_cache):
             return True, "route v3, page strides 16-byte aligned"
@@ -596,7 +639,8 @@ def resolve_composite(choice: str, compressed_cache, swa_cache) -> Tuple[bool, s
 
 def uses_fused_op(choice: str, compressed_cache, swa_cache) -> bool:
     """resolve_composite's answer."""
-    return choice == "fused" or (choice == "v3" and cache_aligned(compressed_cache) and cache_aligned(swa_cache))
+    return choice in ("fused", "paged") or (choice == "v3" and cache_aligned(compressed_cache)
+                                            and cache_aligned(swa_cache))
 
 
 # Workspace rows up to which the one-launch gather (both caches + indices) is used; above it,
@@ -624,10 +668,13 @@ def gather_in_one_launch(rows: int) -> bool:
 
 def fused_form(T: int, H: int, K: int, smem: int = -1) -> str:
     """The form the paged op takes for the mode and shapes: 'v3' under
-    DSV4_AMPERE_DECODE_KERNEL=v3 or where auto_is_v3 (``smem`` as there), else 'v1'
-    (csrc_triton.decode.paged_chunk64). resolve_paged_form adds the caches' alignment."""
+    DSV4_AMPERE_DECODE_KERNEL=v3, and under auto everywhere but AUTO_FUSED_WINDOWS shapes that
+    no v3 window holds (auto_is_v3, ``smem`` as there); else 'v1' (csrc_triton.decode.paged_chunk64).
+    resolve_paged_form adds the caches' alignment."""
     m = envs.get(ENV_VAR)
-    return "v3" if m == "v3" or (m == "auto" and auto_is_v3(T, H, K, smem)) else "v1"
+    if m == "auto":  # v1 only where its window (and no v3 window) holds the shape; elsewhere v3
+        return "v1" if auto_is_fused(T, H, K) and not auto_is_v3(T, H, K, smem) else "v3"
+    return "v3" if m == "v3" else "v1"
 
 
 def paged_aligned(compressed_cache, swa_cache) -> bool:

@@ -80,6 +80,9 @@ class ModelShapes:
     swa_block_size: the window cache's; num_blocks: blocks of each cache (capacities are
     kernel ints); max_image_tokens: V4.1's image tokens in the prefill index width;
     next_n: query rows a request has in a decode step (1, and 1 + speculative tokens with MTP).
+    draft_windows: window index widths of the draft's decode besides ``window`` (DSpark's
+    non-causal draft block: window + speculative tokens rounded up to 64, vLLM
+    ``get_dspark_swa_index_width``; 192 for window 128); its layers take every layer kind.
     """
 
     name: str
@@ -98,6 +101,11 @@ class ModelShapes:
     num_blocks: int = 4096
     max_image_tokens: int = 0
     next_n: Tuple[int, ...] = (1,)
+    draft_windows: Tuple[int, ...] = ()
+
+    def swa_widths(self) -> Tuple[int, ...]:
+        """Every window index width a decode step passes (K2): the window, and the draft's."""
+        return tuple(sorted({self.window} | set(self.draft_windows)))
 
     @property
     def heads_per_rank(self) -> int:
@@ -167,6 +175,9 @@ def t_choices(T: int, H: int, K: int, sms: int, mode: str) -> tuple:
     out = [dp.plan(T, H, K, sms, mode if mode in dp.MODES else "auto")]
     out.extend(fn(T, H, K, sms) for fn in four)
     out.extend(fn(T, H, K) for fn in three)
+    splits = getattr(dp, "composite_splits", None)  # the composite's cap on the paged op's splits
+    if splits is not None and three:
+        out.append(splits(T, H, K, sms, -1, dp.fused_form(T, H, K)))
     if rule is not None:
         out.append(rule(T, H, torch.int32, sms))
     return tuple(out)
@@ -222,19 +233,20 @@ def _cache(shapes: ModelShapes, block_size: int, record_bytes: int = RECORD_BYTE
 
 
 def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len: bool, mode: str,
-                ratio: int = 4) -> None:
+                ratio: int = 4, K2: Optional[int] = None) -> None:
     """One decode layer as vLLM's ``_forward_decode`` calls the plugin's
     ``vllm.attention.ampere_decode``: q / output bf16 [T, H, 512], window slots int32
     [T, 1, window] with or without int32 lengths, the compressed cache (block_size // ratio
     tokens a block) with int32 top-k slots [T, 1, K1] and lengths, or none (SWA-only, K1 = 0),
-    the sink. Everything below is the composite's own dispatch (``dsv4_decode``: fused paged
+    the sink; K2: the window index width (None: ``shapes.window``; a draft's, draft_windows).
+    Everything below is the composite's own dispatch (``dsv4_decode``: fused paged
     kernel, v3, one-launch gather or two gathers; plan and splits from T) and the ops'
     launchers (``routed_ops``)."""
     import torch
 
     from . import attention as vattn
 
-    H, K2 = shapes.heads_per_rank, shapes.window
+    H, K2 = shapes.heads_per_rank, shapes.window if K2 is None else K2
     comp_bs = max(1, shapes.block_size // ratio)
     swa = _cache(shapes, shapes.swa_block_size)
     comp = _cache(shapes, comp_bs) if K1 else None
@@ -365,8 +377,10 @@ def serve_calls(shapes: ModelShapes, token_counts: Iterable[int], variant: str, 
     calls = []
     for T in token_counts:
         for K1, ratio in shapes.decode_layer_kinds():
-            for with_swa_len in (False, True):
-                calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len, mode, ratio))
+            for K2 in shapes.swa_widths():
+                for with_swa_len in (False, True):
+                    calls.append(functools.partial(decode_step, shapes, T, K1, variant, with_swa_len, mode, ratio,
+                                                   K2))
         for width in shapes.prefill_index_widths():
             for n_kv in DATA_SIZES[1:]:  # a chunk's workspace holds >= window rows
                 calls.append(functools.partial(prefill_attention, shapes, T, width, n_kv, variant, mode))
@@ -397,7 +411,7 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
         return cached_build(cache_dir, shapes, max_tokens, sms, variant, mode,
                             lambda: build(shapes, max_tokens, sms, variant, mode))
     H = shapes.heads_per_rank
-    widths = tuple(sorted({k1 + shapes.window for k1 in shapes.decode_topk_widths()}
+    widths = tuple(sorted({k1 + k2 for k1 in shapes.decode_topk_widths() for k2 in shapes.swa_widths()}
                           | set(shapes.prefill_index_widths())))
     classes = batch_classes(max_tokens, H, widths, sms, mode, dispatch_decode.FUSED_GATHER_MAX_ROWS,
                             _other_t_ints(shapes, sms))
@@ -436,7 +450,26 @@ def shapes_from_vllm_config(vllm_config):
         found = tuple(sorted({int(r) for r in (rates.values() if isinstance(rates, dict) else rates) if int(r) > 0}))
         kw.update(ratios=found or (4,), index_ratios=(4,), c128a=128 in found)
     kw.update(serve_limits(vllm_config))
+    draft = draft_window(getattr(vllm_config, "speculative_config", None), kw["window"])
+    if draft and draft != kw["window"]:
+        kw["draft_windows"] = (draft,)
     return ModelShapes(**kw)
+
+
+DSPARK_SWA_INDEX_ALIGNMENT = 64  # vLLM v1/attention/backends/mla/compressor_utils.py
+
+
+def draft_window(spec, window: int) -> int:
+    """The window index width of the draft's decode under ``spec`` (vLLM's speculative config),
+    or 0 when its draft is causal (MTP: the plain window) or there is none. DSpark's draft
+    block is non-causal: window + num_speculative_tokens, rounded up to 64 (vLLM
+    ``get_dspark_swa_index_width``; sparse_swa.py builds its decode index list that wide)."""
+    n = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+    use = getattr(spec, "use_dspark", None)
+    dspark = use() if callable(use) else getattr(spec, "method", None) == "dspark"
+    if not n or not dspark:
+        return 0
+    return _cdiv(max(window, 0) + n, DSPARK_SWA_INDEX_ALIGNMENT) * DSPARK_SWA_INDEX_ALIGNMENT
 
 
 def main(argv=None) -> int:

@@ -99,10 +99,11 @@ def cache_path(models: Sequence[str], arch: int) -> str:
 
 
 def run(models: Sequence[str] = MODELS, arch: int = 80, jobs: Optional[int] = None,
-        cache: Optional[str] = "auto", timeout: float = 900, modules: Sequence[str] = (),
+        cache: Optional[str] = "auto", timeout: float = 3600, modules: Sequence[str] = (),
         env: Optional[dict] = None) -> AuditResult:
     """Run the audit (in a subprocess). ``cache``: a JSON file reused when it exists; 'auto'
-    (default) is ``cache_path(models, arch)``, None runs afresh."""
+    (default) is ``cache_path(models, arch)``, None runs afresh. ``timeout`` (s) covers a cold
+    TileLang cache: every mHC warmup key goes through nvcc (1-2 min a key on 2 shared cores)."""
     if cache == "auto" and not modules:
         cache = cache_path(models, arch)
     if cache and os.path.exists(cache):

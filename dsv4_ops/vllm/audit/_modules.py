@@ -724,7 +724,57 @@ def weight_load_rows(model: str, arch: int) -> List[dict]:
     return out
 
 
-PROBES = (linear_rows, moe_rows, layer_op_rows, sampler_rows, allreduce_rows, vit_rows, weight_load_rows)
+NVFP4_PATH = "nvfp4-experts"
+
+
+def nvfp4_rows(model: str, arch: int) -> List[dict]:
+    """A checkpoint whose routed experts are NVFP4 (``moe_quant_algo: NVFP4``): the model's quant
+    config then builds ``ModelOptNvFp4FusedMoE`` (deepseek_v4{,1}/quant_config.py), not the MXFP4
+    method the default rows audit. One row under path ``nvfp4-experts`` (reported, not enforced)
+    with the backend vLLM's own ``select_nvfp4_moe_backend`` picks for sm_<arch> (DeepseekV4MoE's
+    FusedMoEConfig, NVFP4 weights, NVFP4 / no activation quant); status unknown: nothing of this
+    layout is evaluated further (the plugin's o_proj / weight hooks assume the MXFP4 layout)."""
+    if model not in ("v4", "v41"):
+        return []
+    from ..serve_graph import _source
+
+    qc = f"vllm.models.{'deepseek_v4' if model == 'v4' else 'deepseek_v41'}.quant_config"
+    path = _source.module_path(qc)
+    text = open(path).read() if path else ""
+    if "ModelOptNvFp4FusedMoE(" not in text or '"NVFP4"' not in text:
+        return []
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as O
+    from vllm.model_executor.layers.quantization.utils import quant_utils as Q
+
+    hidden = 4096 if model == "v4" else 5120
+    cfg = FusedMoEConfig(num_experts=256, experts_per_token=6, hidden_dim=hidden, intermediate_size=2048,
+                         num_local_experts=256, num_logical_experts=256, activation=MoEActivation.SILU,
+                         device="cpu", routing_method=RoutingMethodType.DeepseekV4,
+                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+                         router_logits_dtype=torch.float32, swiglu_limit=10.0, has_hash_routing=model == "v4")
+    picks = []
+    for act in (getattr(Q, "kNvfp4Dynamic", None), None):
+        try:
+            with cuda_platform(arch):
+                backend, experts = O.select_nvfp4_moe_backend(cfg, Q.kNvfp4Static, act)
+            picks.append(f"activation {getattr(act, 'name', act) if act is not None else 'none (W4A16)'}: "
+                         f"{backend.name} ({experts.__name__})")
+        except Exception as exc:  # noqa: BLE001 - the selection's own verdict
+            picks.append(f"activation {act if act is not None else 'none'}: selection raises "
+                         f"{type(exc).__name__}: {str(exc)[:160]}")
+    ev = (f"moe_quant_algo NVFP4 selects ModelOptNvFp4FusedMoE ({qc.replace('vllm.models.', '')}); vLLM's "
+          f"select_nvfp4_moe_backend on sm_{arch}: " + "; ".join(picks) + ". Not audited further (kernels, weight "
+          "loading, the plugin's hooks assume MXFP4 experts): this layout is unsupported by dsv4-ops on sm_8x")
+    return [dict(model=model, path=NVFP4_PATH, phase="forward", kernel="ModelOptNvFp4FusedMoE (routed experts)",
+                 tech="MoE", location=f"{qc.replace('vllm.models.', '')}:get_quant_method", status=UNKNOWN,
+                 evidence=ev[:900], patch="")]
+
+
+PROBES = (linear_rows, moe_rows, layer_op_rows, sampler_rows, allreduce_rows, vit_rows, weight_load_rows, nvfp4_rows)
 
 
 # Imported with the machine's own platform before any probe answers as CUDA: some run C++ ops of

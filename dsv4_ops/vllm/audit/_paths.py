@@ -134,6 +134,34 @@ _OFF_PATH_CHECKED_BY_MODEL = {m: (
 ) for m in V32_FAMILY}
 
 
+# Library calls inside a function that only runs under a guard never taken on sm_8x, with the
+# source that shows it: (module, function, ((module, regexes), ...), why). The row stays, as
+# "off" with the guard as evidence; a regex that stops matching puts the call back to its own
+# evidence.
+_V41 = "vllm.models.deepseek_v41.nvidia"
+_GUARDED_OFF = (
+    (f"{_V41}.ops.mhc", "mhc_pre_delayed_overlap",
+     ((f"{_V41}.ops.mhc", (r"def supports_mhc_overlap\(vllm_config: VllmConfig\) -> bool:(?:(?!\ndef ).)*?"
+                           r"return \(\n\s*current_platform\.is_device_capability_family\(100\)\n\s*and ",
+                           r"\n    if stream is not None:\n(?:(?!\ndef ).)*?pre_outputs = mhc_pre_delayed_overlap\(")),
+      (f"{_V41}.model", (r"mhc_stream = torch\.cuda\.Stream\(\) if supports_mhc_overlap\(vllm_config\) else None",
+                         r"partial\(mhc_pre_delayed_overlap, stream=mhc_stream\)\n\s*if mhc_stream is not None\n"))),
+     "the mHC overlap path: mhc_pre_delayed_overlap is called only with the mHC side stream "
+     "(DeepseekV41DecoderLayer: partial(mhc_pre_delayed_overlap, stream=mhc_stream) if mhc_stream is not None; "
+     "mhc_shifted_post_pre: under `if stream is not None`), and the model builds that stream only when "
+     "supports_mhc_overlap(), which requires is_device_capability_family(100) (deepseek_v41/nvidia/model.py, "
+     "ops/mhc.py)"),
+)
+
+
+def guarded_off(module: str, func: str) -> Optional[str]:
+    """Why a call inside ``module:func`` is never reached on sm_8x (its checks hold), or None."""
+    for mod, fname, checks, why in _GUARDED_OFF:
+        if module == mod and func.split(".")[0] == fname and all(_source_matches(m, rx) for m, rx in checks):
+            return why
+    return None
+
+
 def off_path(name: str) -> Optional[str]:
     """Why ``name`` is never reached on the default sm_8x serve path, or None."""
     for pattern, why in _OFF_PATH_NAMES:

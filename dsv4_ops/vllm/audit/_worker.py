@@ -44,6 +44,10 @@ def _kernel_tech(obj) -> Optional[str]:
         return "CuTeDSL" if not isinstance(obj, type) and not inspect.isfunction(obj) else None
     if "VllmTileLangJitKernel" in names:
         return "TileLang"
+    if "VllmJitKernel" in names and not isinstance(obj, type):
+        # a plain VllmJitKernel owner (MHCPreNormKernel, FA4, ...): the technology of what it wraps
+        inner = type(getattr(obj, "kernel", None)).__module__.split(".")[0]
+        return {"tilelang": "TileLang", "triton": "Triton"}.get(inner, "JIT")
     return None
 
 
@@ -237,6 +241,12 @@ class Audit(ServeGraph):
                                      tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
                                      evidence=self._not_reached_why([(c.module, c.func)]), patch=""))
                     continue
+                guard = _paths.guarded_off(c.module, c.func)
+                if guard:  # every caller of the enclosing function is under a guard never taken on sm_8x
+                    rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
+                                     tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
+                                     evidence="not reached on sm_8x: " + guard, patch=""))
+                    continue
                 if not reached:  # the call sits under a guard that is never taken on sm_8x
                     rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
                                      tech=c.library, location=_short(f"{key}:{c.lineno}"), status="off",
@@ -297,7 +307,8 @@ class Audit(ServeGraph):
             return ("dead" if ok is False else "unknown"), ev
         if tech == "TileLang":
             return compiled.get((mod, name), ("unknown", _paths.TILELANG_NOTE))
-        return "unknown", ""
+        return "unknown", (f"a plain VllmJitKernel ({type(obj).__name__}) wrapping "
+                           f"{type(getattr(obj, 'kernel', None)).__module__}: no compile path in the audit")
 
     # ------------------------------------------------------------------ Triton compile
     def compile_triton(self, objs, regs_by_kernel, model: str) -> Dict[Tuple[str, str], Tuple[str, str]]:
@@ -311,11 +322,17 @@ class Audit(ServeGraph):
             if _kernel_tech(obj) == "TileLang" and hasattr(obj, "get_warmup_keys"):
                 from . import _tilelang
 
-                kwsets = [kw for r in regs_by_kernel.get(key, []) for kw in self._eval_kwargs(r, model)] or [{}]
-                if "vllm_config" in inspect.signature(obj.get_warmup_keys).parameters:
-                    kwsets = [dict(kw, vllm_config=cfg) for kw in kwsets]
+                builder = _tilelang.KWSETS.get(type(obj).__name__)
                 with _config.target_platform(self.arch):
-                    out[key] = _tilelang.compile_kernel(obj, kwsets, self.arch)
+                    if builder is not None:
+                        kwsets = builder(cfg) if regs_by_kernel.get(key) else []
+                    else:
+                        kwsets = [kw for r in regs_by_kernel.get(key, [])
+                                  for kw in self._eval_kwargs(r, model)] or [{}]
+                        if "vllm_config" in inspect.signature(obj.get_warmup_keys).parameters:
+                            kwsets = [dict(kw, vllm_config=cfg) for kw in kwsets]
+                    out[key] = (_tilelang.compile_kernel(obj, kwsets, self.arch) if kwsets else
+                                ("unknown", "no JIT-warmup registration of this kernel on the path"))
                 continue
             if _kernel_tech(obj) != "Triton":
                 continue
@@ -481,10 +498,12 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
             got = [r for r in got if (r["kernel"], r["phase"], r["location"]) not in base]
         rows.extend(got)
     if not modules:  # linears, MoE, router/gate, norms, embedding/LM head, sampler, all-reduce, ViT, loading
-        from . import _modules
+        from . import _modules, _spec
 
         for m in models:
             rows.extend(_modules.rows(m, arch))
+        for m in models:  # the runner's speculative-decoding kernels (reported, not enforced)
+            rows.extend(_spec.rows(audit, m, {r["kernel"] for r in rows if r["model"] == m}))
     t3 = time.time()
     audit.notes.append(f"timing: serve-path modules {t3 - t2:.0f} s")
     audit.notes.append(f"timing: import+discovery {t1 - t0:.0f} s, Triton AOT {t2 - t1:.0f} s")

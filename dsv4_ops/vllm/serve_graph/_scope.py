@@ -70,5 +70,4 @@ OFF_PATH_MODULES = {
     "mega_moe": "MegaMoE: opt-in --kernel-config moe_backend, DeepGEMM sm_100",
     "mega_mhc": "Mega-mHC: sm_100 only",
     "dcp_indexer": "decode context parallelism (DCP > 1): not the default serve",
-    "decoder_replay_cudagraph": "decoder replay CUDA graphs: sm_100 decode path",
 }
