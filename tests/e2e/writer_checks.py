@@ -62,7 +62,7 @@ def request_ids(batch) -> List:
     steps then count as unseen rather than pairing another request's inputs."""
     sch = batch.get("schedule")
     if sch:
-        return [int(rid) for rid, _ in sch]
+        return [rid for rid, _ in sch]  # the driver's ints or vLLM's request-id strings
     if batch.get("req_ids") is not None:
         return list(batch["req_ids"])
     return [(id(batch), r) for r in range(len(batch["query_start_loc_cpu"]) - 1)]
