@@ -323,9 +323,10 @@ def unpatch() -> None:
     for owner, name, raw in STATE.originals.values():
         setattr(owner, name, raw)
     STATE.originals.clear()
-    from . import v32_backend
+    from . import quant_guard, v32_backend
 
     v32_backend.uninstall()
+    quant_guard.uninstall()
 
 
 def reset() -> None:
@@ -412,7 +413,7 @@ def register() -> None:
     done: List[str] = []
     choices: List[str] = []
     if routed:
-        from . import v32_backend
+        from . import quant_guard, v32_backend
 
         rows = patches()
         check_table(rows, scan_source=False)
@@ -424,6 +425,7 @@ def register() -> None:
                 STATE.env_before[serve_host.SAMPLER_ENV] = before
         done = apply_patches(rows)
         done += v32_backend.install()
+        done += quant_guard.install()
     STATE.registered, STATE.capability, STATE.routed = True, cap, routed
     cap_s = f"sm_{cap[0]}{cap[1]}" if cap else "none"
     what = (f"patched {len(done)} vLLM symbols: " + ", ".join(p.rsplit(".", 1)[-1] for p in done)

@@ -12,6 +12,8 @@ before any weight loads, instead of running an unevaluated kernel mid-serving.
 from __future__ import annotations
 
 import functools
+import importlib
+from typing import Dict, List
 
 from . import serve_host
 from .table import Reads, per_model
@@ -62,10 +64,39 @@ def checked_get_quant_method(original):
     return get_quant_method
 
 
+_CLASSES = {"v4": "vllm.models.deepseek_v4.quant_config", "v41": "vllm.models.deepseek_v41.quant_config"}
+_ORIGINALS: Dict[str, object] = {}  # module -> vLLM's own get_quant_method (while installed)
+
+
+def install() -> List[str]:
+    """Wrap ``DeepseekV4FP8Config.get_quant_method`` of both packages (idempotent; sm_8x, by
+    ``register()``). A hook, not a patch: the wrapper calls vLLM's method unchanged, so the
+    audit's evidence for what vLLM builds stays vLLM's own. Returns the names wrapped now."""
+    done = []
+    for module in _CLASSES.values():
+        if module in _ORIGINALS:
+            continue
+        cls = importlib.import_module(module).DeepseekV4FP8Config
+        original = cls.__dict__["get_quant_method"]
+        wrapped = checked_get_quant_method(original)
+        wrapped._dsv4_ampere_replacement = True
+        cls.get_quant_method = wrapped
+        _ORIGINALS[module] = original
+        done.append(f"{module}.DeepseekV4FP8Config.get_quant_method")
+    return done
+
+
+def uninstall() -> None:
+    """Put vLLM's own methods back (tests; the plugin's ``unpatch``)."""
+    for module, original in list(_ORIGINALS.items()):
+        importlib.import_module(module).DeepseekV4FP8Config.get_quant_method = original
+        del _ORIGINALS[module]
+
+
 PATCHES = per_model(
     "quant_config", "DeepseekV4FP8Config.get_quant_method", ("layer", "prefix"),
-    "the checkpoint's quant layout and --linear/--moe-backend pick the kernels: refuse at build what the audit "
-    "does not cover (NVFP4 experts, FP8 experts, another block size)",
-    checked_get_quant_method, wraps=True,
-    reads={m: (Reads(f"vllm.models.deepseek_{'v4' if m == 'v4' else 'v41'}.quant_config", "DeepseekV4FP8Config",
-                     ("weight_block_size", "expert_dtype", "moe_quant_algo", "get_name")),) for m in ("v4", "v41")})
+    "checkpoint quant layout and --linear/--moe-backend pick the kernels: before vLLM's own method runs, refuse at "
+    "model build what the audit does not cover (NVFP4 or FP8 experts, another block size, another backend)",
+    install, kind="hook",
+    reads={m: (Reads(_CLASSES[m], "DeepseekV4FP8Config", ("weight_block_size", "expert_dtype", "moe_quant_algo",
+                                                          "get_name")),) for m in ("v4", "v41")})
