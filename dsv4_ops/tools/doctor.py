@@ -251,7 +251,7 @@ def read_host() -> HostFacts:
         shm_free=shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None,
         vllm_version=vllm_version, plugin_entry_points=eps, vllm_plugins_env=os.environ.get("VLLM_PLUGINS"),
         toolchain=serve_host.read_toolchain(), nvlink=_nvlink(),
-        environ={k: os.environ[k] for k in ENV_READ if k in os.environ})
+        environ={k: v for k, v in os.environ.items() if k in ENV_READ})
 
 
 # ------------------------------------------------------------------ the model

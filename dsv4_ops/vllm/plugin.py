@@ -48,7 +48,8 @@ class _State:
     capability: Optional[Tuple[int, int]] = None
     routed: bool = False
     originals: Dict[Tuple[str, str], Any] = field(default_factory=dict)
-    env_before: Dict[str, Optional[str]] = field(default_factory=dict)  # variables the startup choices set
+    sampler_set: bool = False            # the startup choice set VLLM_USE_FLASHINFER_SAMPLER ...
+    sampler_before: Optional[str] = None  # ... which was this before
 
     @property
     def patched(self) -> List[str]:
@@ -332,12 +333,12 @@ def unpatch() -> None:
 def reset() -> None:
     """Unpatch, restore the environment variables register() set, and forget that it ran (tests)."""
     unpatch()
-    for name, value in STATE.env_before.items():
-        if value is None:
-            os.environ.pop(name, None)
+    if STATE.sampler_set:
+        if STATE.sampler_before is None:
+            os.environ.pop(serve_host.SAMPLER_ENV, None)
         else:
-            os.environ[name] = value
-    STATE.env_before.clear()
+            os.environ[serve_host.SAMPLER_ENV] = STATE.sampler_before
+    STATE.sampler_set, STATE.sampler_before = False, None
     STATE.registered = False
     STATE.capability = None
     STATE.routed = False
@@ -422,7 +423,7 @@ def register() -> None:
             before = os.environ.get(serve_host.SAMPLER_ENV)
             choices = startup_choices()
             if os.environ.get(serve_host.SAMPLER_ENV) != before:
-                STATE.env_before[serve_host.SAMPLER_ENV] = before
+                STATE.sampler_set, STATE.sampler_before = True, before
         done = apply_patches(rows)
         done += v32_backend.install()
         done += quant_guard.install()

@@ -25,6 +25,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+from .. import envs
+
 SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 
 # Headers FlashInfer's sampling sources include from the toolkit (csrc/sampling.cu and
@@ -206,7 +208,7 @@ def kernel_setting_problems(environ: Mapping[str, str], linear_backend: str = "a
     if environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0"):
         out.append("VLLM_BATCH_INVARIANT=1 makes Marlin FP8 refuse (kernels/linear/scaled_mm/marlin.py), so V4's "
                    "linears fall to Humming (unaudited) or TritonFp8BlockScaledMMKernel (fp8 activations: dead on "
-                   "sm_80); unset it (the plugin's DSV4_AMPERE_BATCH_INVARIANT=1 makes its own kernels "
+                   f"sm_80); unset it (the plugin's {envs.BATCH_INVARIANT}=1 makes its own kernels "
                    "batch-invariant)")
     if environ.get("VLLM_MARLIN_INPUT_DTYPE"):
         out.append(f"VLLM_MARLIN_INPUT_DTYPE={environ['VLLM_MARLIN_INPUT_DTYPE']} moves Marlin off bf16 activations "
