@@ -11,12 +11,12 @@ vLLM version when vLLM moved under us:
     time (``from m import f`` at module level) is itself patched, or listed as a known
     non-caller (register() checks the modules imported so far; the CI test reads all of vLLM's
     source).
-Only then does it apply the ``patch`` rows, and makes its startup choices (``startup_choices``,
-sm_8x only): the safe setting where one exists, said in its log line (vLLM's Triton sampler,
-``VLLM_USE_FLASHINFER_SAMPLER=0``, when FlashInfer's sampler JIT cannot build on this host), and
-``UnauditedServePathError`` at startup where none does (a vLLM setting that moves the serve path
-off the audited kernels; the checkpoint's quant layout is checked at model build by
-``quant_guard``).
+Then, on sm_8x only, it makes its startup choices (``startup_choices``): the safe setting where
+one exists, said in its log line (vLLM's Triton sampler, ``VLLM_USE_FLASHINFER_SAMPLER=0``, when
+FlashInfer's sampler JIT cannot build on this host), and ``UnauditedServePathError`` where none
+does (a vLLM setting that moves the serve path off the audited kernels). Only then does it apply
+the ``patch`` rows and install its hooks (``quant_guard`` checks the checkpoint's quant layout at
+model build).
 """
 
 from __future__ import annotations
