@@ -4,6 +4,6 @@ vLLM calls ``register()`` in every process (API server, engine core, each worker
 model is built. The logic, the patch table and the replacements live in ``dsv4_ops.vllm``.
 """
 
-from dsv4_ops.vllm.plugin import VllmPatchError, register  # noqa: F401
+from dsv4_ops.vllm.plugin import UnauditedServePathError, VllmPatchError, register  # noqa: F401
 
-__all__ = ["VllmPatchError", "register"]
+__all__ = ["UnauditedServePathError", "VllmPatchError", "register"]

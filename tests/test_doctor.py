@@ -166,7 +166,7 @@ def test_dp_above_one_without_enough_dev_shm():
     # the fallback pins over TP x DP = 4 ranks, checked against host memory
     assert by_name(small, "engram host memory").status == "ok"
     assert doctor.engram_need(cfg, d, tables // 2)["pinned_node"] == sum(doctor.engram_pinned_per_rank(cfg, 4))
-    # DP 1 never needs /dev/shm: --ipc=host is for DP > 1 only
+    # DP 1 never shares the Engram tables through /dev/shm (vLLM's rings need it at TP > 1: check_shm)
     assert doctor.engram_need(cfg, Deployment(tensor_parallel_size=2), None)["shm"] == 0
 
 
@@ -237,7 +237,8 @@ def test_doctor_command_runs_here_with_a_model_dir(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("[")]
     names = {ln.split("]", 1)[1].split(":", 1)[0].strip() for ln in lines}
-    assert {"driver", "vllm", "plugin", "pp partition", "kv block size"} <= names, out
+    assert {"driver", "vllm", "plugin", "pp partition", "kv block size", "/dev/shm", "sampler", "nvlink",
+            "serve-path settings", "batch defaults", "quant layout"} <= names, out
     assert rc == (1 if "[FAIL]" in out else 0)
     assert out.strip().splitlines()[-1].startswith("doctor: ")
 
@@ -251,3 +252,209 @@ def test_audit_stand_in_config_uses_the_block_size_vllm_resolves():
         size, _ = doctor.resolved_block_size(variant, 80)
         assert _config.BLOCK_SIZE[variant] == size
         assert _paths.LAYER_VALUES[variant]["block_size"] == (size,)
+
+
+# ------------------------------------------------------------------ /dev/shm: vLLM's MessageQueue rings
+
+MIB = 1 << 20
+
+
+def test_ring_size_is_vllms_own_ring_buffer():
+    """The byte count doctor uses for a ring is the size vLLM's ShmRingBuffer allocates."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+
+    for readers, chunk, chunks in ((1, 4096, 3), (7, 8192, 2)):
+        ring = ShmRingBuffer(readers, chunk, chunks)
+        try:
+            assert ring.total_bytes_of_buffer == doctor._ring_bytes(chunk, chunks, readers)
+        finally:
+            del ring
+
+
+def test_shm_rings_follow_vllms_sizes_and_env(monkeypatch):
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    sizes = doctor.mq_sizes()
+    assert sizes["source"] == "vLLM source"
+    sig = inspect.signature(MessageQueue.__init__).parameters
+    assert sizes["default"] == (sig["max_chunk_bytes"].default, sig["max_chunks"].default)
+    monkeypatch.setenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", "3")
+    assert doctor.mq_sizes()["executor_chunk"] == 3 * MIB
+    rings = doctor.shm_rings(Deployment(tensor_parallel_size=8), sizes)
+    # one scheduler ring, one response ring a worker, one TP-group broadcaster
+    assert len(rings) == 1 + 8 + 1
+    assert doctor.shm_rings(Deployment(tensor_parallel_size=2, pipeline_parallel_size=2), sizes)[-2][0].startswith("TP")
+    assert doctor.shm_rings(Deployment(data_parallel_size=4), sizes) == []
+
+
+def test_dev_shm_at_tp8_without_dp_is_checked():
+    """Docker's 64 MB /dev/shm fails at TP 8 even at DP 1 (the README used to say DP > 1 only)."""
+    pytest.importorskip("vllm")
+    d = Deployment(tensor_parallel_size=8)
+    rings = doctor.shm_rings(d, doctor.mq_sizes())
+    biggest, total = max(b for _, b in rings), sum(b for _, b in rings)
+    small = doctor.check_shm(host(shm_free=64 * 1000 * 1000), d)
+    assert small.status == "fail" and "Insufficient space in /dev/shm" in small.message
+    assert "--ipc=host" in small.message and "--shm-size=" in small.message
+    between = doctor.check_shm(host(shm_free=(biggest + total) // 2), d)
+    assert between.status == "warn" and "--ipc=host" in between.message
+    assert doctor.check_shm(host(shm_free=total), d).status == "ok"
+    assert doctor.check_shm(host(shm_free=None), d).status == "fail"
+    one = doctor.check_shm(host(shm_free=0), Deployment(data_parallel_size=2))
+    assert one.status == "ok" and "in-process" in one.message
+
+
+# ------------------------------------------------------------------ FlashInfer's sampler JIT
+
+def _fake_fs(files, path_bins=()):
+    files = set(files)
+    return dict(exists=lambda p: p in files, which=lambda n: next((b for b in path_bins if b.endswith("/" + n)), None))
+
+
+def _full_toolkit(home="/opt/cuda-13"):
+    return [f"{home}/bin/nvcc", f"{home}/lib64/libcudart.so", f"{home}/lib64/stubs/libcuda.so"] + \
+        [f"{home}/include/{h}" for h in serve_host.SAMPLER_HEADERS]
+
+
+def _toolchain(env, files, path_bins=("/usr/bin/ninja", "/usr/bin/c++"), release="13.0"):
+    return serve_host.read_toolchain(env, nvcc_release=lambda _: release, jit_cache=False,
+                                     **_fake_fs(files, path_bins))
+
+
+from dsv4_ops.vllm import serve_host  # noqa: E402
+
+
+def test_toolchain_lookup_follows_flashinfers_order():
+    files = _full_toolkit() + _full_toolkit("/usr/local/cuda") + ["/usr/local/cuda"]
+    assert _toolchain({"CUDA_HOME": "/opt/cuda-13"}, files).cuda_home == "/opt/cuda-13"
+    assert _toolchain({"CUDA_PATH": "/opt/cuda-13"}, files).how == "CUDA_PATH"
+    # nvcc on PATH: its grandparent, without resolving links (a /usr/local/bin/nvcc wrapper gives /usr/local)
+    on_path = _toolchain({}, files, ("/usr/local/bin/nvcc", "/usr/bin/ninja", "/usr/bin/c++"))
+    assert on_path.cuda_home == "/usr/local" and serve_host.jit_problems(on_path, "13.0")
+    assert _toolchain({}, files).cuda_home == "/usr/local/cuda"
+    assert _toolchain({}, []).cuda_home is None
+
+
+def test_toolchain_lookup_matches_flashinfer(monkeypatch):
+    cpp_ext = pytest.importorskip("flashinfer.jit.cpp_ext")
+    monkeypatch.setenv("CUDA_HOME", "/opt/somewhere")
+    assert cpp_ext.get_cuda_path.__wrapped__() == serve_host.read_toolchain(jit_cache=False).cuda_home
+
+
+def test_each_missing_toolchain_piece_is_named():
+    full = _full_toolkit()
+    env = {"CUDA_HOME": "/opt/cuda-13"}
+    assert serve_host.jit_problems(_toolchain(env, full), "13.0") == []
+    cases = {
+        "no CUDA toolkit": _toolchain({}, []),
+        "no nvcc": _toolchain(env, [f for f in full if not f.endswith("nvcc")]),
+        "not torch's CUDA 13.0 major": _toolchain(env, full, release="12.4"),
+        "lacks curand.h": _toolchain(env, [f for f in full if not f.endswith("/curand.h")]),
+        "-lcudart": _toolchain(env, [f for f in full if "cudart" not in f]),
+        "-lcuda)": _toolchain(env, [f for f in full if "stubs" not in f]),
+        "no ninja": _toolchain(env, full, ("/usr/bin/c++",)),
+        "C++ compiler": _toolchain(env, full, ("/usr/bin/ninja",)),
+    }
+    for words, tc in cases.items():
+        problems = serve_host.jit_problems(tc, "13.0")
+        assert len(problems) == 1 and words in problems[0], (words, problems)
+
+
+def test_sampler_check_names_the_setting_or_the_toolkit():
+    broken = _toolchain({}, [])
+    good = _toolchain({"CUDA_HOME": "/opt/cuda-13"}, _full_toolkit())
+    H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB)
+    c = doctor.check_sampler(host(toolchain=broken))
+    assert c.status == "warn" and "plugin sets VLLM_USE_FLASHINFER_SAMPLER=0" in c.message
+    assert "CUDA 13 toolkit" in c.message
+    c = doctor.check_sampler(host(toolchain=broken, gpus=[H100] * 8))  # no plugin choice off sm_8x
+    assert c.status == "fail" and "export VLLM_USE_FLASHINFER_SAMPLER=0" in c.message
+    c = doctor.check_sampler(host(toolchain=broken, environ={"VLLM_USE_FLASHINFER_SAMPLER": "1"}))
+    assert c.status == "fail" and "VLLM_USE_FLASHINFER_SAMPLER=1" in c.message
+    assert doctor.check_sampler(host(toolchain=broken, environ={"VLLM_USE_FLASHINFER_SAMPLER": "0"})).status == "ok"
+    assert doctor.check_sampler(host(toolchain=good)).status == "ok"
+
+
+# ------------------------------------------------------------------ NVLink
+
+def test_pcie_box_loses_custom_allreduce_at_tp_above_2():
+    nvswitch = [[True] * 8 for _ in range(8)]
+    pcie = [[i == j for j in range(8)] for i in range(8)]
+    pairs = [[(i // 2 == j // 2) for j in range(8)] for i in range(8)]  # NVLink bridges between pairs
+    assert doctor.check_nvlink(host(nvlink=nvswitch), Deployment(tensor_parallel_size=8)).status == "ok"
+    for topo in (pcie, pairs):
+        c = doctor.check_nvlink(host(nvlink=topo), Deployment(tensor_parallel_size=8))
+        assert c.status == "warn" and "custom all-reduce off" in c.message and "NCCL over PCIe" in c.message
+    assert doctor.check_nvlink(host(nvlink=pcie), Deployment(tensor_parallel_size=2)).status == "ok"
+    assert doctor.check_nvlink(host(nvlink=pairs), Deployment(tensor_parallel_size=2)).status == "ok"
+    assert doctor.check_nvlink(host(nvlink=None), Deployment(tensor_parallel_size=8)).status == "skip"
+
+
+# ------------------------------------------------------------------ quant layout and kernel settings
+
+def _quant_model(variant, block, **extra):
+    q = {"quant_method": "fp8", "weight_block_size": block, "activation_scheme": "dynamic"}
+    q.update(extra.pop("quant", {}))
+    return _model(variant, quantization_config=q, **extra)
+
+
+def test_quant_layout_accepts_the_audited_checkpoints():
+    v4 = doctor.check_quant_layout(_quant_model("v4", [128, 128]))
+    assert v4.status == "ok" and "MarlinFP8ScaledMMLinearKernel" in v4.message and "MarlinExperts" in v4.message
+    v41 = doctor.check_quant_layout(_quant_model("v41", [32, 32]))
+    assert v41.status == "ok" and "MarlinMxfp8LinearKernel" in v41.message
+    assert doctor.check_quant_layout(None).status == "skip"
+
+
+def test_quant_layout_refuses_what_no_audit_covers():
+    cases = {
+        "ModelOptNvFp4FusedMoE": _quant_model("v41", [32, 32], quant={"moe_quant_algo": "nvfp4"}),
+        "Fp8MoEMethod": _quant_model("v4", [128, 128], expert_dtype="fp8"),
+        "Fp8LinearMethod (block 128x128)": _quant_model("v41", [128, 128]),
+        "quant_method 'quark'": _quant_model("v4", [128, 128], quant={"quant_method": "quark"}),
+        "quant_method None": _model("v4"),
+    }
+    for words, m in cases.items():
+        c = doctor.check_quant_layout(m)
+        assert c.status == "fail" and words in c.message and "refuses it at startup" in c.message, (words, c.line())
+
+
+def test_settings_that_leave_the_audited_kernels_fail():
+    d = Deployment()
+    assert doctor.check_kernel_settings(host(), d).status == "ok"
+    bad = {
+        "Marlin FP8 refuse": (dict(environ={"VLLM_BATCH_INVARIANT": "1"}), d),
+        "VLLM_MARLIN_INPUT_DTYPE=int8": (dict(environ={"VLLM_MARLIN_INPUT_DTYPE": "int8"}), d),
+        "disables MarlinMxfp8LinearKernel": (dict(environ={"VLLM_DISABLED_KERNELS": "Foo,MarlinMxfp8LinearKernel"}), d),
+        "--linear-backend triton": ({}, Deployment(linear_backend="triton")),
+        "--moe-backend humming": ({}, Deployment(moe_backend="humming")),
+    }
+    for words, (kw, dep) in bad.items():
+        c = doctor.check_kernel_settings(host(**kw), dep)
+        assert c.status == "fail" and words in c.message, (words, c.line())
+    assert doctor.check_kernel_settings(host(environ={"VLLM_DISABLED_KERNELS": "CutlassFP8ScaledMMLinearKernel"}),
+                                        Deployment(linear_backend="marlin")).status == "ok"
+
+
+# ------------------------------------------------------------------ batch defaults
+
+def test_batch_defaults_are_vllms_by_gpu_name():
+    """vLLM gives an 80 GB A800 the H100 tier (its name lacks 'a100'); an A100 gets the small one."""
+    pytest.importorskip("vllm")
+    a800 = Gpu("NVIDIA A800-SXM4-80GB", (8, 0), 80 * GIB)
+    h100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB)
+    a100_40 = Gpu("NVIDIA A100-SXM4-40GB", (8, 0), 40 * GIB)
+    assert doctor.batch_defaults(a800, 8) == doctor.batch_defaults(h100, 8)
+    small = doctor.batch_defaults(A100, 8)
+    assert small == doctor.batch_defaults(a100_40, 8) and small[0] < doctor.batch_defaults(a800, 8)[0]
+    m = _model("v4", hidden_size=4096, vocab_size=129280, hc_mult=4)
+    c = doctor.check_batch_defaults(host(gpus=[a800] * 8), Deployment(tensor_parallel_size=8), m)
+    tokens, seqs = doctor.batch_defaults(a800, 8)
+    assert c.status == "ok" and f"--max-num-batched-tokens {tokens}" in c.message
+    assert f"--max-num-seqs {seqs}" in c.message and f"{tokens * 4096 * 4 * 2 / GIB:.1f} GiB" in c.message
+    c = doctor.check_batch_defaults(host(gpus=[a100_40] * 8), Deployment(max_num_batched_tokens=8192), m)
+    assert c.status == "warn" and "40 GB" in c.message

@@ -18,7 +18,7 @@ ENVS = ROOT / "dsv4_ops" / "envs.py"
 # learns their names at run time and reads them from the raw environ dict): a key, not a knob.
 RAW_ENV_READERS = {"dsv4_ops/_host_plan.py"}
 # Constants of other modules that name a variable that is not ours (vLLM's VLLM_PP_LAYER_PARTITION).
-FOREIGN_ENV_CONSTANTS = {"pp_partition.ENV_VAR"}
+FOREIGN_ENV_CONSTANTS = {"pp_partition.ENV_VAR", "serve_host.SAMPLER_ENV"}
 
 
 def _docstrings(tree):

@@ -245,6 +245,130 @@ def test_jit_warmup_registration_is_wrapped_on_sm8x_only(monkeypatch):
     assert JitWarmupRegistry.__dict__["register"] is original
 
 
+# ------------------------------------------------------------------ startup choices (sm_8x only)
+
+from dsv4_ops.vllm import quant_guard as qg  # noqa: E402
+from dsv4_ops.vllm import serve_host as sh  # noqa: E402
+
+SAMPLER = sh.SAMPLER_ENV
+
+
+def _toolchain(ok: bool):
+    home = "/opt/cuda-13"
+    files = {f"{home}/bin/nvcc", f"{home}/lib64/libcudart.so", f"{home}/lib64/stubs/libcuda.so"} | \
+        {f"{home}/include/{h}" for h in sh.SAMPLER_HEADERS}
+    return sh.read_toolchain({"CUDA_HOME": home} if ok else {}, which=lambda n: f"/usr/bin/{n}" if n != "nvcc" else None,
+                             exists=files.__contains__, nvcc_release=lambda _: "13.0", jit_cache=False)
+
+
+def test_startup_sampler_choice():
+    env = {}
+    said = vp.startup_choices(env, _toolchain(False), "13.0")
+    assert env[SAMPLER] == "0" and "Triton" in said[0] and "no CUDA toolkit" in said[0]
+    env = {}
+    said = vp.startup_choices(env, _toolchain(True), "13.0")
+    assert SAMPLER not in env and "FlashInfer" in said[0]
+    env = {SAMPLER: "0"}
+    assert "as set" in vp.startup_choices(env, _toolchain(True), "13.0")[0] and env == {SAMPLER: "0"}
+    with pytest.raises(vp.UnauditedServePathError, match=f"{SAMPLER}=1 asks for FlashInfer"):
+        vp.startup_choices({SAMPLER: "1"}, _toolchain(False), "13.0")
+    assert "FlashInfer" in vp.startup_choices({SAMPLER: "1"}, _toolchain(True), "13.0")[0]
+
+
+def test_triton_sampler_env_is_what_vllm_reads(monkeypatch):
+    """The variable the plugin sets turns vLLM's own FlashInfer sampler choice off."""
+    from vllm.v1.sample.ops import topk_topp_sampler as ts
+
+    monkeypatch.setattr(ts.current_platform, "is_cuda", lambda: True)
+    env = {}
+    vp.startup_choices(env, _toolchain(False), "13.0")
+    monkeypatch.setenv(SAMPLER, env[SAMPLER])
+    assert ts.flashinfer_sampler_supported() is False
+
+
+@pytest.mark.parametrize("env", [{"VLLM_BATCH_INVARIANT": "1"}, {"VLLM_MARLIN_INPUT_DTYPE": "fp8"},
+                                 {"VLLM_DISABLED_KERNELS": "MarlinFP8ScaledMMLinearKernel"}])
+def test_settings_off_the_audited_kernels_are_refused_at_register(monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spoof(monkeypatch, (9, 0))
+    vp.register()  # sm_90+: vLLM's own kernels, nothing refused
+    assert vp.STATE.registered and not vp.STATE.patched
+    vp.reset()
+    spoof(monkeypatch, (8, 0))
+    with pytest.raises(vp.UnauditedServePathError, match=next(iter(env))):
+        vp.register()
+    assert vp.STATE.patched == [] and not vp.STATE.registered
+
+
+def test_register_sets_the_triton_sampler_and_says_so(monkeypatch, caplog):
+    import logging
+    import os
+
+    monkeypatch.delenv(SAMPLER, raising=False)
+    broken = _toolchain(False)
+    monkeypatch.setattr(sh, "read_toolchain", lambda: broken)
+    spoof(monkeypatch, (9, 0))
+    vp.register()
+    assert SAMPLER not in os.environ  # sm_90+: vLLM decides
+    vp.reset()
+    spoof(monkeypatch, (8, 0))
+    logger = logging.getLogger("vllm.plugins.dsv4_ops")
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.dsv4_ops"):
+        vp.register()
+    assert os.environ[SAMPLER] == "0"
+    assert any("sampler: Triton" in r.getMessage() for r in caplog.records), caplog.text
+    vp.reset()
+    assert SAMPLER not in os.environ  # reset() restores what register() set
+
+
+def _quant_config(pkg, block, expert_dtype="fp4", moe_algo=""):
+    cls = mod(f"vllm.models.{pkg}.quant_config").DeepseekV4FP8Config
+    cfg = cls.from_config({"quant_method": "fp8", "weight_block_size": block, "activation_scheme": "dynamic",
+                           "fmt": "e4m3", "scale_fmt": "ue8m0"})
+    cfg._resolved_expert_dtype, cfg._resolved_moe_quant_algo = expert_dtype, moe_algo  # as vLLM resolves them
+    return cfg
+
+
+def test_quant_guard_accepts_the_audited_layouts_of_vllms_config():
+    assert "MarlinFP8" in qg.check_quant_config(_quant_config("deepseek_v4", [128, 128]), "v4").linear
+    assert "MarlinMxfp8" in qg.check_quant_config(_quant_config("deepseek_v41", [32, 32]), "v41").linear
+    ok = NS(linear_backend="marlin", moe_backend="auto", linear_backend_per_quant=None)
+    qg.check_quant_config(_quant_config("deepseek_v4", [128, 128]), "v4", ok)
+
+
+@pytest.mark.parametrize("pkg,block,expert,algo,kernel,words", [
+    ("deepseek_v41", [32, 32], "fp4", "NVFP4", None, "ModelOptNvFp4FusedMoE"),
+    ("deepseek_v4", [128, 128], "fp8", "", None, "Fp8MoEMethod"),
+    ("deepseek_v41", [128, 128], "fp4", "", None, "not a layout the audit covers"),
+    ("deepseek_v4", [128, 128], "fp4", "", NS(linear_backend="triton", moe_backend="auto"), "--linear-backend triton"),
+    ("deepseek_v41", [32, 32], "fp4", "", NS(linear_backend="auto", moe_backend="triton"), "--moe-backend triton"),
+])
+def test_quant_guard_refuses_at_model_build(monkeypatch, pkg, block, expert, algo, kernel, words):
+    """Wrapped on sm_8x: get_quant_method (the first call, at model build) raises before vLLM
+    builds any method; unwrapped on sm_90."""
+    variant = "v41" if pkg.endswith("41") else "v4"
+    monkeypatch.setattr(qg, "_current_kernel_config", lambda: kernel)
+    monkeypatch.setattr(vp, "startup_choices", lambda: [])
+    cls = mod(f"vllm.models.{pkg}.quant_config").DeepseekV4FP8Config
+    original = cls.__dict__["get_quant_method"]
+    spoof(monkeypatch, (9, 0))
+    vp.register()
+    assert cls.__dict__["get_quant_method"] is original
+    vp.reset()
+    spoof(monkeypatch, (8, 0))
+    vp.register()
+    assert cls.__dict__["get_quant_method"] is not original
+    cfg = _quant_config(pkg, block, expert, algo)
+    with pytest.raises(qg.UnauditedServePathError, match=words) as err:
+        cfg.get_quant_method(NS(), "model.layers.0.ffn.experts")
+    assert "Refused at startup" in str(err.value) and ("V4.1" if variant == "v41" else "V4") in str(err.value)
+    good = _quant_config(pkg, [128, 128] if variant == "v4" else [32, 32])
+    if kernel is None:  # an audited layout passes through to vLLM's own method
+        assert good.get_quant_method(object(), "lm_head") is original(good, object(), "lm_head")
+
+
 # ------------------------------------------------------------------------------ tiny caches
 
 def make_cache(num_blocks, block_size, n_rows, seed):

@@ -2,7 +2,7 @@
 
   dsv4-ops check   environment, op table, AOT sm_80/86 table, numeric self-test; exit 1 on a failure
   dsv4-ops bench   the benchmarks (needs a CUDA GPU and a source checkout)
-  dsv4-ops doctor  this host against a vLLM deployment (driver, GPUs, Engram host memory, plugin, PP, block size)
+  dsv4-ops doctor  this host against a vLLM deployment (driver, GPUs, /dev/shm, sampler JIT, NVLink, quant layout, Engram, PP, ...)
 """
 
 from __future__ import annotations
@@ -179,6 +179,10 @@ def main(argv=None) -> int:
     dr.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     dr.add_argument("--block-size", type=int, default=None, help="the --block-size you will pass to vllm serve")
     dr.add_argument("--kv-cache-dtype", default="auto", help="the --kv-cache-dtype you will pass to vllm serve")
+    dr.add_argument("--linear-backend", default="auto", help="the --linear-backend you will pass to vllm serve")
+    dr.add_argument("--moe-backend", default="auto", help="the --moe-backend you will pass to vllm serve")
+    dr.add_argument("--max-num-batched-tokens", type=int, default=None, help="as for vllm serve (default: vLLM's)")
+    dr.add_argument("--max-num-seqs", type=int, default=None, help="as for vllm serve (default: vLLM's)")
     args = p.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
             "pp-partition": cmd_pp_partition, "doctor": cmd_doctor}[args.cmd](args)

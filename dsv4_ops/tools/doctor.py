@@ -17,7 +17,17 @@ on (GPU or not), and prints one line per check with what to do:
   with free memory (``MemAvailable``), the cgroup limit and ``ulimit -l``;
 - the vLLM version against the one the plugin was written for, and whether vLLM will load the
   plugin's entry point (``vllm.general_plugins``, ``VLLM_PLUGINS``);
-- with ``--model``: the pipeline partition (``dsv4_ops.pp_partition``; V3.2 / GLM-5: vLLM's own
+- ``/dev/shm`` against vLLM's own shared-memory rings at TP x PP > 1 (the scheduler's broadcast
+  ring, one response ring per worker, the TP group's broadcaster: ``shm_broadcast.MessageQueue``
+  sizes, ``check_shm_free_space`` raises when a ring does not fit) -- any TP > 1, not only DP > 1;
+- whether FlashInfer's sampler JIT can build here (``dsv4_ops.vllm.serve_host``), else the
+  setting that avoids it (``VLLM_USE_FLASHINFER_SAMPLER=0``, which the plugin sets on sm_8x);
+- NVLink full connectivity at TP > 2 (NVML P2P, vLLM's ``is_fully_connected``): without it vLLM's
+  custom all-reduce is off and NCCL over PCIe carries every all-reduce;
+- vLLM settings that move the serve path off the audited kernels (``VLLM_BATCH_INVARIANT``, ...);
+- vLLM's batch defaults for this GPU name (``EngineArgs.get_batch_defaults``) and their scale;
+- with ``--model``: the checkpoint's quantization layout and the methods vLLM builds for it on
+  sm_80 (a layout no audit covers fails), the pipeline partition (``dsv4_ops.pp_partition``; V3.2 / GLM-5: vLLM's own
   layer split) and the KV-cache block size vLLM resolves for the model's attention backends on
   this GPU's architecture (vLLM's own ``_preferred_block_size_for_backends``; V3.2 / GLM-5: the
   plugin's sparse-MLA backend and vLLM's V3.2 indexer backend); V3.2 / GLM-5 also the heads a
@@ -37,6 +47,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..vllm import serve_host
 
 GIB = float(1 << 30)
 
@@ -79,6 +91,9 @@ class HostFacts:
     vllm_version: Optional[str] = None
     plugin_entry_points: List[str] = field(default_factory=list)  # vllm.general_plugins -> dsv4_ops
     vllm_plugins_env: Optional[str] = None   # VLLM_PLUGINS as set (None: unset)
+    toolchain: Optional[Any] = None          # serve_host.Toolchain: what FlashInfer's JIT finds
+    nvlink: Optional[List[List[bool]]] = None  # [i][j]: NVML NVLink P2P status OK; None: not readable
+    environ: Dict[str, str] = field(default_factory=dict)  # the VLLM_* settings the checks read
 
 
 @dataclass
@@ -93,6 +108,10 @@ class Deployment:
     kv_cache_dtype: str = "auto"
     engram_use_thp: bool = False
     engram_cpu_offload: bool = True
+    linear_backend: str = "auto"
+    moe_backend: str = "auto"
+    max_num_batched_tokens: Optional[int] = None  # None: vLLM's default for the GPU
+    max_num_seqs: Optional[int] = None
 
 
 @dataclass
@@ -174,6 +193,41 @@ def _gpus() -> List[Gpu]:
     return gpus
 
 
+def _nvlink() -> Optional[List[List[bool]]]:
+    """Pairwise NVLink P2P status by NVML, the query vLLM's ``CudaPlatform.is_fully_connected``
+    makes; None when NVML is not readable (no driver)."""
+    try:
+        from vllm.utils.import_utils import import_pynvml
+
+        nvml = import_pynvml()
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML here
+        return None
+    try:
+        n = nvml.nvmlDeviceGetCount()
+        hs = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        out = [[True] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    try:
+                        out[i][j] = nvml.nvmlDeviceGetP2PStatus(
+                            hs[i], hs[j], nvml.NVML_P2P_CAPS_INDEX_NVLINK) == nvml.NVML_P2P_STATUS_OK
+                    except nvml.NVMLError:
+                        out[i][j] = False
+        return out
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+# The environment variables the checks read (vLLM's names).
+ENV_READ = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_BATCH_INVARIANT", "VLLM_MARLIN_INPUT_DTYPE", "VLLM_DISABLED_KERNELS",
+            "VLLM_MQ_MAX_CHUNK_BYTES_MB", "CUDA_VISIBLE_DEVICES")
+
+
 def read_host() -> HostFacts:
     """Read every fact the checks need from this machine (nothing is changed)."""
     import resource
@@ -195,7 +249,9 @@ def read_host() -> HostFacts:
         memlock_limit=None if soft == resource.RLIM_INFINITY else int(soft),
         cgroup_limit=limit, cgroup_usage=usage,
         shm_free=shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None,
-        vllm_version=vllm_version, plugin_entry_points=eps, vllm_plugins_env=os.environ.get("VLLM_PLUGINS"))
+        vllm_version=vllm_version, plugin_entry_points=eps, vllm_plugins_env=os.environ.get("VLLM_PLUGINS"),
+        toolchain=serve_host.read_toolchain(), nvlink=_nvlink(),
+        environ={k: v for k, v in os.environ.items() if k in ENV_READ})
 
 
 # ------------------------------------------------------------------ the model
@@ -573,6 +629,212 @@ def check_block_size(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> Che
     return Check("kv block size", "ok", f"vLLM resolves {size}-token KV blocks on {where} ({names})")
 
 
+# ------------------------------------------------------------------ serve host (vLLM's own needs)
+
+MIB = float(1 << 20)
+
+
+def _ring_bytes(chunk: int, chunks: int, readers: int) -> int:
+    """Bytes of one ``ShmRingBuffer``: (chunk + 1 + readers) x chunks (its total_bytes_of_buffer)."""
+    return (chunk + 1 + readers) * chunks
+
+
+def mq_sizes() -> Dict[str, Any]:
+    """vLLM's own MessageQueue sizes: the constructor's defaults, VLLM_MQ_MAX_CHUNK_BYTES_MB
+    for the executor's ring, and the TP group broadcaster's (chunk, chunks) read from
+    ``GroupCoordinator.__init__``'s source. {'default': (chunk, chunks), 'executor_chunk',
+    'group': (chunk, chunks), 'source'}."""
+    import inspect
+
+    from vllm import envs
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    sig = inspect.signature(MessageQueue.__init__).parameters
+    default = (int(sig["max_chunk_bytes"].default), int(sig["max_chunks"].default))
+    src = inspect.getsource(parallel_state.GroupCoordinator.__init__)
+    m = re.search(r"MessageQueue\.create_from_process_group\(\s*self\.cpu_group,\s*(\d+)\s*<<\s*(\d+),\s*(\d+)", src)
+    group, where = ((int(m.group(1)) << int(m.group(2)), int(m.group(3))), "vLLM source") if m else \
+        ((1 << 22, 6), "vLLM 0.33.0's values (the source no longer matches)")
+    return dict(default=default, executor_chunk=int(envs.VLLM_MQ_MAX_CHUNK_BYTES_MB) << 20, group=group, source=where)
+
+
+def shm_rings(d: Deployment, sizes: Dict[str, Any]) -> List[Tuple[str, int]]:
+    """(name, bytes) of each /dev/shm ring a one-node multiprocessing serve creates
+    (``v1/executor/multiproc_executor.py``; ``distributed/parallel_state.py``); none at TP x PP 1
+    (the in-process executor)."""
+    tp, pp = d.tensor_parallel_size, d.pipeline_parallel_size
+    world = tp * pp
+    if world <= 1:
+        return []
+    chunk, chunks = sizes["default"]
+    rings = [("scheduler broadcast", _ring_bytes(sizes["executor_chunk"], chunks, world))]
+    rings += [(f"worker {r} response", _ring_bytes(chunk, chunks, 1)) for r in range(world)]
+    if tp > 1:
+        gchunk, gchunks = sizes["group"]
+        rings += [(f"TP group {g} broadcaster", _ring_bytes(gchunk, gchunks, tp - 1)) for g in range(pp)]
+    return rings
+
+
+def check_shm(h: HostFacts, d: Deployment) -> Check:
+    """/dev/shm against vLLM's MessageQueue rings: vLLM refuses a ring larger than the free
+    space (``check_shm_free_space``); the rings fill as they are written (tmpfs pages)."""
+    world = d.tensor_parallel_size * d.pipeline_parallel_size
+    if world <= 1:
+        return Check("/dev/shm", "ok", f"TP x PP = 1: vLLM's in-process executor makes no /dev/shm rings"
+                     + (" (DP > 1: see the Engram line)" if d.data_parallel_size > 1 else ""))
+    try:
+        sizes = mq_sizes()
+    except Exception as exc:  # noqa: BLE001 - vLLM not importable here
+        return Check("/dev/shm", "skip", f"could not read vLLM's MessageQueue sizes ({type(exc).__name__})")
+    rings = shm_rings(d, sizes)
+    biggest = max(rings, key=lambda r: r[1])
+    total = sum(b for _, b in rings)
+    fix = f"start the container with --ipc=host or --shm-size={max(1, int(-(-total // GIB)))}g (Docker's default is 64m)"
+    what = (f"TP {d.tensor_parallel_size} x PP {d.pipeline_parallel_size}: vLLM's rings need {biggest[1] / MIB:.0f} MiB "
+            f"for the largest ({biggest[0]}), {total / MIB:.0f} MiB for all {len(rings)} ({sizes['source']})")
+    if h.shm_free is None:
+        return Check("/dev/shm", "fail", f"{what}; /dev/shm is not mounted: {fix}")
+    if h.shm_free < biggest[1]:
+        return Check("/dev/shm", "fail", f"{what}; {h.shm_free / MIB:.0f} MiB free: vLLM raises 'Insufficient space "
+                     f"in /dev/shm' at startup; {fix}")
+    if h.shm_free < total:
+        return Check("/dev/shm", "warn", f"{what}; {h.shm_free / MIB:.0f} MiB free: the rings can outgrow it as they "
+                     f"fill (SIGBUS), and NCCL's shared-memory transport wants more; {fix}")
+    return Check("/dev/shm", "ok", f"{what}; {_gib(h.shm_free)} free")
+
+
+def _plugin_acts(h: HostFacts) -> bool:
+    """The plugin's startup choices apply on sm_8x (and a GPU-less doctor host assumes A100)."""
+    return not h.gpus or any(g.capability[0] == 8 for g in h.gpus)
+
+
+def check_sampler(h: HostFacts) -> Check:
+    """FlashInfer's sampling JIT (every last-stage worker, in the profile run) or the Triton
+    sampler."""
+    choice = serve_host.sampler_env_choice(h.environ)
+    if choice is False:
+        return Check("sampler", "ok", f"{serve_host.SAMPLER_ENV}=0: vLLM's Triton top-k/top-p sampler, no JIT build")
+    tc = h.toolchain
+    if tc is None:
+        return Check("sampler", "skip", "toolchain not read")
+    problems = serve_host.jit_problems(tc, h.torch_cuda)
+    major = (h.torch_cuda or "13").split(".")[0]
+    if not problems:
+        return Check("sampler", "ok", f"FlashInfer can build its sampling module: nvcc {tc.nvcc_release} at {tc.nvcc} "
+                     f"(from {tc.how}), headers, ninja, {tc.cxx}, libcudart/libcuda")
+    why = "; ".join(problems)
+    toolkit = (f"install a CUDA {major} toolkit (nvcc, headers incl. curand, lib64 and its stubs) and point CUDA_HOME "
+               "at it")
+    if choice is True:
+        return Check("sampler", "fail", f"{serve_host.SAMPLER_ENV}=1 asks for FlashInfer's sampler, whose JIT cannot "
+                     f"build here ({why}): the profile run fails on every worker; {toolkit}, or set "
+                     f"{serve_host.SAMPLER_ENV}=0")
+    if _plugin_acts(h):
+        return Check("sampler", "warn", f"FlashInfer's sampler JIT cannot build here ({why}): the plugin sets "
+                     f"{serve_host.SAMPLER_ENV}=0 (vLLM's Triton sampler) and says so in its log line; to keep "
+                     f"FlashInfer's, {toolkit}")
+    return Check("sampler", "fail", f"FlashInfer's sampler JIT cannot build here ({why}): vLLM's profile run fails on "
+                 f"every worker; export {serve_host.SAMPLER_ENV}=0 (Triton sampler), or {toolkit}")
+
+
+def check_nvlink(h: HostFacts, d: Deployment) -> Check:
+    """vLLM's custom all-reduce at world size > 2 needs every pair of the TP GPUs NVLink-
+    connected (``custom_all_reduce.py``: ``is_fully_connected``, NVML P2P status)."""
+    tp = d.tensor_parallel_size
+    if tp <= 2:
+        return Check("nvlink", "ok", f"TP {tp}: vLLM's custom all-reduce needs no NVLink at TP <= 2")
+    if h.nvlink is None:
+        return Check("nvlink", "skip", "NVML not readable here (no driver): run doctor on the serving host")
+    n = min(tp, len(h.nvlink))
+    missing = [(i, j) for i in range(n) for j in range(i + 1, n) if not (h.nvlink[i][j] and h.nvlink[j][i])]
+    if missing:
+        pairs = ", ".join(f"{i}-{j}" for i, j in missing[:6]) + (" ..." if len(missing) > 6 else "")
+        return Check("nvlink", "warn", f"GPUs 0..{n - 1} are not NVLink-fully-connected (no NVLink P2P: {pairs}; a PCIe "
+                     f"box): vLLM turns its custom all-reduce off at TP {tp} and NCCL over PCIe carries every "
+                     "all-reduce (tens of us each, two a layer: decode latency); prefer an NVLink/NVSwitch (SXM) host "
+                     "or a smaller TP with PP")
+    return Check("nvlink", "ok", f"GPUs 0..{n - 1} NVLink-fully-connected: vLLM's custom all-reduce runs at TP {tp}")
+
+
+def check_kernel_settings(h: HostFacts, d: Deployment) -> Check:
+    problems = serve_host.kernel_setting_problems(h.environ, d.linear_backend, d.moe_backend)
+    if problems:
+        return Check("serve-path settings", "fail", "; ".join(problems) + " (the plugin refuses these at startup on "
+                     "sm_8x)")
+    return Check("serve-path settings", "ok", "no VLLM_BATCH_INVARIANT, VLLM_MARLIN_INPUT_DTYPE, VLLM_DISABLED_KERNELS "
+                 "entry or --linear-backend/--moe-backend that leaves the audited kernels")
+
+
+def check_quant_layout(m: Optional[ModelInfo]) -> Check:
+    if m is None or m.variant not in ("v4", "v41"):
+        return Check("quant layout", "skip", "give --model (a DeepSeek-V4/V4.1 config) to read its quantization layout")
+    lay = serve_host.layout_of_config(m.variant, m.text)
+    if lay.problem:
+        return Check("quant layout", "fail", f"{lay.describe()}: {lay.problem}; the plugin refuses it at startup on "
+                     "sm_8x")
+    return Check("quant layout", "ok", f"{lay.describe()}: linears {lay.linear}; experts {lay.moe} (audited on sm_80)")
+
+
+@contextlib.contextmanager
+def _platform_gpu(gpu: Gpu):
+    """vLLM's ``current_platform`` answers the questions ``get_batch_defaults`` asks as ``gpu``."""
+    from vllm.platforms import current_platform as cp
+
+    names = ("get_device_total_memory", "get_device_name", "is_device_capability", "is_tpu", "is_cpu")
+    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
+    cp.get_device_total_memory = lambda device_id=0: gpu.total_bytes
+    cp.get_device_name = lambda device_id=0: gpu.name
+    cp.is_device_capability = lambda c, device_id=0: tuple(c) == tuple(gpu.capability) if not isinstance(c, int) \
+        else c == gpu.capability[0] * 10 + gpu.capability[1]
+    cp.is_tpu = lambda: False
+    cp.is_cpu = lambda: False
+    try:
+        yield
+    finally:
+        for k in names:
+            if k in saved:
+                setattr(cp, k, saved[k])
+            else:
+                cp.__dict__.pop(k, None)
+
+
+def batch_defaults(gpu: Gpu, world_size: int) -> Tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) ``vllm serve`` defaults to on ``gpu``: vLLM's own
+    ``EngineArgs.get_batch_defaults`` (by GPU memory and name: an A800 is not an "a100")."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    with _platform_gpu(gpu):
+        tokens, seqs = EngineArgs.get_batch_defaults(world_size)
+    return tokens[UsageContext.OPENAI_API_SERVER], seqs[UsageContext.OPENAI_API_SERVER]
+
+
+def check_batch_defaults(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> Check:
+    gpu = h.gpus[0] if h.gpus else Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80 * (1 << 30))
+    try:
+        tokens, seqs = batch_defaults(gpu, d.tensor_parallel_size * d.pipeline_parallel_size)
+    except Exception as exc:  # noqa: BLE001 - vLLM not importable here
+        return Check("batch defaults", "skip", f"could not ask vLLM ({type(exc).__name__}: {str(exc)[:100]})")
+    tokens = d.max_num_batched_tokens or tokens
+    seqs = d.max_num_seqs or seqs
+    where = f"{gpu.name}{'' if h.gpus else ' (no GPU here: assumed)'}"
+    msg = f"{where}: --max-num-batched-tokens {tokens}, --max-num-seqs {seqs}"
+    text = m.text if m is not None else {}
+    if text.get("hidden_size") and text.get("vocab_size"):
+        hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
+        hc = int(text.get("hc_mult", 1) or 1)
+        per = tokens * hidden * hc * 2  # one bf16 copy of the (mHC-widened) hidden stream
+        logits = seqs * vocab * 4       # the sampler's fp32 logits, one row a sequence
+        msg += (f"; each bf16 copy of the hidden stream is {_gib(per)} (tokens x {hidden} x hc {hc} x 2 B) and the "
+                f"fp32 logits {_gib(logits)} (seqs x {vocab} x 4 B); vLLM's profile run measures the peak and takes it "
+                "from the KV cache")
+    if tokens > 2048 and gpu.total_bytes < 48 * (1 << 30):
+        return Check("batch defaults", "warn", msg + "; on a 40 GB card lower --max-num-batched-tokens")
+    return Check("batch defaults", "ok", msg + ("; A800/H800 get vLLM's H100 tier (the name lacks 'a100'), A100 "
+                                                "2048 / 256" if tokens >= 8192 else ""))
+
+
 V32_VARIANTS = ("v32", "glm5")
 
 
@@ -607,8 +869,11 @@ def check_v32(d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
 def run(h: HostFacts, d: Deployment, m: Optional[ModelInfo] = None) -> List[Check]:
     """Every check, in the order a deployment meets them."""
     checks = [check_driver(h)] + check_vllm(h) + check_gpus(h, d, m)
+    checks += [check_shm(h, d), check_sampler(h), check_nvlink(h, d), check_kernel_settings(h, d),
+               check_batch_defaults(h, d, m)]
     checks += check_engram(h, d, m)
     if m is not None:
+        checks.append(check_quant_layout(m))
         checks += check_v32(d, m)
         checks += [check_pp(d, m), check_block_size(h, d, m)]
     return checks
@@ -619,7 +884,11 @@ def main(args) -> int:
     d = Deployment(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
                    pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                    gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto")
+                   kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
+                   linear_backend=getattr(args, "linear_backend", None) or "auto",
+                   moe_backend=getattr(args, "moe_backend", None) or "auto",
+                   max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+                   max_num_seqs=getattr(args, "max_num_seqs", None))
     m = None
     if args.model:
         try:
@@ -639,6 +908,8 @@ def main(args) -> int:
     return 1 if failed else 0
 
 
-__all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "check_block_size", "check_driver",
-           "check_engram", "check_gpus", "check_pp", "check_v32", "check_vllm", "engram_need",
+__all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "batch_defaults", "check_batch_defaults",
+           "check_block_size", "check_driver", "check_engram", "check_gpus", "check_kernel_settings", "check_nvlink",
+           "check_pp", "check_quant_layout", "check_sampler", "check_shm", "check_v32", "check_vllm", "mq_sizes",
+           "shm_rings", "engram_need",
            "engram_pinned_per_rank", "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]

@@ -17,6 +17,8 @@ Modules:
   indexer           the sparse-attention indexer (Q quant, K stores, logits, metadata, fp8 pack_seq)
   engram, mhc       V4.1's Engram lookup; V4's first-layer mHC prenorm GEMM
   pipeline          the V4.1 pipeline-parallel partition check at model build
+  quant_guard       the checkpoint's quant layout and kernel backends checked at model build
+  serve_host        host / layout / settings facts shared by the plugin's startup choices and doctor
   decode_graph      an opt-in private CUDA graph of the decode step per input-address key
   audit             dsv4-ops audit-vllm: every kernel on the serve path, by evidence
 """

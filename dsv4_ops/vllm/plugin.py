@@ -11,7 +11,12 @@ vLLM version when vLLM moved under us:
     time (``from m import f`` at module level) is itself patched, or listed as a known
     non-caller (register() checks the modules imported so far; the CI test reads all of vLLM's
     source).
-Only then does it apply the ``patch`` rows.
+Then, on sm_8x only, it makes its startup choices (``startup_choices``): the safe setting where
+one exists, said in its log line (vLLM's Triton sampler, ``VLLM_USE_FLASHINFER_SAMPLER=0``, when
+FlashInfer's sampler JIT cannot build on this host), and ``UnauditedServePathError`` where none
+does (a vLLM setting that moves the serve path off the audited kernels). Only then does it apply
+the ``patch`` rows and install its hooks (``quant_guard`` checks the checkpoint's quant layout at
+model build).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
+from . import serve_host
+from .quant_guard import UnauditedServePathError
 from .table import Patch, Reads, patches
 
 VLLM_VERSION_TESTED = "0.33.0"
@@ -41,6 +48,8 @@ class _State:
     capability: Optional[Tuple[int, int]] = None
     routed: bool = False
     originals: Dict[Tuple[str, str], Any] = field(default_factory=dict)
+    sampler_set: bool = False            # the startup choice set VLLM_USE_FLASHINFER_SAMPLER ...
+    sampler_before: Optional[str] = None  # ... which was this before
 
     @property
     def patched(self) -> List[str]:
@@ -315,14 +324,21 @@ def unpatch() -> None:
     for owner, name, raw in STATE.originals.values():
         setattr(owner, name, raw)
     STATE.originals.clear()
-    from . import v32_backend
+    from . import quant_guard, v32_backend
 
     v32_backend.uninstall()
+    quant_guard.uninstall()
 
 
 def reset() -> None:
-    """Unpatch and forget that register() ran (tests)."""
+    """Unpatch, restore the environment variables register() set, and forget that it ran (tests)."""
     unpatch()
+    if STATE.sampler_set:
+        if STATE.sampler_before is None:
+            os.environ.pop(serve_host.SAMPLER_ENV, None)
+        else:
+            os.environ[serve_host.SAMPLER_ENV] = STATE.sampler_before
+    STATE.sampler_set, STATE.sampler_before = False, None
     STATE.registered = False
     STATE.capability = None
     STATE.routed = False
@@ -351,6 +367,41 @@ def decide(capability: Optional[Tuple[int, int]]) -> Tuple[bool, str]:
     return False, f"op table: {variant} -> vLLM keeps its own kernels"
 
 
+def startup_choices(environ=None, toolchain: Optional[serve_host.Toolchain] = None,
+                    torch_cuda: Optional[str] = None) -> List[str]:
+    """The plugin's own choices on sm_8x, made before vLLM reads the settings (log phrases).
+
+    The sampler: vLLM reads ``VLLM_USE_FLASHINFER_SAMPLER`` when a worker's model runner
+    builds its sampler (``flashinfer_sampler_supported``), after every process loaded the
+    plugin and before ``enable_envs_cache``; a variable set here is inherited by the workers
+    this process starts and set again by each worker's own ``register()``. Raises
+    UnauditedServePathError for a setting with no safe choice."""
+    env = os.environ if environ is None else environ
+    problems = serve_host.kernel_setting_problems(env)
+    if problems:
+        raise UnauditedServePathError("dsv4_ops (sm_8x): " + "; ".join(problems) + ". Refused at startup.")
+    choice = serve_host.sampler_env_choice(env)
+    if choice is False:
+        return [f"sampler: Triton ({serve_host.SAMPLER_ENV}=0 as set)"]
+    if toolchain is None:
+        toolchain = serve_host.read_toolchain()
+    if torch_cuda is None:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    jit = serve_host.jit_problems(toolchain, torch_cuda)
+    if not jit:
+        return [f"sampler: FlashInfer (its JIT can build: nvcc {toolchain.nvcc_release} at {toolchain.nvcc})"]
+    if choice is True:
+        raise UnauditedServePathError(
+            f"dsv4_ops (sm_8x): {serve_host.SAMPLER_ENV}=1 asks for FlashInfer's sampler, but its JIT cannot build "
+            f"here ({'; '.join(jit)}): vLLM's profile run would fail on every worker. Install a CUDA "
+            f"{(torch_cuda or '13').split('.')[0]} toolkit and set CUDA_HOME, or set {serve_host.SAMPLER_ENV}=0.")
+    env[serve_host.SAMPLER_ENV] = "0"
+    return [f"sampler: Triton, set {serve_host.SAMPLER_ENV}=0 (FlashInfer's sampler JIT cannot build here: "
+            f"{jit[0]}; a CUDA toolkit of torch's major at CUDA_HOME brings it back)"]
+
+
 def register() -> None:
     """vLLM general-plugin entry point; idempotent, imports vLLM lazily, logs one line."""
     if STATE.registered:
@@ -361,16 +412,24 @@ def register() -> None:
     cap = _capability()
     routed, reason = decide(cap)
     done: List[str] = []
+    choices: List[str] = []
     if routed:
-        from . import v32_backend
+        from . import quant_guard, v32_backend
 
         rows = patches()
         check_table(rows, scan_source=False)
         v32_backend.check_registration(_error)  # the sm_8x sparse-MLA backend (V3.2 / GLM-5), checked first
+        if cap is not None and cap[0] == 8:
+            before = os.environ.get(serve_host.SAMPLER_ENV)
+            choices = startup_choices()
+            if os.environ.get(serve_host.SAMPLER_ENV) != before:
+                STATE.sampler_set, STATE.sampler_before = True, before
         done = apply_patches(rows)
         done += v32_backend.install()
+        done += quant_guard.install()
     STATE.registered, STATE.capability, STATE.routed = True, cap, routed
     cap_s = f"sm_{cap[0]}{cap[1]}" if cap else "none"
     what = (f"patched {len(done)} vLLM symbols: " + ", ".join(p.rsplit(".", 1)[-1] for p in done)
             if done else "patched nothing")
-    logger.info("dsv4_ops plugin (pid %d): capability %s; %s; %s", os.getpid(), cap_s, reason, what)
+    logger.info("dsv4_ops plugin (pid %d): capability %s; %s; %s%s", os.getpid(), cap_s, reason, what,
+                "".join(f"; {c}" for c in choices))

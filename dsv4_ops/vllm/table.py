@@ -1,8 +1,8 @@
 """The patch table: every vLLM symbol the plugin replaces, overrides, keeps or hooks on sm_8x.
 
 Each area module of this package (``attention``, ``compressed_cache``, ``o_proj``, ``warmup``,
-``indexer``, ``engram``, ``mhc``, ``pipeline``) defines ``PATCHES``, a tuple of ``Patch`` rows; ``patches()``
-concatenates them in ``AREAS`` order. Rows hold callables, never names resolved by string.
+``indexer``, ``engram``, ``mhc``, ``pipeline``, ``quant_guard``) defines ``PATCHES``, a tuple of
+``Patch`` rows; ``patches()`` concatenates them in ``AREAS`` order. Rows hold callables, never names resolved by string.
 ``per_model`` writes one row per DeepSeek model package (V4, V4.1) from a single description.
 
 Row kinds
@@ -30,7 +30,8 @@ MODEL_PACKAGES = {"v4": V4, "v41": V41}
 KINDS = ("patch", "override", "kept", "hook")
 
 # Area modules of dsv4_ops.vllm that contribute rows, in table order (missing ones are skipped).
-AREAS = ("attention", "compressed_cache", "o_proj", "warmup", "indexer", "engram", "mhc", "pipeline", "v32_model")
+AREAS = ("attention", "compressed_cache", "o_proj", "warmup", "indexer", "engram", "mhc", "pipeline", "quant_guard",
+         "v32_model")
 
 
 @dataclass(frozen=True)

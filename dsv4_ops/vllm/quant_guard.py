@@ -1,0 +1,102 @@
+"""The checkpoint's quantization layout and vLLM's kernel settings, checked at model build.
+
+``DeepseekV4FP8Config.get_quant_method`` (V4 and V4.1 packages) picks the linear and MoE
+methods for every layer while the model is built, under the current vLLM config. The wrapped
+method first checks, once per config object, that vLLM's resolved layout (weight block size,
+``expert_dtype``, ``moe_quant_algo``) is one the audit covers on sm_80 and that
+``--linear-backend`` / ``--moe-backend`` keep the audited kernels
+(``dsv4_ops.vllm.serve_host``); otherwise it raises ``UnauditedServePathError`` at startup,
+before any weight loads, instead of running an unevaluated kernel mid-serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Dict, List
+
+from . import serve_host
+from .table import Reads, per_model
+
+
+class UnauditedServePathError(RuntimeError):
+    """vLLM would serve this model on sm_8x through kernels the audit never evaluated."""
+
+
+def check_quant_config(config, variant: str, kernel_config=None) -> serve_host.QuantLayout:
+    """Raise UnauditedServePathError unless ``config`` (vLLM's DeepseekV4FP8Config, resolved)
+    is an audited layout and ``kernel_config`` selects no other backend; the layout otherwise."""
+    layout = serve_host.classify(variant, config.get_name(), config.weight_block_size, config.expert_dtype,
+                                 config.moe_quant_algo)
+    problems = [layout.problem] if layout.problem else []
+    if kernel_config is not None:
+        problems += serve_host.kernel_setting_problems(
+            {}, getattr(kernel_config, "linear_backend", "auto"), getattr(kernel_config, "moe_backend", "auto"),
+            getattr(kernel_config, "linear_backend_per_quant", None))
+    if problems:
+        raise UnauditedServePathError(
+            f"dsv4_ops (sm_8x): DeepSeek-{ {'v4': 'V4', 'v41': 'V4.1'}.get(variant, variant)} checkpoint with {layout.describe()}: "
+            + "; ".join(problems) + ". Refused at startup; `dsv4-ops doctor --model <dir>` lists what is covered.")
+    return layout
+
+
+def _current_kernel_config():
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return getattr(get_current_vllm_config(), "kernel_config", None)
+    except Exception:  # noqa: BLE001 - no current config: nothing to check
+        return None
+
+
+def checked_get_quant_method(original):
+    """Builder: ``get_quant_method`` that checks the layout on its first call for a config
+    (the model, V4 or V4.1, from the package that defines the original)."""
+    variant = "v41" if ".deepseek_v41." in original.__module__ + "." else "v4"
+
+    @functools.wraps(original)
+    def get_quant_method(self, layer, prefix):
+        if not getattr(self, "_dsv4_ampere_layout_checked", False):
+            check_quant_config(self, variant, _current_kernel_config())
+            self._dsv4_ampere_layout_checked = True
+        return original(self, layer, prefix)
+
+    return get_quant_method
+
+
+_CLASSES = {"v4": "vllm.models.deepseek_v4.quant_config", "v41": "vllm.models.deepseek_v41.quant_config"}
+_ORIGINALS: Dict[str, object] = {}  # module -> vLLM's own get_quant_method (while installed)
+
+
+def install() -> List[str]:
+    """Wrap ``DeepseekV4FP8Config.get_quant_method`` of both packages (idempotent; sm_8x, by
+    ``register()``). A hook, not a patch: the wrapper calls vLLM's method unchanged, so the
+    audit's evidence for what vLLM builds stays vLLM's own. Returns the names wrapped now."""
+    done = []
+    for module in _CLASSES.values():
+        if module in _ORIGINALS:
+            continue
+        cls = importlib.import_module(module).DeepseekV4FP8Config
+        original = cls.__dict__["get_quant_method"]
+        wrapped = checked_get_quant_method(original)
+        wrapped._dsv4_ampere_replacement = True
+        cls.get_quant_method = wrapped
+        _ORIGINALS[module] = original
+        done.append(f"{module}.DeepseekV4FP8Config.get_quant_method")
+    return done
+
+
+def uninstall() -> None:
+    """Put vLLM's own methods back (tests; the plugin's ``unpatch``)."""
+    for module, original in list(_ORIGINALS.items()):
+        importlib.import_module(module).DeepseekV4FP8Config.get_quant_method = original
+        del _ORIGINALS[module]
+
+
+PATCHES = per_model(
+    "quant_config", "DeepseekV4FP8Config.get_quant_method", ("layer", "prefix"),
+    "checkpoint quant layout and --linear/--moe-backend pick the kernels: before vLLM's own method runs, refuse at "
+    "model build what the audit does not cover (NVFP4 or FP8 experts, another block size, another backend)",
+    install, kind="hook",
+    reads={m: (Reads(_CLASSES[m], "DeepseekV4FP8Config", ("weight_block_size", "expert_dtype", "moe_quant_algo",
+                                                          "get_name")),) for m in ("v4", "v41")})
