@@ -1,6 +1,7 @@
 """Every dispatch rule over the product of the inputs it reads, on the CPU, through the plan
 functions of dsv4_ops/dispatch/ (the resolvers return (choice, reason)); then every config the
-DeepSeek-V4 paged decode can dispatch run against the float64 reference under the Triton
+DeepSeek-V4 decode can dispatch (paged op forms and configs, the workspace gather + tiles /
+heads) run against the float64 reference under the Triton
 interpreter, over both caches' block sizes: powers of two, and mixed pairs where one cache's
 block size is not (a rule that reads one block size only picks a shift-based kernel there,
 and that kernel reads the wrong pages).
@@ -379,3 +380,33 @@ def test_dispatched_v1_form_matches_reference(interpret, monkeypatch, pair, alig
     args = small_case(T, H, PAIRS[pair], seed=5, device=interpret, aligned=aligned)
     assert dd.resolve_paged_form(None, T, H, K, 163 * 1024, args["compressed_cache"], args["swa_cache"])[0] == "v1"
     run_dispatched(args, interpret)
+
+
+@pytest.mark.parametrize("pair", ["c-odd", "w-odd"])
+@pytest.mark.parametrize("mode", ["tiles", "heads"])
+def test_dispatched_workspace_step_matches_reference(interpret, mode, pair):
+    """The workspace route: the one-launch gather over a mixed block-size pair (bit-exact rows
+    and indices), then the attention kernel resolve_workspace gives for the mode."""
+    from dsv4_ops import attention
+
+    T, H = 2, 20
+    args = small_case(T, H, PAIRS[pair], seed=11, device=interpret)
+    K = args["topk_slots"].shape[1] + args["swa_slots"].shape[1]
+    assert dd.resolve_gather(T * K)[0]
+    plan, why = dd.resolve_workspace(mode, T, H, K, True, -1)
+    assert plan.kernel == mode, why
+    gather = {k: args[k] for k in ("compressed_cache", "topk_slots", "topk_length", "compressed_block_size",
+                                   "swa_cache", "swa_slots", "swa_length", "swa_block_size")}
+    ws = poison_like(torch.empty(T * K, 512, dtype=torch.bfloat16, device=interpret))
+    idx = attention.dsv4_decode_gather(**gather, workspace=ws)
+    want_ws = torch.empty(T * K, 512, dtype=torch.bfloat16)
+    want_idx = reference.ref_dsv4_decode_gather(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                                   for k, v in gather.items()}, workspace=want_ws)
+    assert torch.equal(idx.cpu(), want_idx)
+    assert torch.equal(ws.cpu().view(torch.int16), want_ws.view(torch.int16))
+    ws16 = ws.to(torch.float16)  # the interpreter's bf16 dot is wrong; these decoded keys are exact in fp16
+    assert torch.equal(ws16.float(), ws.float())
+    out, lse = attention.sparse_mla_decode(args["q"], ws16, idx, None, args["sink"], args["sm_scale"], kernel=mode)
+    want, want_lse = reference.ref_sparse_mla_decode(args["q"].cpu(), want_ws, want_idx, None, args["sink"].cpu(),
+                                                     args["sm_scale"], out_dtype=torch.float64)
+    assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
