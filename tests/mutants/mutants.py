@@ -64,8 +64,9 @@ MUTANTS = (
     Mutant("kv-insert-ue8m0-boundary", "csrc_triton/kv_cache.py",
            "b_e = b_exp - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)",
            "b_e = b_exp - 8 + ((b_bits & 0x7FFFFF) >= 0x600000).to(tl.int32)",
-           ("tests/test_kv_cache.py::test_exponent_all_bf16",),
-           "fp8_ds_mla writer kernel: UE8M0 exponent one too large when a group's amax is exactly 448 * 2**e"),
+           ("tests/test_kv_cache.py::test_kernels_interpreter", "tests/test_v32_ops.py::test_insert_exponent_for_every_bf16_amax"),
+           "cache writer kernels (shared exponent rule): UE8M0 exponent one too large when a group's amax is "
+           "exactly 448 * 2**e"),
     # ---- plugin glue ----
     Mutant("glue-sink-dropped", "dsv4_ops/vllm/attention.py",
            "                          self.attn_sink, self.scale)",
@@ -133,8 +134,8 @@ MUTANTS = (
     Mutant("ref-length-inclusive", "dsv4_ops/reference.py",
            "valid = valid & (j[None, :] < topk_length.to(torch.int64)[:, None])",
            "valid = valid & (j[None, :] <= topk_length.to(torch.int64)[:, None])",
-           ("tests/test_decode_paged_chunk64.py::test_fused_kernel_matches_float64_reference[T3-H8-i32-tl-sl-direct]",),
-           "the reference attends one entry past each token's length (a window one key long)"),
+           ("tests/test_decode_heads.py::test_heads_kernel_fp16_matches_reference[H8-1]",),
+           "the reference attends one entry past each token's top-k length (one key too many)"),
     Mutant("ref-engram-table-not-range", "dsv4_ops/reference.py",
            "owned = (local >= 0) & (local < min(vocab_end - vocab_start, n_tab))",
            "owned = (local >= 0) & (local < n_tab)",

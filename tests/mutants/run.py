@@ -47,7 +47,7 @@ def make_copy(dest: str) -> None:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copy2(src, dst)
     for folder, link in MAPPED.items():
-        os.symlink(os.path.join(dest, folder), os.path.join(dest, link))
+        os.symlink(os.path.join("..", folder), os.path.join(dest, link))  # relative: copies of the copy keep theirs
 
 
 def apply(m: Mutant, root: str) -> str:
