@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import _launch, attention, dsv4_decode, reference
+from dsv4_ops import _launch, attention, dsv4_decode, envs, reference
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
 
@@ -250,16 +250,21 @@ def gpu_composite_args(T, H, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["auto", "tiles"])  # auto: one paged op at (3, 64); tiles: gather + tiles + merge
 @pytest.mark.parametrize("T,H", [(1, 8), (3, 64)])
-def test_gpu_fast_launch_equals_normal_launch(variant, T, H, monkeypatch):
+def test_gpu_fast_launch_equals_normal_launch(variant, T, H, mode, monkeypatch):
     args = gpu_composite_args(T, H, seed=T + H)
-    before = {id(k): k.stats["fast"] for k in _launch._REGISTRY.values()}
-    dsv4_decode.dsv4_decode_attention(**args)  # compiles / fills the launcher cache
-    fast_out, fast_lse = dsv4_decode.dsv4_decode_attention(**args)
-    hits = sum(k.stats["fast"] - before.get(id(k), 0) for k in _launch._REGISTRY.values())
-    assert hits >= 3, "the second step should launch its 3 kernels through the cached launchers"
-    monkeypatch.setattr(_launch, "ENABLED", False)
-    slow_out, slow_lse = dsv4_decode.dsv4_decode_attention(**args)
+    with envs.override(**{envs.DECODE_KERNEL: mode}):
+        dsv4_decode.dsv4_decode_attention(**args)  # compiles / fills the launcher cache
+        before = {id(k): dict(k.stats) for k in _launch._REGISTRY.values()}
+        fast_out, fast_lse = dsv4_decode.dsv4_decode_attention(**args)
+        fast = sum(k.stats["fast"] - before.get(id(k), {}).get("fast", 0) for k in _launch._REGISTRY.values())
+        slow = sum(k.stats["slow"] - before.get(id(k), {}).get("slow", 0) for k in _launch._REGISTRY.values())
+        assert fast >= 1 and slow == 0, f"the second step should launch every kernel through the cached launchers ({fast} fast, {slow} slow)"
+        if mode == "tiles":
+            assert fast >= 3, "the workspace step launches gather, tiles and merge"
+        monkeypatch.setattr(_launch, "ENABLED", False)
+        slow_out, slow_lse = dsv4_decode.dsv4_decode_attention(**args)
     assert torch.equal(fast_out, slow_out) and torch.equal(fast_lse, slow_lse)
 
 
