@@ -301,6 +301,23 @@ def test_settings_off_the_audited_kernels_are_refused_at_register(monkeypatch, e
     assert vp.STATE.patched == [] and not vp.STATE.registered
 
 
+def test_register_line_reaches_stderr_before_vllm_configures_logging(monkeypatch, capsys):
+    """vLLM loads general plugins before LLM() configures its logging: the plugin's line must
+    not be dropped there (no handler anywhere -> stderr), and must go through logging after."""
+    import logging
+
+    spoof(monkeypatch, (8, 0))
+    logger = logging.getLogger("vllm.plugins.dsv4_ops")
+    monkeypatch.setattr(logger, "hasHandlers", lambda: False)
+    vp.register()
+    err = capsys.readouterr().err
+    assert "dsv4_ops plugin (pid" in err and "capability sm_80" in err, err
+    vp.reset()
+    monkeypatch.setattr(logger, "hasHandlers", lambda: True)
+    vp.register()
+    assert "dsv4_ops plugin" not in capsys.readouterr().err
+
+
 def test_register_sets_the_triton_sampler_and_says_so(monkeypatch, caplog):
     import logging
     import os

@@ -27,6 +27,7 @@ import importlib
 import inspect
 import os
 import pathlib
+import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -431,5 +432,12 @@ def register() -> None:
     cap_s = f"sm_{cap[0]}{cap[1]}" if cap else "none"
     what = (f"patched {len(done)} vLLM symbols: " + ", ".join(p.rsplit(".", 1)[-1] for p in done)
             if done else "patched nothing")
-    logger.info("dsv4_ops plugin (pid %d): capability %s; %s; %s%s", os.getpid(), cap_s, reason, what,
-                "".join(f"; {c}" for c in choices))
+    line = (f"dsv4_ops plugin (pid {os.getpid()}): capability {cap_s}; {reason}; {what}"
+            + "".join(f"; {c}" for c in choices))
+    if logger.hasHandlers():
+        logger.info("%s", line)
+    else:
+        # vLLM loads general plugins in EngineArgs.__post_init__, before LLM() configures its
+        # logging: an INFO record would be dropped there, and this line is the user's only word
+        # of what was routed, so it goes to stderr itself.
+        print(f"INFO {line}", file=sys.stderr, flush=True)
