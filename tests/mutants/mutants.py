@@ -2,9 +2,8 @@
 
 Each row: name; file (repo-relative); old, new (``old`` must occur exactly once in the file,
 else the row is reported stale); tests: the pytest selection that must fail (node ids, files,
-``-k`` expressions: passed to pytest as they are); why: the mistake, in words. A row whose
-selection includes an end-to-end test names it in ``later``: the check expected to catch it
-once branch i29a's writer oracle and per-row bounds are merged (until then it may survive).
+``-k`` expressions: passed to pytest as they are); why: the mistake, in words; later (optional):
+the check expected to catch it, printed beside a survivor.
 
 Classes (issue 29): cache writers (a writer consistent with itself: RoPE position, pooling
 window, K-store detail), plugin glue (dropped sink, wrong softmax scale, window one key short,
@@ -28,7 +27,7 @@ class Mutant:
     new: str
     tests: Tuple[str, ...]
     why: str
-    later: str = ""  # the check that should catch it after i29a's e2e oracle lands
+    later: str = ""  # the check expected to catch it, printed when it survives
 
 
 MUTANTS = (
@@ -42,10 +41,9 @@ MUTANTS = (
            "rows = _rope_rows(latent[:n].to(torch.float32), pos, cos_sin_cache, compress_ratio)",
            "rows = _rope_rows(latent[:n].to(torch.float32), pos, cos_sin_cache, 1)",
            ("tests/test_vllm_plugin.py::test_v41_rope_quant_insert_writes_only_boundary_tokens",
-            E2E + "::test_every_attention_layer_matches_the_oracle", "-k", "v41"),
+            E2E + "::test_every_cache_entry_is_the_float64_one", "-k", "v41"),
            "V4.1's rope_quant_insert rotates at the token's own position (its unit test uses the identity "
-           "rotation; the e2e attention check reads the same bytes it wrote)",
-           later="i29a's e2e writer check (compressed KV after pooling and RoPE, V4.1)"),
+           "rotation; only the e2e writer check, from the layer inputs, sees it)"),
     Mutant("v4-writer-pool-window-shifted", "dsv4_ops/vllm/compressed_cache.py",
            "p = pos[:, None] - W + 1 + tok[None, :]  # [n, W]",
            "p = pos[:, None] - W + tok[None, :]  # [n, W]",
@@ -87,8 +85,7 @@ MUTANTS = (
            "block_size = attn_metadata.block_size // self.compress_ratio",
            "block_size = attn_metadata.block_size",
            (E2E + "::test_every_attention_layer_matches_the_oracle",),
-           "top-k positions mapped to compressed-cache slots with the SWA block size (no compression ratio)",
-           later="caught by the e2e attention check today; i29a's per-row bounds should give it a >= 5x margin"),
+           "top-k positions mapped to compressed-cache slots with the SWA block size (no compression ratio)"),
     Mutant("engram-glue-vocab-end", "dsv4_ops/vllm/engram.py",
            "self.vocab_start_idx, self.vocab_end_idx,",
            "self.vocab_start_idx, self.vocab_end_idx - 1,",
