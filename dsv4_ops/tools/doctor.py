@@ -556,27 +556,18 @@ _BACKENDS = {
 }
 
 
-@contextlib.contextmanager
 def platform_as(arch: int):
     """vLLM's ``current_platform`` answers capability questions as an sm_<arch> GPU (the
-    instance methods the backends call), restored afterwards."""
-    from vllm.platforms import current_platform as cp
+    instance methods the backends call), restored afterwards (a context manager)."""
     from vllm.platforms.interface import DeviceCapability
 
+    from ..vllm.platform_view import answering
+
     cap = DeviceCapability(major=arch // 10, minor=arch % 10)
-    names = ("get_device_capability", "has_device_capability", "is_device_capability_family")
-    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
-    cp.get_device_capability = lambda device_id=0: cap
-    cp.has_device_capability = lambda c, device_id=0: cap >= c if isinstance(c, tuple) else cap.to_int() >= c
-    cp.is_device_capability_family = lambda c, device_id=0: cap.to_int() // 10 == c // 10
-    try:
-        yield cp
-    finally:
-        for k in names:
-            if k in saved:
-                setattr(cp, k, saved[k])
-            else:
-                cp.__dict__.pop(k, None)
+    return answering(
+        get_device_capability=lambda device_id=0: cap,
+        has_device_capability=lambda c, device_id=0: cap >= c if isinstance(c, tuple) else cap.to_int() >= c,
+        is_device_capability_family=lambda c, device_id=0: cap.to_int() // 10 == c // 10)
 
 
 def resolved_block_size(variant: str, arch: int) -> Tuple[int, str]:
@@ -776,27 +767,18 @@ def check_quant_layout(m: Optional[ModelInfo]) -> Check:
     return Check("quant layout", "ok", f"{lay.describe()}: linears {lay.linear}; experts {lay.moe} (audited on sm_80)")
 
 
-@contextlib.contextmanager
 def _platform_gpu(gpu: Gpu):
-    """vLLM's ``current_platform`` answers the questions ``get_batch_defaults`` asks as ``gpu``."""
-    from vllm.platforms import current_platform as cp
+    """vLLM's ``current_platform`` answers the questions ``get_batch_defaults`` asks as ``gpu``
+    (a context manager)."""
+    from ..vllm.platform_view import answering
 
-    names = ("get_device_total_memory", "get_device_name", "is_device_capability", "is_tpu", "is_cpu")
-    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
-    cp.get_device_total_memory = lambda device_id=0: gpu.total_bytes
-    cp.get_device_name = lambda device_id=0: gpu.name
-    cp.is_device_capability = lambda c, device_id=0: tuple(c) == tuple(gpu.capability) if not isinstance(c, int) \
-        else c == gpu.capability[0] * 10 + gpu.capability[1]
-    cp.is_tpu = lambda: False
-    cp.is_cpu = lambda: False
-    try:
-        yield
-    finally:
-        for k in names:
-            if k in saved:
-                setattr(cp, k, saved[k])
-            else:
-                cp.__dict__.pop(k, None)
+    return answering(
+        get_device_total_memory=lambda device_id=0: gpu.total_bytes,
+        get_device_name=lambda device_id=0: gpu.name,
+        is_device_capability=lambda c, device_id=0: (tuple(c) == tuple(gpu.capability) if not isinstance(c, int)
+                                                     else c == gpu.capability[0] * 10 + gpu.capability[1]),
+        is_tpu=lambda: False,
+        is_cpu=lambda: False)
 
 
 def batch_defaults(gpu: Gpu, world_size: int) -> Tuple[int, int]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from types import SimpleNamespace as NS
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import _config, _native
@@ -43,24 +42,14 @@ def cuda_platform(arch: int):
     """``current_platform`` answers as a CUDA sm_<arch> GPU (capability, platform enum,
     is_cuda, SM count) while vLLM's selection code runs."""
     from vllm.platforms import PlatformEnum
-    from vllm.platforms import current_platform as cp
 
-    names = ("_enum", "is_cuda", "is_cuda_alike", "num_compute_units", "device_name")
-    saved = {k: cp.__dict__[k] for k in names if k in cp.__dict__}
-    with _config.target_platform(arch):
-        cp._enum = PlatformEnum.CUDA
-        cp.is_cuda = lambda: True
-        cp.is_cuda_alike = lambda: True
-        cp.num_compute_units = lambda device_id=0: _config.SM_COUNT.get(arch, 108)
-        cp.device_name = f"sm_{arch}"
-        try:
-            yield cp
-        finally:
-            for k in names:
-                if k in saved:
-                    setattr(cp, k, saved[k])
-                else:
-                    cp.__dict__.pop(k, None)
+    from ..platform_view import answering
+
+    with _config.target_platform(arch), answering(
+            _enum=PlatformEnum.CUDA, is_cuda=lambda: True, is_cuda_alike=lambda: True,
+            num_compute_units=lambda device_id=0: _config.SM_COUNT.get(arch, 108),
+            device_name=f"sm_{arch}") as cp:
+        yield cp
 
 
 def cubin(lib: str, kernel: str, arch: int) -> Tuple[Optional[bool], str]:

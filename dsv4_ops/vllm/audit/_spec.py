@@ -67,10 +67,10 @@ def _defined_in(obj, name: str) -> bool:
     return where == name
 
 
-def rows(audit, model: str, default_kernels: set) -> List[dict]:
-    """Rows of the runner's speculative-decoding kernels for ``model`` (each of its PATHS)."""
+def rows(audit, model: str, default_kernels: set, kernel_tech, short) -> List[dict]:
+    """Rows of the runner's speculative-decoding kernels for ``model`` (each of its PATHS).
+    ``kernel_tech(obj)`` / ``short(location)``: the worker's classifier and location format."""
     from ..serve_graph import _source
-    from ._worker import _kernel_tech, _short
 
     out: List[dict] = []
     for path in PATHS.get(model, ()):
@@ -91,7 +91,7 @@ def rows(audit, model: str, default_kernels: set) -> List[dict]:
                 split = set(names)
             for sym in names:
                 obj = getattr(live, sym, None)
-                if obj is None or _kernel_tech(obj) != "Triton":
+                if obj is None or kernel_tech(obj) != "Triton":
                     continue
                 if name == TOPK_TOPP or _defined_in(obj, name):
                     objs[(name, sym)] = obj
@@ -117,6 +117,6 @@ def rows(audit, model: str, default_kernels: set) -> List[dict]:
                    + ("the top-k / top-p split warmups registered when a speculative config is set; "
                       if sym in split else f"{path} speculator / rejection sampling; "))
             out.append(dict(model=model, path=path, phase="jit-warmup" if registered else "forward", kernel=kernel,
-                            tech="Triton", location=_short(loc), status=status, evidence=(why + evidence)[:900],
+                            tech="Triton", location=short(loc), status=status, evidence=(why + evidence)[:900],
                             patch=""))
     return out

@@ -503,7 +503,7 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
         for m in models:
             rows.extend(_modules.rows(m, arch))
         for m in models:  # the runner's speculative-decoding kernels (reported, not enforced)
-            rows.extend(_spec.rows(audit, m, {r["kernel"] for r in rows if r["model"] == m}))
+            rows.extend(_spec.rows(audit, m, {r["kernel"] for r in rows if r["model"] == m}, _kernel_tech, _short))
     t3 = time.time()
     audit.notes.append(f"timing: serve-path modules {t3 - t2:.0f} s")
     audit.notes.append(f"timing: import+discovery {t1 - t0:.0f} s, Triton AOT {t2 - t1:.0f} s")
