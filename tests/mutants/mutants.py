@@ -103,8 +103,9 @@ MUTANTS = (
            ("tests/test_dispatch_product.py", "-k", "v3_config or forced_f16dot or dispatched_v3"),
            "the shift-kernel fallback reads the window cache's block size only"),
     Mutant("dispatch-composite-one-cache", "dsv4_ops/dispatch/decode.py",
-           'return choice == "fused" or (choice == "v3" and cache_aligned(compressed_cache) and cache_aligned(swa_cache))',
-           'return choice == "fused" or (choice == "v3" and cache_aligned(compressed_cache))',
+           'return choice in ("fused", "paged") or (choice == "v3" and cache_aligned(compressed_cache)\n'
+           '                                            and cache_aligned(swa_cache))',
+           'return choice in ("fused", "paged") or (choice == "v3" and cache_aligned(compressed_cache))',
            ("tests/test_dispatch_product.py::test_composite_reads_both_caches",),
            "the composite runs the 16-byte-vector paged op when only the compressed cache is aligned"),
     Mutant("dispatch-smem-strict", "dsv4_ops/dispatch/decode.py",
