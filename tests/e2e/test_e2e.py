@@ -94,7 +94,9 @@ NOT_ON_PATH = {
                                                      "(_hc_prenorm_gemm_outputs) instead",
     }),
 }
-OPS_ON_PATH = ("kv_cache_gather", "kv_cache_insert", "sparse_mla_decode_out", "dsv4_decode_gather",
+# The decode under auto is the paged op (no workspace: dispatch.decode.resolve_route); the
+# workspace step (dsv4_decode_gather + sparse_mla_decode_out) runs only when forced.
+OPS_ON_PATH = ("kv_cache_gather", "kv_cache_insert", "dsv4_decode_fused_out",
                "indexer_k_insert", "indexer_q_quant", "mqa_logits", "paged_mqa_logits")
 LAYERS = {"v41": dict(n=5, attn={"attn(ratio=0)", "attn(ratio=1)", "attn(ratio=2)"}, indexer=(1, 2, 3)),
           "v4": dict(n=4, attn={"attn(ratio=0)", "attn(ratio=4)", "attn(ratio=128)"}, indexer=(1, 3))}
@@ -248,15 +250,21 @@ REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_ma
                  test_every_plugin_row_on_the_path_ran, test_no_dead_kernel_ran_and_the_tripwire_fires)
 
 
-def test_decode_v3_inside_vllms_forward(tmp_path):
-    """The fused v3 decode (records read by slot in the attention kernel) is what auto picks at
-    H <= 16 and K = 640; the tiny model's K (24) keeps auto on the workspace step, so this run
-    forces it (DSV4_AMPERE_DECODE_KERNEL=v3) through vLLM's own V4.1 forward: every attention
-    row must still match the oracle, and no decode may have taken the workspace gather."""
-    proc, rep = run_driver(tmp_path, model="v41", DSV4_AMPERE_DECODE_KERNEL="v3")
+@pytest.mark.parametrize("kernel", ["v3", "tiles"])
+def test_forced_decode_routes_inside_vllms_forward(tmp_path, kernel):
+    """The default run takes auto's route for the tiny model (the paged op, one launch, no
+    workspace); these runs force the other two through vLLM's own V4.1 forward
+    (DSV4_AMPERE_DECODE_KERNEL): v3, the paged op's 16-byte-vector form, and tiles, the workspace
+    step (gather both caches, then attention over the workspace). Every attention row must still
+    match the oracle, and the ops called must be the forced route's."""
+    proc, rep = run_driver(tmp_path, model="v41", DSV4_AMPERE_DECODE_KERNEL=kernel)
     assert proc.returncode == 0 and rep is not None, proc.stderr[-6000:]
-    assert rep["ops_called"].get("dsv4_decode_fused_out", 0) > 0, rep["ops_called"]
-    assert "dsv4_decode_gather" not in rep["ops_called"], rep["ops_called"]
+    ops = rep["ops_called"]
+    if kernel == "v3":
+        assert ops.get("dsv4_decode_fused_out", 0) > 0 and "dsv4_decode_gather" not in ops, ops
+    else:
+        assert ops.get("dsv4_decode_gather", 0) > 0 and ops.get("sparse_mla_decode_out", 0) > 0, ops
+        assert "dsv4_decode_fused_out" not in ops, ops
     test_every_attention_layer_matches_the_oracle(rep)
     test_logits_match_the_oracle(rep)
 
