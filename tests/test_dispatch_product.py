@@ -80,14 +80,18 @@ def doc_auto_v3(T, H, K, smem):
             or bool(doc_smem_config(T, H, K, smem)))
 
 
+def doc_fused_window(T, H, K):
+    return any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in dw.AUTO_FUSED_WINDOWS)
+
+
 def doc_route(mode, T, H, K, smem):
     if mode in ("fused", "v3"):
         return "fused"
     if mode != "auto":
         return "workspace"
-    if any(t_lo <= T <= t_hi and H <= h_max and K == k for t_lo, t_hi, h_max, k in dw.AUTO_FUSED_WINDOWS):
+    if doc_fused_window(T, H, K):
         return "fused"
-    return "v3" if doc_auto_v3(T, H, K, smem) else "workspace"
+    return "v3" if doc_auto_v3(T, H, K, smem) else "paged"  # auto never takes the workspace step
 
 
 def doc_v3_config(T, H, K, smem):
@@ -128,14 +132,14 @@ def page_cache(stride_ok: bool, addr_ok: bool = True, pages: int = 3):
 CACHE_KINDS = {"aligned": (True, True), "odd-stride": (False, True), "odd-address": (True, False)}
 
 
-@pytest.mark.parametrize("choice", ["fused", "v3", "workspace"])
+@pytest.mark.parametrize("choice", ["fused", "paged", "v3", "workspace"])
 def test_composite_reads_both_caches(choice):
     for (c_name, c_kind), (w_name, w_kind) in itertools.product(CACHE_KINDS.items(), repeat=2):
         cc, sw = page_cache(*c_kind), page_cache(*w_kind)
         got, why = dd.resolve_composite(choice, cc, sw)
         # the composite checks page strides only (traced code cannot read addresses); the
         # paged op checks the address itself (test below)
-        want = choice == "fused" or (choice == "v3" and c_kind[0] and w_kind[0])
+        want = choice in ("fused", "paged") or (choice == "v3" and c_kind[0] and w_kind[0])
         assert got == want == dd.uses_fused_op(choice, cc, sw), (choice, c_name, w_name, why)
 
 
@@ -145,7 +149,9 @@ def test_paged_form_reads_both_caches_and_the_windows(monkeypatch, mode, form):
     monkeypatch.setenv(envs.DECODE_KERNEL, mode)
     kinds = list(itertools.product(CACHE_KINDS.items(), repeat=2))
     for T, H, K, smem in itertools.product((1, 4, 16, 64, 300), (8, 64, 128), (256, 640), SMEMS):
-        wants_v3 = form == "v3" or (form is None and (mode == "v3" or (mode == "auto" and doc_auto_v3(T, H, K, smem))))
+        # auto: v1 only where its window holds the shape and no v3 window does; elsewhere v3
+        auto_v3 = doc_auto_v3(T, H, K, smem) or not doc_fused_window(T, H, K)
+        wants_v3 = form == "v3" or (form is None and (mode == "v3" or (mode == "auto" and auto_v3)))
         for (c_name, c_kind), (w_name, w_kind) in kinds:
             cc, sw = page_cache(*c_kind), page_cache(*w_kind)
             got, why = dd.resolve_paged_form(form, T, H, K, smem, cc, sw)
