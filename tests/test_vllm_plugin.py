@@ -279,11 +279,15 @@ def test_triton_sampler_env_is_what_vllm_reads(monkeypatch):
     """The variable the plugin sets turns vLLM's own FlashInfer sampler choice off."""
     from vllm.v1.sample.ops import topk_topp_sampler as ts
 
-    monkeypatch.setattr(ts.current_platform, "is_cuda", lambda: True)
+    from dsv4_ops.vllm.platform_view import answering
+
     env = {}
     vp.startup_choices(env, _toolchain(False), "13.0")
     monkeypatch.setenv(SAMPLER, env[SAMPLER])
-    assert ts.flashinfer_sampler_supported() is False
+    # answering() removes the attribute from the platform instance afterwards; a monkeypatch
+    # here left the platform changed for later tests (test_wo_a_formats' MXFP8 selection)
+    with answering(is_cuda=lambda: True):
+        assert ts.flashinfer_sampler_supported() is False
 
 
 @pytest.mark.parametrize("env", [{"VLLM_BATCH_INVARIANT": "1"}, {"VLLM_MARLIN_INPUT_DTYPE": "fp8"},
