@@ -289,26 +289,31 @@ def linear_rows(model: str, arch: int) -> List[dict]:
 
 # ------------------------------------------------------------------ MoE: experts, router, gate
 
+def _v4_moe_config(model: str):
+    """A FusedMoEConfig as DeepseekV4MoE builds it (256 experts, top-6, DeepseekV4 routing, fp32
+    router logits, the parallel config without EP; hash routing on V4)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+
+    return FusedMoEConfig(num_experts=256, experts_per_token=6, hidden_dim=4096 if model == "v4" else 5120,
+                          intermediate_size=2048, num_local_experts=256, num_logical_experts=256,
+                          activation=MoEActivation.SILU, device="cpu", routing_method=RoutingMethodType.DeepseekV4,
+                          moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+                          router_logits_dtype=torch.float32, swiglu_limit=10.0, has_hash_routing=model == "v4")
+
+
 def _select_moe(model: str, arch: int):
     """select_deepseek_v4_mxfp4_moe_backend's auto path (oracle/mxfp4.py): the priority backends in
     order, each backend's expert classes' own is_supported_config(..., kMxfp4Static, the backend's
     activation key, Standard format); a FusedMoEConfig as DeepseekV4MoE builds it (256 experts,
     top-6, DeepseekV4 routing, fp32 router logits; the parallel config without EP)."""
-    import torch
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
-                                                             RoutingMethodType)
     from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as O
     from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
 
-    hidden = 4096 if model == "v4" else 5120
-    cfg = FusedMoEConfig(num_experts=256, experts_per_token=6, hidden_dim=hidden, intermediate_size=2048,
-                         num_local_experts=256, num_logical_experts=256, activation=MoEActivation.SILU,
-                         device="cpu", routing_method=RoutingMethodType.DeepseekV4,
-                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
-                         router_logits_dtype=torch.float32, swiglu_limit=10.0,
-                         has_hash_routing=model == "v4")
+    cfg = _v4_moe_config(model)
     pairs = [(b, k) for b in O._get_priority_backends() for k in O.backend_to_kernel_cls(b)]
     by_cls = {}
 
@@ -732,19 +737,10 @@ def nvfp4_rows(model: str, arch: int) -> List[dict]:
     text = open(path).read() if path else ""
     if "ModelOptNvFp4FusedMoE(" not in text or '"NVFP4"' not in text:
         return []
-    import torch
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
-                                                             RoutingMethodType)
     from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as O
     from vllm.model_executor.layers.quantization.utils import quant_utils as Q
 
-    hidden = 4096 if model == "v4" else 5120
-    cfg = FusedMoEConfig(num_experts=256, experts_per_token=6, hidden_dim=hidden, intermediate_size=2048,
-                         num_local_experts=256, num_logical_experts=256, activation=MoEActivation.SILU,
-                         device="cpu", routing_method=RoutingMethodType.DeepseekV4,
-                         moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
-                         router_logits_dtype=torch.float32, swiglu_limit=10.0, has_hash_routing=model == "v4")
+    cfg = _v4_moe_config(model)
     picks = []
     for act in (getattr(Q, "kNvfp4Dynamic", None), None):
         try:
