@@ -390,6 +390,33 @@ def test_quant_guard_refuses_at_model_build(monkeypatch, pkg, block, expert, alg
         assert good.get_quant_method(object(), "lm_head") is original(good, object(), "lm_head")
 
 
+class _QuarkLike:
+    """A quant config of another family, as vLLM would build for a Quark checkpoint."""
+
+    def get_name(self):
+        return "quark"
+
+
+@pytest.mark.parametrize("pkg", ["deepseek_v4", "deepseek_v41"])
+def test_attention_refuses_a_quant_config_no_audit_covers(monkeypatch, pkg):
+    """The sm_8x attention layer's constructor (model build, before weights load) accepts bf16
+    weights (no quant config) and DeepseekV4FP8Config, and refuses any other family by name."""
+    from dsv4_ops.vllm import attention as va
+
+    base = mod(f"vllm.models.{pkg}.nvidia.flashmla").DeepseekV4FlashMLAAttention
+    hooked = []
+    monkeypatch.setattr(va, "install_wo_a_bf16_hook", lambda *a: hooked.append(a))
+    layer = NS(_dsv4_ampere_base=base, wo_a=object(), n_local_groups=1, o_lora_rank=8)
+    for accepted in (None, _quant_config(pkg, [128, 128] if pkg == "deepseek_v4" else [32, 32])):
+        monkeypatch.setattr(qg, "current_quant_config", lambda c=accepted: c)
+        va._AmpereAttentionMixin._dsv4_ampere_post_init(layer)
+    assert len(hooked) == 2
+    monkeypatch.setattr(qg, "current_quant_config", _QuarkLike)
+    with pytest.raises(qg.UnauditedServePathError, match="'quark'.*Refused at startup"):
+        va._AmpereAttentionMixin._dsv4_ampere_post_init(layer)
+    assert len(hooked) == 2
+
+
 # ------------------------------------------------------------------------------ tiny caches
 
 def make_cache(num_blocks, block_size, n_rows, seed):

@@ -34,7 +34,7 @@ import torch
 
 from .. import _host_plan, layout
 from ..dsv4_decode import dsv4_decode_attention
-from . import decode_graph
+from . import decode_graph, quant_guard
 from .compressed_cache import as_paged_2d
 from .o_proj import ampere_o_proj, install_wo_a_bf16_hook, wo_a_weight_bf16
 from .table import V4, V41, Reads, Patch, per_model
@@ -235,6 +235,8 @@ class _AmpereAttentionMixin:
         return num_heads
 
     def _dsv4_ampere_post_init(self) -> None:
+        quant_guard.check_model_quant(quant_guard.current_quant_config(),
+                                      "v41" if _is_v41(self._dsv4_ampere_base) else "v4")
         install_wo_a_bf16_hook(self.wo_a, self.n_local_groups, self.o_lora_rank)
 
     def _decode_topk(self, swa_metadata, attn_metadata, num_decode_tokens: int):

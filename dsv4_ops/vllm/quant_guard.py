@@ -40,13 +40,39 @@ def check_quant_config(config, variant: str, kernel_config=None) -> serve_host.Q
     return layout
 
 
-def _current_kernel_config():
+def check_model_quant(quant_config, variant: str) -> None:
+    """Raise UnauditedServePathError unless vLLM's quant config for a V4 / V4.1 model is None
+    (bf16 weights: vLLM's unquantized linear and MoE methods, the path the end-to-end tests run)
+    or a ``DeepseekV4FP8Config`` (its layout is checked by the hook above). Any other config
+    (Quark, compressed-tensors, ModelOpt, ...) builds linear and MoE methods no audit evaluated
+    on sm_80; called while the model is built (the attention layers' constructor)."""
+    if quant_config is None or type(quant_config).__name__ == "DeepseekV4FP8Config":
+        return
+    name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
+    raise UnauditedServePathError(
+        f"dsv4_ops (sm_8x): DeepSeek-{ {'v4': 'V4', 'v41': 'V4.1'}.get(variant, variant)} checkpoint quantized as "
+        f"{name!r} ({type(quant_config).__name__}): vLLM builds its linear and MoE methods from that config, and the "
+        "audit covers only the DeepseekV4FP8Config layouts and bf16 weights. Refused at startup; "
+        "`dsv4-ops doctor --model <dir>` lists what is covered.")
+
+
+def _current(field: str):
+    """``field`` of vLLM's current config (the model being built); None without one."""
     try:
         from vllm.config import get_current_vllm_config
 
-        return getattr(get_current_vllm_config(), "kernel_config", None)
+        return getattr(get_current_vllm_config(), field, None)
     except Exception:  # noqa: BLE001 - no current config: nothing to check
         return None
+
+
+def current_quant_config():
+    """vLLM's quant config of the model being built (None: bf16 weights, or no current config)."""
+    return _current("quant_config")
+
+
+def _current_kernel_config():
+    return _current("kernel_config")
 
 
 def checked_get_quant_method(original):
