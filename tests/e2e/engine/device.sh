@@ -9,7 +9,9 @@
 #   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve][:mutate], e.g.
 #     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
-#   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_EXTRA: JSON of more LLM(...) kwargs
+#   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
+#   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
+#   E2E_EXTRA: JSON of more LLM(...) kwargs
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -43,8 +45,10 @@ for run in ${E2E_RUNS:-v41e=v41:eager}; do
     esac
   done
   [ -n "${E2E_EXTRA:-}" ] && args+=(--extra "$E2E_EXTRA")
-  t=$(date +%s)
-  env "${envs[@]}" timeout -k 10 "${E2E_RUN_TIMEOUT:-150}" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
+  t=$(date +%s); left=$(( ${E2E_TOTAL:-480} - 25 - (t - T0) )); lim=${E2E_RUN_TIMEOUT:-150}
+  [ "$left" -lt 30 ] && { echo "$name skipped: ${left} s left of E2E_TOTAL" | tee -a "$OUT/setup.txt"; continue; }
+  [ "$left" -lt "$lim" ] && lim=$left
+  env "${envs[@]}" timeout -k 10 "$lim" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
 done
 python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"

@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("DSV4_E2E_A100", "1")
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc(function)
+    if a.mode == "eager":   # Python counters of torch.ops.dsv4_ampere calls (no graphs to break)
+        os.environ.setdefault("DSV4_E2E_COUNT_OPS", "1")
     report = dict(model=a.model, mode=a.mode, spec=f"{a.spec_method}:{a.spec_k}" if a.spec_method else "",
                   parent_pid=os.getpid())
 
@@ -149,10 +151,11 @@ def main(argv=None) -> int:
         comp = llm.llm_engine.vllm_config.compilation_config
         report["cudagraph_mode"] = str(comp.cudagraph_mode)
         report["cudagraph_capture_sizes"] = comp.cudagraph_capture_sizes
-        from dsv4_e2e_a100.models import worker_report
+        from dsv4_e2e_a100.models import profile_start, profile_stop, reset_peak, worker_report
 
         report["worker_before"] = llm.collective_rpc(worker_report)
         dump()
+        llm.collective_rpc(reset_peak)   # the report's peak memory is the generation's
         sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2)
         t1 = time.time()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp)
@@ -169,6 +172,14 @@ def main(argv=None) -> int:
         report["prefix_pass_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in again]
         report["worker_after"] = llm.collective_rpc(worker_report)
         dump()
+        if a.mode == "graphs":
+            # (e) our kernels inside graph replays: a CUPTI trace over short decodes (batch 4,
+            # a captured size) of four of the prompts again (prefix-cached: the steps are decodes)
+            sp8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            llm.collective_rpc(profile_start)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[1:5]], sp8)
+            report["replay_profile"] = llm.collective_rpc(profile_stop)
+            dump()
         if a.serve:
             del llm
             import gc
