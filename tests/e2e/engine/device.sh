@@ -51,6 +51,7 @@ for run in ${E2E_RUNS:-v41e=v41:eager}; do
   env "${envs[@]}" timeout -k 10 "$lim" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
 done
+cp "$B/first_token.json" "$R/" 2>/dev/null   # check (b)'s float64 first tokens (prepare_carry.sh)
 python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
 tar czf "$OUT/runs.tgz" -C "$R" .
 echo "total $(( $(date +%s) - T0 )) s; summary rc=$RC (1: a check failed, e.g. a mutated run did not change the output)"

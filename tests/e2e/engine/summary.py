@@ -13,6 +13,8 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # first_token (check (b))
+
 LOG_KEYS = ("dsv4_ops plugin (pid", "dsv4_e2e_a100 (pid", "GPU KV cache size", "Maximum concurrency",
             "KV cache", "num_gpu_blocks", "Graph capturing finished", "Capturing CUDA graphs",
             "Model loading took", "Memory profiling", "torch.compile took", "init engine",
@@ -54,14 +56,23 @@ def worker(r, key):
 def main(out: str) -> int:
     runs = load(out)
     failures = []
+    try:
+        oracle = json.load(open(os.path.join(out, "first_token.json")))
+    except (OSError, json.JSONDecodeError):
+        oracle = {}
     print("| run | model | mode | spec | plugin pids (dsv4_ops / platform) | worker pid: platform, capability, plugin routed |"
-          " KV blocks | block | graph sizes | startup s | generate s | compiles after warmup | tripped | peak alloc MiB | error |")
-    print("|" + "---|" * 15)
+          " KV blocks | block | graph sizes | startup s | generate s | compiles after warmup | tripped |"
+          " peak alloc / reserved MiB (generation) | vLLM's budget MiB: requested, KV, activation peak | error |")
+    print("|" + "---|" * 16)
     for name, r in runs.items():
         L = r["_lines"]
         wb, wa = worker(r, "worker_before"), worker(r, "worker_after")
         comp = (len(wa.get("triton_compiles", [])) - len(wb.get("triton_compiles", []))) if wa else "-"
-        peak = round(wa.get("max_memory_allocated", 0) / 2**20) if wa else "-"
+        mib = lambda x: round(x / 2**20) if isinstance(x, (int, float)) else x  # noqa: E731
+        peak = f"{mib(wa.get('max_memory_allocated', 0))} / {mib(wa.get('max_memory_reserved', 0))}" if wa else "-"
+        mp = (wa or wb).get("memory_profile") or {}
+        budget = (f"{mib(mp.get('requested_memory'))}, {mib(mp.get('available_kv_cache_memory_bytes'))},"
+                  f" {mib(mp.get('peak_activation_memory'))}") if mp else "-"
         err = (r.get("error") or "")[:120].replace("|", "/")
         sizes = r.get("cudagraph_capture_sizes")
         print(f"| {name} | {r['model']} | {r['mode']} | {r.get('spec') or '-'} | {pids(L, 'dsv4_ops plugin (pid')} /"
@@ -69,7 +80,17 @@ def main(out: str) -> int:
               f" {(str(wa.get('pid')) + ': ' + str(wa.get('platform')) + ', ' + str(wa.get('capability')) + ', ' + str(wa.get('plugin_routed'))) if wa else '-'} |"
               f" {r.get('num_gpu_blocks')} | {r.get('block_size')} |"
               f" {sizes if r['mode'] == 'graphs' else 'eager'} | {r.get('startup_s')} | {r.get('generate_s')} |"
-              f" {comp} | {wa.get('tripped') if wa else '-'} | {peak} | {err} |")
+              f" {comp} | {wa.get('tripped') if wa else '-'} | {peak} | {budget} | {err} |")
+        if wa and comp and r["mode"] == "graphs":   # eager runs skip the warmup (vLLM: enforce_eager)
+            failures.append(f"{name}: {comp} Triton compiles during generation: "
+                            f"{wa.get('triton_compiles', [])[len(wb.get('triton_compiles', [])):][:8]}")
+        if r.get("replay_profile"):
+            rp = r["replay_profile"][0]
+            print(f"|  | replay trace ({name}): {rp.get('kernels')} kernels, {rp.get('kernels_in_graph')} from graphs"
+                  f" ({rp.get('graph_arg_keys')}), graph API {rp.get('graph_runtime_calls')}; ours {rp.get('ours')};"
+                  f" ours in graphs {rp.get('ours_in_graph')} |" + " |" * 14)
+        if wa and wa.get("ops_called"):
+            print(f"|  | dsv4_ampere ops called ({name}): {wa.get('ops_called')} |" + " |" * 14)
         if r.get("error") and "mutate" not in name:
             failures.append(f"{name}: {err}")
         if wa and "NOT ARMED" in str(wa.get("tripwire")):
@@ -91,6 +112,16 @@ def main(out: str) -> int:
               f"{base.get('prefix_pass_tokens') == base['tokens'][-3:]} (cached tokens {base.get('prefix_pass_cached_tokens')})")
         if base.get("prefix_pass_tokens") != base["tokens"][-3:]:
             failures.append(f"{model}: prefix-cache pass differs")
+        if model in oracle:
+            from first_token import CLEAR_MARGIN, agreement
+
+            ag = agreement(oracle[model], base["tokens"])
+            print(f"- first token vs the float64 oracle (margin > {CLEAR_MARGIN}): {ag['agree']}/{ag['clear']} agree;"
+                  f" disagree at {ag['wrong']} (runner-up there: {ag['runner_up_where_wrong']}); unclear {ag['unclear']}")
+            if ag["wrong"]:
+                failures.append(f"{model}: first token differs from the float64 oracle at {ag['wrong']}")
+        else:
+            print("- first token vs the float64 oracle: no oracle for this model")
         for n, r in rs.items():
             if r is base:
                 continue

@@ -1,0 +1,79 @@
+"""Check (b) of the engine run: the float64 first token of every prompt of run_engine.py, from a
+whole-prompt causal forward of the checkpoint directory itself, by transformers' own model
+classes (the references tests/e2e/oracle.py is checked against): ``DeepseekV4ForCausalLM``
+(its conversion mapping reads the original tensor names) and ``DeepseekV32ForCausalLM``
+(v32_checkpoint.oracle). V4.1 has no transformers model: not covered.
+
+    python tests/e2e/engine/first_token.py CKPT_ROOT OUT.json [v4 v32]
+
+OUT.json: {model: [{"len": prompt length, "top": [argmax, runner-up], "margin": logit gap}]}.
+The checkpoints are the bytes the device rewrites from the manifest (test_checkpoints.py), so
+this runs on the CPU machine and travels in the bundle; summary.py compares it with the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+# A first token counts only where the float64 top-2 gap exceeds this many logits: the engine
+# runs bf16 weights/activations and fp8 KV entries (tiny random models: logit std about 1).
+CLEAR_MARGIN = 0.1
+
+
+def load(ckpt: str, model: str):
+    """transformers' model on the checkpoint, float64, eval; raises if any tensor went unread."""
+    from transformers import AutoModelForCausalLM
+
+    m, info = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64, experts_implementation="eager",
+                                                   attn_implementation="eager", output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        raise RuntimeError(f"{model}: transformers did not read the checkpoint cleanly: {bad}")
+    return m.eval()
+
+
+def first_tokens(ckpt: str, model: str) -> list:
+    from run_engine import prompts
+
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    m = load(ckpt, model)
+    out = []
+    for p in prompts(cfg["vocab_size"]):
+        with torch.no_grad():
+            lg = m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].double()
+        v, i = lg.topk(2)
+        out.append(dict(len=len(p), top=i.tolist(), margin=float(v[0] - v[1])))
+    return out
+
+
+def agreement(oracle: list, tokens: list, clear: float = CLEAR_MARGIN) -> dict:
+    """Compare the run's first generated tokens with the oracle: counts over the prompts whose
+    margin is clear, and the indices that disagree there."""
+    firsts = [t[0] if t else None for t in tokens]
+    clear_idx = [i for i, o in enumerate(oracle) if o["margin"] > clear and i < len(firsts)]
+    wrong = [i for i in clear_idx if firsts[i] != oracle[i]["top"][0]]
+    return dict(clear=len(clear_idx), agree=len(clear_idx) - len(wrong), wrong=wrong,
+                unclear=[i for i in range(min(len(oracle), len(firsts))) if i not in clear_idx],
+                runner_up_where_wrong=[firsts[i] == oracle[i]["top"][1] for i in wrong])
+
+
+def main(argv) -> int:
+    root, out = argv[0], argv[1]
+    res = {m: first_tokens(os.path.join(root, m), m) for m in (argv[2:] or ["v4", "v32"])}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    for m, r in res.items():
+        print(m, [(o["top"][0], round(o["margin"], 3)) for o in r])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
