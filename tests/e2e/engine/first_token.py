@@ -2,9 +2,13 @@
 whole-prompt causal forward of the checkpoint directory itself, by transformers' own model
 classes (the references tests/e2e/oracle.py is checked against): ``DeepseekV4ForCausalLM``
 (its conversion mapping reads the original tensor names) and ``DeepseekV32ForCausalLM``
-(v32_checkpoint.oracle). V4.1 has no transformers model: not covered.
+(v32_checkpoint.oracle; "v32" as is, for the default bf16 cache, "v32_fp8" with the fp8_ds_mla
+rounding of the KV latent, for ``--kv-cache-dtype fp8``; V4's fp8 records are not modelled).
+V4.1 has no transformers model: not covered. Not modelled either: the fp8 indexer keys, and
+near-tie MoE routing upstream ("route_margin": the smallest V3.2 routing gap over all positions
+and layers, for the record).
 
-    python tests/e2e/engine/first_token.py CKPT_ROOT OUT.json [v4 v32]
+    python tests/e2e/engine/first_token.py CKPT_ROOT OUT.json [v4 v32 v32_fp8]
 
 OUT.json: {model: [{"len": prompt length, "top": [argmax, runner-up], "margin": logit gap}]}.
 The checkpoints are the bytes the device rewrites from the manifest (test_checkpoints.py), so
@@ -44,13 +48,23 @@ def first_tokens(ckpt: str, model: str) -> list:
     from run_engine import prompts
 
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    m = load(ckpt, model)
+    if model.startswith("v32"):
+        import v32_checkpoint
+
+        m = v32_checkpoint.oracle(ckpt, fp8_latent=model == "v32_fp8")
+    else:
+        m = load(ckpt, model)
     out = []
     for p in prompts(cfg["vocab_size"]):
-        with torch.no_grad():
-            lg = m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].double()
+        if model.startswith("v32"):
+            lg, rm = v32_checkpoint.oracle_logits(m, p)
+            lg, rm = lg[-1].double(), float(rm.min())
+        else:
+            with torch.no_grad():
+                lg = m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].double()
+            rm = None
         v, i = lg.topk(2)
-        out.append(dict(len=len(p), top=i.tolist(), margin=float(v[0] - v[1])))
+        out.append(dict(len=len(p), top=i.tolist(), margin=float(v[0] - v[1]), route_margin=rm))
     return out
 
 
@@ -67,7 +81,7 @@ def agreement(oracle: list, tokens: list, clear: float = CLEAR_MARGIN) -> dict:
 
 def main(argv) -> int:
     root, out = argv[0], argv[1]
-    res = {m: first_tokens(os.path.join(root, m), m) for m in (argv[2:] or ["v4", "v32"])}
+    res = {m: first_tokens(os.path.join(root, m.split("_")[0]), m) for m in (argv[2:] or ["v4", "v32", "v32_fp8"])}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     for m, r in res.items():

@@ -16,6 +16,6 @@ if [ ! -f "$DEST/bundle/manifest.json" ]; then
 fi
 if [ ! -f "$DEST/bundle/first_token.json" ]; then   # check (b): the float64 first tokens (first_token.py)
   T=$(mktemp -d); python "$SRC/tests/e2e/engine/checkpoints.py" "$T" v4 v32
-  python "$SRC/tests/e2e/engine/first_token.py" "$T" "$DEST/bundle/first_token.json" v4 v32
+  python "$SRC/tests/e2e/engine/first_token.py" "$T" "$DEST/bundle/first_token.json" v4 v32 v32_fp8
 fi
 du -sh "$DEST"

@@ -34,6 +34,16 @@ def prompts(vocab: int, seed: int = 0) -> list:
     return ps
 
 
+def margins(out) -> list:
+    """Per generated position, the gap between the top-2 logprobs vLLM returned (logprobs=2):
+    where two runs' greedy tokens part, this says whether the first one stood on a near-tie."""
+    res = []
+    for lp in out.outputs[0].logprobs or []:
+        v = sorted((x.logprob for x in (lp or {}).values()), reverse=True)
+        res.append(round(v[0] - v[1], 4) if len(v) > 1 else None)
+    return res
+
+
 def engine_kwargs(a) -> dict:
     kw = dict(model=a.ckpt, tokenizer=a.ckpt, dtype="bfloat16", seed=0, max_model_len=2048,
               gpu_memory_utilization=a.gpu_mem, max_num_seqs=16, max_num_batched_tokens=a.batched_tokens,
@@ -162,6 +172,7 @@ def main(argv=None) -> int:
         report["generate_s"] = round(time.time() - t1, 1)
         report["prompt_lens"] = [len(p) for p in ps]
         report["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        report["margins"] = [margins(o) for o in outs]
         report["first_logprobs"] = [
             {str(k): v.logprob for k, v in (o.outputs[0].logprobs[0] or {}).items()} for o in outs]
         # a second pass over the shared-prefix prompts: their prefix blocks are cached now
@@ -169,6 +180,7 @@ def main(argv=None) -> int:
         again = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[-3:]], sp)
         report["prefix_pass_s"] = round(time.time() - t2, 1)
         report["prefix_pass_tokens"] = [list(o.outputs[0].token_ids) for o in again]
+        report["prefix_pass_margins"] = [margins(o) for o in again]
         report["prefix_pass_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in again]
         report["worker_after"] = llm.collective_rpc(worker_report)
         dump()

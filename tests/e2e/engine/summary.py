@@ -48,6 +48,30 @@ def load(out: str) -> dict:
     return runs
 
 
+# Two greedy runs of one bf16 model may part where the top-2 logprobs of the reference run lie
+# closer than this (batch shapes change the summation order; tiny random models have many such
+# near-ties): reported, not failed. Anything parting at a wider gap fails.
+TIE = 0.05
+
+
+def parting(ref_tokens, ref_margins, tokens) -> list:
+    """[(prompt, position, the reference run's top-2 gap there)] where ``tokens`` first part
+    from ``ref_tokens``."""
+    out = []
+    for i, (a, b) in enumerate(zip(ref_tokens, tokens or [])):
+        j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None and len(a) != len(b):
+            j = min(len(a), len(b))
+        if j is not None:
+            m = (ref_margins or [None] * len(ref_tokens))[i] or []
+            out.append((i, j, m[j] if j < len(m) else None))
+    return out
+
+
+def near_ties_only(parts) -> bool:
+    return bool(parts) and all(m is not None and m < TIE for _, _, m in parts)
+
+
 def worker(r, key):
     w = r.get(key) or []
     return w[0] if w else {}
@@ -108,15 +132,18 @@ def main(out: str) -> int:
         if base is None:
             print("no plain eager run with tokens")
             continue
+        pp = parting(base["tokens"][-3:], (base.get("margins") or [None] * 3)[-3:], base.get("prefix_pass_tokens"))
         print(f"- prompt lengths {base.get('prompt_lens')}; prefix pass tokens equal first pass: "
-              f"{base.get('prefix_pass_tokens') == base['tokens'][-3:]} (cached tokens {base.get('prefix_pass_cached_tokens')})")
-        if base.get("prefix_pass_tokens") != base["tokens"][-3:]:
-            failures.append(f"{model}: prefix-cache pass differs")
-        if model in oracle:
+              f"{not pp} (cached tokens {base.get('prefix_pass_cached_tokens')}); parting (prompt of the last 3,"
+              f" position, first pass's top-2 gap): {pp}")
+        if pp and not near_ties_only(pp):
+            failures.append(f"{model}: prefix-cache pass differs {pp}")
+        okey = model + ("_fp8" if model == "v32" and str(base.get("cache_dtype")).startswith("fp8") else "")
+        if okey in oracle:
             from first_token import CLEAR_MARGIN, agreement
 
-            ag = agreement(oracle[model], base["tokens"])
-            print(f"- first token vs the float64 oracle (margin > {CLEAR_MARGIN}): {ag['agree']}/{ag['clear']} agree;"
+            ag = agreement(oracle[okey], base["tokens"])
+            print(f"- first token vs the float64 oracle {okey} (margin > {CLEAR_MARGIN}): {ag['agree']}/{ag['clear']} agree;"
                   f" disagree at {ag['wrong']} (runner-up there: {ag['runner_up_where_wrong']}); unclear {ag['unclear']}")
             if ag["wrong"]:
                 failures.append(f"{model}: first token differs from the float64 oracle at {ag['wrong']}")
@@ -133,11 +160,11 @@ def main(out: str) -> int:
                 if not ok:
                     failures.append(f"{n}: the mutation did not change the output")
                 continue
-            diff = [i for i, (x, y) in enumerate(zip(r.get("tokens") or [], base["tokens"])) if x != y]
+            pt = parting(base["tokens"], base.get("margins"), r.get("tokens"))
             print(f"- {n} ({r['mode']}, spec {r.get('spec') or '-'}): tokens == eager: {same}"
-                  f"{'' if same else f' (prompts differing: {diff})'}")
-            if r.get("tokens") is not None and not same:
-                failures.append(f"{n}: tokens differ from eager")
+                  f"{'' if same else f' (parting: prompt, position, eager top-2 gap: {pt})'}")
+            if r.get("tokens") is not None and not same and not near_ties_only(pt):
+                failures.append(f"{n}: tokens differ from eager {pt}")
             s = r.get("serve")
             if s:
                 st = s.get("token_ids") or s.get("token_ids_from_text")
