@@ -23,12 +23,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def prompts(vocab: int, seed: int = 0) -> list:
-    """8+ prompts of mixed lengths: one of 800 tokens (V4.1's decoder replay runs from 768),
-    three sharing a 200-token prefix (a prefix-cache hit recomputes its last window)."""
+    """13 prompts of mixed lengths: one of 800 tokens (V4.1's decoder replay runs from 768),
+    seven short enough that no indexer top-k selects (V3.2: <= 128 tokens; V4: <= 32; check (b)
+    is checked on those only), the last three sharing a 200-token prefix (a prefix-cache hit
+    recomputes its last window)."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(2, vocab - 1) for _ in range(n)]  # noqa: E731
     shared = tok(200)
-    lens = [800, 40, 136, 300, 17, 64]
+    lens = [800, 40, 136, 300, 17, 64, 100, 24, 120, 31]
     ps = [tok(n) for n in lens]
     ps += [shared + tok(n) for n in (24, 90, 150)]
     return ps
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("eager", "graphs"), default="eager")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--n-prompts", type=int, default=9)
+    ap.add_argument("--n-prompts", type=int, default=13)
     ap.add_argument("--gpu-mem", type=float, default=0.12)
     ap.add_argument("--batched-tokens", type=int, default=256)
     ap.add_argument("--spec-method", default="")

@@ -143,8 +143,10 @@ def main(out: str) -> int:
             from first_token import CLEAR_MARGIN, agreement
 
             ag = agreement(oracle[okey], base["tokens"])
-            print(f"- first token vs the float64 oracle {okey} (margin > {CLEAR_MARGIN}): {ag['agree']}/{ag['clear']} agree;"
-                  f" disagree at {ag['wrong']} (runner-up there: {ag['runner_up_where_wrong']}); unclear {ag['unclear']}")
+            print(f"- first token vs the float64 oracle {okey} (margin > {CLEAR_MARGIN}), prompts the indexer does not"
+                  f" select for: {ag['agree']}/{ag['clear']} agree; disagree at {ag['wrong']} (runner-up there:"
+                  f" {ag['runner_up_where_wrong']}); unclear {ag['unclear']}; indexer-selected prompts (fp8 keys,"
+                  f" not modelled; reported): {ag['selected_agree']}/{ag['selected']} agree, differ at {ag['selected_wrong']}")
             if ag["wrong"]:
                 failures.append(f"{model}: first token differs from the float64 oracle at {ag['wrong']}")
         else:
