@@ -13,6 +13,7 @@ oracle's MoE), so a stand-in that were wrong would fail the test rather than pas
 | op | stand-in |
 |---|---|
 | ``_C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` | GPT-J RoPE (fp32) on q and kv, optional per-head q RMSNorm, zero head padding; kv written as a 584-byte ``fp8_ds_mla`` record by a torch writer (``torch.float8_e4m3fn`` encode, UE8M0 scale per 64 dims) |
+| ``_C.fused_deepseek_v4_kv_rope_insert`` (V4.1's decoder-replay KV write, DSpark's context insert) | the KV half of the row above (vLLM: "bit for bit, without the unused query") |
 | ``_C.top_k_per_row_prefill`` / ``top_k_per_row_decode`` / ``persistent_topk`` / ``cooperative_topk`` | masked ``torch.topk`` over each row's ``[start, end)``, -1 fill (vLLM's ``"torch"`` top-k branch) |
 | ``_C_cache_ops.cp_gather_indexer_k_quant_cache`` | byte gather from the indexer page layout (128 E4M3 bytes a row, then the page's fp32 scales) |
 | ``_moe_C.topk_softplus_sqrt`` | ``s = sqrt(softplus(logit))``, choice on ``s + bias`` (or the hash table), weights ``s``, renormalise, x scale |
@@ -128,6 +129,16 @@ def _qnorm_rope_kv_insert(q, kv, cache, slot_mapping, positions, cos_sin_cache, 
     out = q.new_zeros((q.shape[0], heads, q.shape[2]))
     out[:T, : q.shape[1]] = qf.to(q.dtype)
     return out
+
+
+def _kv_rope_insert(kv, cache, slot_mapping, positions, cos_sin_cache, block_size, fp8_scale=None, kv_mxfp8=False):
+    """The KV half of ``_qnorm_rope_kv_insert`` into the layer's bound cache ``[num_blocks,
+    block_size, record bytes]`` (uint8 fp8_ds_mla only; ``fp8_scale`` belongs to the fp8 cache)."""
+    assert not kv_mxfp8 and cache.dtype == torch.uint8 and fp8_scale is None, \
+        "only the fp8_ds_mla record is stood in for"
+    T = positions.shape[0]
+    kvr = rope_gptj(kv[:T], positions, cos_sin_cache).to(torch.bfloat16)
+    write_fp8_ds_mla(kvr, cache.view(cache.shape[0], -1), slot_mapping[:T], block_size)
 
 
 # ------------------------------------------------------------------ top-k
@@ -298,6 +309,9 @@ def install(cpu: bool = True) -> None:
             "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, int pad_to, float eps, int block_size, "
             "bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, bool is_q_interleaved=False) -> Tensor",
             _qnorm_rope_kv_insert)
+    _define(c, "_C", "fused_deepseek_v4_kv_rope_insert(Tensor kv, Tensor(a!) cache, Tensor slot_mapping, "
+            "Tensor positions, Tensor cos_sin_cache, int block_size, Tensor? fp8_scale=None, bool kv_mxfp8=False) -> ()",
+            _kv_rope_insert)
     _define(c, "_C", "top_k_per_row_prefill(Tensor logits, Tensor ks, Tensor ke, Tensor(a!) out, int num_rows, "
             "int s0, int s1, int topk) -> ()", _top_k_per_row_prefill)
     _define(c, "_C", "top_k_per_row_decode(Tensor logits, int next_n, Tensor seq_lens, Tensor(a!) out, "

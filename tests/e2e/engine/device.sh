@@ -9,7 +9,9 @@
 #   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve][:mutate], e.g.
 #     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
-#   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_EXTRA: JSON of more LLM(...) kwargs
+#   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
+#   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
+#   E2E_EXTRA: JSON of more LLM(...) kwargs
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -21,10 +23,16 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3
 python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
 export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm:$PWD/tests/e2e:$PWD/tests/e2e/engine PYTHONUNBUFFERED=1
 export DSV4_E2E_A100=1 DSV4_AMPERE_IMPL=portable VLLM_LOGGING_LEVEL=INFO VLLM_ALLOW_INSECURE_SERIALIZATION=1
+# flashinfer is not on the image (a CUDA install of vLLM has it): vLLM's top-k/top-p sampler
+# falls back to its own (greedy sampling never reaches either)
+export VLLM_USE_FLASHINFER_SAMPLER=0
+python3 tests/e2e/engine/prewarm_modelinfo.py > "$R/prewarm.log" 2>&1 &   # beside the checkpoint writer
+PREWARM=$!
 export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_AUDIT_JSON_V32="$PWD/$B/audit_v32.json"
 CK=/tmp/e2e_ckpt
 python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
-echo "setup $(( $(date +%s) - T0 )) s" | tee "$OUT/setup.txt"
+wait $PREWARM; echo "model-info prewarm rc=$? ($(grep -c cached "$R/prewarm.log") cached)" | tee "$OUT/setup.txt"
+echo "setup $(( $(date +%s) - T0 )) s" | tee -a "$OUT/setup.txt"
 python3 -c "
 from importlib.metadata import entry_points as e
 print('platform_plugins', sorted(x.value for x in e(group='vllm.platform_plugins')))
@@ -43,10 +51,13 @@ for run in ${E2E_RUNS:-v41e=v41:eager}; do
     esac
   done
   [ -n "${E2E_EXTRA:-}" ] && args+=(--extra "$E2E_EXTRA")
-  t=$(date +%s)
-  env "${envs[@]}" timeout -k 10 "${E2E_RUN_TIMEOUT:-150}" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
+  t=$(date +%s); left=$(( ${E2E_TOTAL:-480} - 25 - (t - T0) )); lim=${E2E_RUN_TIMEOUT:-150}
+  [ "$left" -lt 30 ] && { echo "$name skipped: ${left} s left of E2E_TOTAL" | tee -a "$OUT/setup.txt"; continue; }
+  [ "$left" -lt "$lim" ] && lim=$left
+  env "${envs[@]}" timeout -k 10 "$lim" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
 done
+cp "$B/first_token.json" "$R/" 2>/dev/null   # check (b)'s float64 first tokens (prepare_carry.sh)
 python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
 tar czf "$OUT/runs.tgz" -C "$R" .
 echo "total $(( $(date +%s) - T0 )) s; summary rc=$RC (1: a check failed, e.g. a mutated run did not change the output)"

@@ -23,15 +23,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def prompts(vocab: int, seed: int = 0) -> list:
-    """8+ prompts of mixed lengths: one of 800 tokens (V4.1's decoder replay runs from 768),
-    three sharing a 200-token prefix (a prefix-cache hit recomputes its last window)."""
+    """13 prompts of mixed lengths: one of 800 tokens (V4.1's decoder replay runs from 768),
+    seven short enough that no indexer top-k selects (V3.2: <= 128 tokens; V4: <= 32; check (b)
+    is checked on those only), the last three sharing a 200-token prefix (a prefix-cache hit
+    recomputes its last window)."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(2, vocab - 1) for _ in range(n)]  # noqa: E731
     shared = tok(200)
-    lens = [800, 40, 136, 300, 17, 64]
+    lens = [800, 40, 136, 300, 17, 64, 100, 24, 120, 31]
     ps = [tok(n) for n in lens]
     ps += [shared + tok(n) for n in (24, 90, 150)]
     return ps
+
+
+def margins(out) -> list:
+    """Per generated position, the gap between the top-2 logprobs vLLM returned (logprobs=2):
+    where two runs' greedy tokens part, this says whether the first one stood on a near-tie."""
+    res = []
+    for lp in out.outputs[0].logprobs or []:
+        v = sorted((x.logprob for x in (lp or {}).values()), reverse=True)
+        res.append(round(v[0] - v[1], 4) if len(v) > 1 else None)
+    return res
 
 
 def engine_kwargs(a) -> dict:
@@ -112,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("eager", "graphs"), default="eager")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--n-prompts", type=int, default=9)
+    ap.add_argument("--n-prompts", type=int, default=13)
     ap.add_argument("--gpu-mem", type=float, default=0.12)
     ap.add_argument("--batched-tokens", type=int, default=256)
     ap.add_argument("--spec-method", default="")
@@ -124,6 +136,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("DSV4_E2E_A100", "1")
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc(function)
+    if a.mode == "eager":   # Python counters of torch.ops.dsv4_ampere calls (no graphs to break)
+        os.environ.setdefault("DSV4_E2E_COUNT_OPS", "1")
     report = dict(model=a.model, mode=a.mode, spec=f"{a.spec_method}:{a.spec_k}" if a.spec_method else "",
                   parent_pid=os.getpid())
 
@@ -149,16 +163,18 @@ def main(argv=None) -> int:
         comp = llm.llm_engine.vllm_config.compilation_config
         report["cudagraph_mode"] = str(comp.cudagraph_mode)
         report["cudagraph_capture_sizes"] = comp.cudagraph_capture_sizes
-        from dsv4_e2e_a100.models import worker_report
+        from dsv4_e2e_a100.models import profile_start, profile_stop, reset_peak, worker_report
 
         report["worker_before"] = llm.collective_rpc(worker_report)
         dump()
+        llm.collective_rpc(reset_peak)   # the report's peak memory is the generation's
         sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2)
         t1 = time.time()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp)
         report["generate_s"] = round(time.time() - t1, 1)
         report["prompt_lens"] = [len(p) for p in ps]
         report["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        report["margins"] = [margins(o) for o in outs]
         report["first_logprobs"] = [
             {str(k): v.logprob for k, v in (o.outputs[0].logprobs[0] or {}).items()} for o in outs]
         # a second pass over the shared-prefix prompts: their prefix blocks are cached now
@@ -166,9 +182,18 @@ def main(argv=None) -> int:
         again = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[-3:]], sp)
         report["prefix_pass_s"] = round(time.time() - t2, 1)
         report["prefix_pass_tokens"] = [list(o.outputs[0].token_ids) for o in again]
+        report["prefix_pass_margins"] = [margins(o) for o in again]
         report["prefix_pass_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in again]
         report["worker_after"] = llm.collective_rpc(worker_report)
         dump()
+        if a.mode == "graphs":
+            # (e) our kernels inside graph replays: a CUPTI trace over short decodes (batch 4,
+            # a captured size) of four of the prompts again (prefix-cached: the steps are decodes)
+            sp8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            llm.collective_rpc(profile_start)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[1:5]], sp8)
+            report["replay_profile"] = llm.collective_rpc(profile_stop)
+            dump()
         if a.serve:
             del llm
             import gc

@@ -62,8 +62,8 @@ class DeepseekV32ForCausalLM(_V32):
         return out
 
 
-def worker_report(*_args, **_kw) -> dict:
-    """The worker's view (called through ``LLM.collective_rpc``)."""
+def worker_report(worker=None, *_args, **_kw) -> dict:
+    """The worker's view (called through ``LLM.collective_rpc``; ``worker`` is vLLM's Worker)."""
     import counters
     import standins
     import tripwire
@@ -81,4 +81,96 @@ def worker_report(*_args, **_kw) -> dict:
                 plugin_capability=plugin.STATE.capability,
                 triton_compiles=list(e2e_plugin.COMPILES),
                 max_memory_allocated=torch.cuda.max_memory_allocated(),
-                max_memory_reserved=torch.cuda.max_memory_reserved())
+                max_memory_reserved=torch.cuda.max_memory_reserved(),
+                memory_profile={k: getattr(worker, k, None) for k in (
+                    "requested_memory", "available_kv_cache_memory_bytes", "peak_activation_memory",
+                    "cudagraph_memory_estimate", "total_consumed")},
+                mem_get_info=list(torch.cuda.mem_get_info()))
+
+
+def reset_peak(*_args, **_kw) -> int:
+    """Peak-memory statistics restart here (so the report's peak is the generation's)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return os.getpid()
+
+
+_PROF: dict = {}
+
+
+def profile_start(*_args, **_kw) -> int:
+    """A torch.profiler (kineto / CUPTI) trace of the worker's CUDA kernels until profile_stop."""
+    import torch
+
+    torch.cuda.synchronize()
+    p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                           torch.profiler.ProfilerActivity.CPU])
+    p.__enter__()
+    _PROF["p"] = p
+    return os.getpid()
+
+
+def _our_kernel_names() -> set:
+    """Names of dsv4_ops' Triton kernels (every ``triton.jit`` function under the package and
+    csrc_triton), the names CUPTI reports for their launches."""
+    import ast
+    import pathlib
+
+    import dsv4_ops
+
+    root = pathlib.Path(dsv4_ops.__file__).resolve().parent
+    names = set()
+    for d in (root, root.parent / "csrc_triton"):
+        for f in d.rglob("*.py"):
+            try:
+                tree = ast.parse(f.read_text())
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            for n in ast.walk(tree):
+                if isinstance(n, ast.FunctionDef) and any("jit" in ast.unparse(x) for x in n.decorator_list):
+                    names.add(n.name)
+    return names
+
+
+def profile_stop(*_args, **_kw) -> dict:
+    """Kernel counts of the trace since profile_start: every kernel, ours (dsv4_ops' Triton
+    kernel names), and those launched from a CUDA graph (kineto marks a replayed graph's
+    kernels with a graph id), plus the graph launches themselves."""
+    import json
+    import tempfile
+    from collections import Counter
+
+    import torch
+
+    torch.cuda.synchronize()
+    p = _PROF.pop("p")
+    p.__exit__(None, None, None)
+    path = tempfile.mktemp(suffix=".json")
+    p.export_chrome_trace(path)
+    ev = json.load(open(path)).get("traceEvents", [])
+    ours = _our_kernel_names()
+    kern, in_graph, ours_all, ours_graph, rt = Counter(), Counter(), Counter(), Counter(), Counter()
+    graph_keys = set()
+    for e in ev:
+        cat, name, args = e.get("cat", ""), e.get("name", ""), e.get("args") or {}
+        if cat == "cuda_runtime" and "Graph" in name:
+            rt[name] += 1
+        if cat != "kernel":
+            continue
+        gk = [k for k in args if "graph" in k.lower()]
+        graph_keys.update(gk)
+        g = any(args.get(k) not in (None, 0, -1, "0") for k in gk)
+        kern[name] += 1
+        is_ours = name in ours   # Triton names a launched kernel by its function (helpers never launch)
+        if g:
+            in_graph[name] += 1
+        if is_ours:
+            ours_all[name] += 1
+            if g:
+                ours_graph[name] += 1
+    return dict(pid=os.getpid(), kernels=sum(kern.values()), kernels_in_graph=sum(in_graph.values()),
+                ours=dict(ours_all), ours_in_graph=dict(ours_graph), graph_runtime_calls=dict(rt),
+                graph_arg_keys=sorted(graph_keys), top_kernels=kern.most_common(25),
+                n_our_names=len(ours))

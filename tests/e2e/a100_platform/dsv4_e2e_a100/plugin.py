@@ -40,8 +40,10 @@ def platform():
 
     import platform_spoof
     import standins
+    import standins_v32
 
     standins.install(cpu=False)
+    standins_v32.install()   # silu_and_mul, grouped_topk (V3.2's dense layers and router)
     platform_spoof.gpu_import_standins()
     _log(f"platform {QUALNAME}")
     return QUALNAME

@@ -1,0 +1,59 @@
+"""The engine run's cross-run rules (CPU, no vLLM engine): where two greedy runs part and on
+what gap, and which first tokens the float64 oracle checks."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import first_token  # noqa: E402
+import summary  # noqa: E402
+
+
+def _runs(seed):
+    rng = random.Random(seed)
+    ref = [[rng.randrange(500) for _ in range(8)] for _ in range(4)]
+    gaps = [[round(rng.uniform(0.001, 1.0), 4) for _ in range(8)] for _ in range(4)]
+    return rng, ref, gaps
+
+
+def test_parting_names_the_first_differing_position_and_its_gap():
+    rng, ref, gaps = _runs(1)
+    other = [list(t) for t in ref]
+    assert summary.parting(ref, gaps, other) == []
+    i, j = rng.randrange(4), rng.randrange(8)
+    other[i][j] = (other[i][j] + 1) % 500
+    other[i][-1] = (other[i][-1] + 7) % 500          # later differences follow from the first
+    assert summary.parting(ref, gaps, other) == [(i, j, gaps[i][j])]
+
+
+def test_only_near_ties_are_excused():
+    _, ref, gaps = _runs(2)
+    gaps[0][3], gaps[1][5] = summary.TIE / 2, summary.TIE * 4
+    tie, wide = [list(t) for t in ref], [list(t) for t in ref]
+    tie[0][3] += 1
+    wide[1][5] += 1
+    assert summary.near_ties_only(summary.parting(ref, gaps, tie))
+    assert not summary.near_ties_only(summary.parting(ref, gaps, wide))
+    assert not summary.near_ties_only(summary.parting(ref, None, tie))   # no gap recorded: not excused
+    assert not summary.near_ties_only([])
+
+
+def test_first_token_check_counts_clear_selection_free_prompts_only():
+    m = first_token.CLEAR_MARGIN
+    oracle = [dict(top=[5, 6], margin=2 * m, selection_free=True),
+              dict(top=[7, 8], margin=2 * m, selection_free=True),
+              dict(top=[9, 1], margin=m / 2, selection_free=True),     # unclear
+              dict(top=[3, 4], margin=2 * m, selection_free=False)]    # the indexer selects
+    ag = first_token.agreement(oracle, [[5], [8], [2], [0]])
+    assert (ag["clear"], ag["agree"], ag["wrong"], ag["runner_up_where_wrong"]) == (2, 1, [1], [True])
+    assert ag["unclear"] == [2]
+    assert (ag["selected"], ag["selected_agree"], ag["selected_wrong"]) == (1, 0, [3])
+
+
+def test_dense_len_follows_the_indexer():
+    assert first_token.dense_len(dict(index_topk=128)) == 128
+    assert first_token.dense_len(dict(index_topk=8, compress_rates={"compressed_sparse_attention": 4})) == 32
