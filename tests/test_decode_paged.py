@@ -70,7 +70,8 @@ def test_v3_every_candidate_config_matches_reference(interpret, config):
 
 
 # One v4 config per (block shape, PV mode): warps / stages do not change the interpreter's result.
-V4_SHAPES = sorted({(c["BLOCK_H"], c["BLOCK_N"], c["PV_KEY"]): n for n, c in _v4k.V4_CANDIDATES.items()}.values())
+V4_SHAPES = sorted({(c["BLOCK_H"], c["BLOCK_N"], c["PV_KEY"], c.get("STREAM", False)): n
+                    for n, c in _v4k.V4_CANDIDATES.items()}.values())
 
 
 @pytest.mark.parametrize("config", V4_SHAPES)
@@ -506,3 +507,13 @@ def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
     the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
     whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
     assert dispatch.decode.auto_is_v3(T, H, K, 99 * 1024) is want
+
+
+@pytest.mark.parametrize("config", ["sh32n32w4", "sh64n16w8"])
+def test_v4_stream_head_groups_and_long_loop(interpret, config):
+    """STREAM configs (each key tile shared by 32 / 64 heads, key groups read twice): several head
+    groups with a partial last one (H = 72), lengths, adversarial slots, 20+ key blocks in one split."""
+    args = case(2, 72, 300, 24, seed=43, device=interpret)
+    args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
+    run_and_check(args, 1, interpret, config)
+    run_and_check(dict(args, sink=None), 3, interpret, config)

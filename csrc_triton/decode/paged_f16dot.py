@@ -24,6 +24,11 @@ decode arithmetic, not the bytes or the MMA):
   launcher requires for this form as for v3). Block sizes are powers of two (vLLM's 64; the
   launcher runs v3 otherwise), passed as shifts: no 64-bit division for the record offsets.
 
+* STREAM (configs sh...): no key group stays live across the softmax: each is read and decoded
+  for its score dot, then read (an L1 hit) and decoded again for its P @ V dot, q's groups re-read
+  each block; the registers go to the accumulators of wide head groups (32-64 heads a program, each
+  key tile shared by all of them). PV_KEY's arithmetic otherwise.
+
 Under the Triton interpreter q is fp16 (its bf16 tl.dot is wrong): the RoPE dot runs in q's
 dtype there. NATIVE (sm_89+) uses the same exact integer decode (no fp8 dtype either way).
 """
@@ -159,6 +164,23 @@ def _pv(b_p, b_f, b_k, b_a, b_alpha):
 
 
 @triton.jit
+def _stream_score(p_q, m_h, b_up, p_row, m_2, b_s8, b_emax, g: tl.constexpr):
+    """STREAM: q's NoPE group g (re-read, prescaled to fp16) times the key group g (codes read
+    and decoded here): fp32 [BLOCK_H, BLOCK_N], in the units of PV_KEY's scores."""
+    b_q = (_q_group(p_q, m_h, g).to(tl.float32) * b_up[:, None]).to(tl.float16)
+    b_k = _key_group(_codes(p_row, m_2, g), _byte(b_s8, g), b_emax)
+    return tl.dot(b_q, tl.trans(b_k))
+
+
+@triton.jit
+def _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a, b_ratio, g: tl.constexpr):
+    """STREAM: group g's P @ V with the key group read and decoded again (an L1 hit: the codes
+    were read for the scores of this block), into acc rescaled by ratio."""
+    b_k = _key_group(_codes(p_row, m_2, g), _byte(b_s8, g), b_emax)
+    return tl.dot(b_pp, b_k, b_a * b_ratio)
+
+
+@triton.jit
 def _dsv4_decode_v4_kernel(
     q_ptr,  # bf16 [T, H, 512], dims contiguous
     cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
@@ -174,7 +196,7 @@ def _dsv4_decode_v4_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    ALIGN: tl.constexpr, PV_KEY: tl.constexpr,
+    ALIGN: tl.constexpr, PV_KEY: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     """Grid (T * S * G,) as paged_chunk128: program pid runs head group g = pid % G of token
     t = pid // (S*G) over the key blocks of split s = (pid // G) % S. DIRECT: out bf16 [T, H,
@@ -266,7 +288,23 @@ def _dsv4_decode_v4_kernel(
             b_s8 = b_s8 | (tl.load(p_s2 + 2, mask=m_n, other=0).to(tl.uint64) << 32)
             b_s8 = b_s8 | (tl.load(p_s2 + 3, mask=m_n, other=0).to(tl.uint64) << 48)
         b_rope = tl.dot(b_qr, tl.trans(b_kr)) * qk_scale
-        if PV_KEY:
+        if STREAM:
+            # 64 heads a program: the 8 [64, 64] fp32 accumulators take the registers, so no key
+            # group (nor q) stays live across the softmax: each group is read, decoded and dotted
+            # for the scores, then read and decoded again for P @ V
+            b_emax = tl.maximum(tl.maximum(tl.maximum(_byte(b_s8, 0), _byte(b_s8, 1)),
+                                           tl.maximum(_byte(b_s8, 2), _byte(b_s8, 3))),
+                                tl.maximum(tl.maximum(_byte(b_s8, 4), _byte(b_s8, 5)), _byte(b_s8, 6)))
+            b_F = ue8m0_to_f32(b_emax.to(tl.uint8))
+            b_s = _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 0)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 1)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 2)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 3)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 4)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 5)
+            b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 6)
+            b_s = (b_s * b_rf) * b_F[None, :] + b_rope
+        elif PV_KEY:
             # every group as fp16 value * 2**-8 / 2**(e_max - 127): one scale a key (F)
             b_e0 = _byte(b_s8, 0)  # [BLOCK_N] int32 each
             b_e1 = _byte(b_s8, 1)
@@ -323,7 +361,7 @@ def _dsv4_decode_v4_kernel(
         b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N], in [0, 1]
         b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
         b_m = b_m_new
-        if PV_KEY:
+        if PV_KEY or STREAM:
             # p' = p F / u (u: the NoPE accumulators' per-row unit, the power of two at or above
             # both max p F of this block and the old unit times alpha: p' <= 1 in fp16's 10
             # mantissa bits); the accumulators (in units of u) rescaled by alpha u_old / u <= 1.
@@ -333,6 +371,15 @@ def _dsv4_decode_v4_kernel(
             b_u, b_uinv = _pow2_ceil(tl.maximum(b_ua, tl.max(b_pf, 1)))  # powers of two
             b_ratio = (b_ua * b_uinv)[:, None]  # <= 1
             b_pp = (b_pf * b_uinv[:, None]).to(tl.float16)
+        if STREAM:
+            b_a0 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a0, b_ratio, 0)
+            b_a1 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a1, b_ratio, 1)
+            b_a2 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a2, b_ratio, 2)
+            b_a3 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a3, b_ratio, 3)
+            b_a4 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a4, b_ratio, 4)
+            b_a5 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a5, b_ratio, 5)
+            b_a6 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a6, b_ratio, 6)
+        elif PV_KEY:
             b_a0 = tl.dot(b_pp, b_k0, b_a0 * b_ratio)
             b_a1 = tl.dot(b_pp, b_k1, b_a1 * b_ratio)
             b_a2 = tl.dot(b_pp, b_k2, b_a2 * b_ratio)
@@ -374,7 +421,7 @@ def _dsv4_decode_v4_kernel(
         p_o = o_ptr + row * 512
         tl.store(lse_ptr + row, b_lse, mask=m_h)
     b_ns = b_scale
-    if PV_KEY:
+    if PV_KEY or STREAM:
         b_ns = b_scale * (b_u * 256.0)
     _store_group(p_o, b_a0, b_ns, m_h, 0)
     _store_group(p_o, b_a1, b_ns, m_h, 1)
@@ -409,6 +456,15 @@ V4_CANDIDATES = {
 for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168", "kh16n32w4", 168),
                            ("kh16n32w8r128", "kh16n32w8", 128), ("kh16n16w4r128", "kh16n16w4", 128)):
     V4_CANDIDATES[_name] = dict(V4_CANDIDATES[_base], maxnreg=_reg)
+# Streamed forms (prefix s: PV_KEY with STREAM, each key group read and decoded for the scores and
+# again for P @ V, q re-read: no key tile live across the softmax), for wide head groups. AOT sm_80:
+# sh32n32w4 / sh32n32w8 255 registers, 0 spills, 70 KB (fits sm_86's 99 KB, and two a block on an
+# A100's 163 KB); 64 heads a program spills at every block shape and warp count tried (sh64n16w8:
+# 13 KB, sh64n32w8: 16 KB, sh64n16w4: 19 KB; without STREAM kh64n32w8 10 KB, kh64n32w16 11 KB):
+# benchmark candidates only (benchmarks/results/decode_sms_heads.md).
+for _bh, _bn, _w in ((32, 32, 4), (32, 32, 8), (32, 16, 4), (64, 16, 8), (64, 32, 8)):
+    V4_CANDIDATES[f"sh{_bh}n{_bn}w{_w}"] = {"BLOCK_H": _bh, "BLOCK_N": _bn, "num_warps": _w, "num_stages": 2,
+                                            "PV_KEY": True, "STREAM": True}
 # The configs dispatch.decode.v3_config_name can pick (listed for the AOT compile).
 V4_DISPATCHED = ("kh16n32w4", "kh16n64w8", "kh32n64w8")
 # Shared memory a block of a config takes where it is over sm_86's 99 KiB, bytes (the AOT
