@@ -401,6 +401,15 @@ def test_gpu_v4_matches_reference(variant, config, T, H, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3], ids=["direct", "S3"])
+@pytest.mark.parametrize("T,H", [(3, 64), (33, 128), (2, 72)])
+@pytest.mark.parametrize("config", ["sh32n32w4", "sh32n32w8", "sh64n16w8"])
+def test_gpu_v4_stream_matches_reference(variant, config, T, H, splits):
+    """STREAM configs (32 / 64 heads a program) at the DSv4 shape, compiled, against float64."""
+    run_and_check(gpu_case(T, H, seed=T * 13 + H), splits, "cuda", config)
+
+
+@pytest.mark.gpu
 def test_gpu_v3_int64_adversarial(variant):
     args = gpu_case(3, 64, seed=2, slot_dtype=torch.int64)
     args["topk_slots"][0, :6] = torch.tensor([-(2 ** 63), 2 ** 63 - 1, 2 ** 40, -1, 16 * 64, 16 * 64 - 1]).cuda()
