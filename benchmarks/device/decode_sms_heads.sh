@@ -16,7 +16,7 @@ tail -40 "$OUT/logs/pytest_gpu.log" > "$OUT/results/pytest_gpu_tail.txt"
 SHAPES="${SHAPES:-64:64:512,128:64:512,64:128:512,16:64:512,128:128:512,256:64:512,16:128:512,256:128:512,64:64:128,128:128:128}"
 timeout $(( ${BENCH_BUDGET_S:-170} + 40 )) python3 benchmarks/bench_decode_sms.py --out "$OUT/results" \
   --name "${NAME:-decode_sms_heads}" --sms "${SMS:-132,112,104}" --shapes "$SHAPES" --sweep \
-  --configs "${CONFIGS:-kh32n64w8,sh32n32w4,sh32n32w8,kh32n32w8,sh64n16w8}" --max-splits "${MAX_SPLITS:-5}" \
+  --configs "${CONFIGS:-kh32n64w8,sh32n32w4,kh32n32w4,sh32n32w8,sh64n16w8}" --max-splits "${MAX_SPLITS:-5}" \
   --budget "${BENCH_BUDGET_S:-170}" --replays 10 > "$OUT/logs/bench.log" 2>&1
 summary "bench rc=$? at $(( $(date +%s) - t0 )) s: $(grep -c "'T'" "$OUT/logs/bench.log") rows; $(grep -E '^P2|copy GB' "$OUT/logs/bench.log" | tr '\n' ' ')"
 cp "$OUT/summary.txt" "$OUT/logs/bench.log" "$OUT/results/" 2>/dev/null
