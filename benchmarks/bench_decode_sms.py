@@ -136,11 +136,13 @@ def plan_of(T, H, K, sms) -> tuple:
     """(plan text, launches) of the composite under auto for this shape and SM count."""
     smem = dispatch.device.smem_per_block(torch.cuda.current_device())
     route = dispatch.decode.route("auto", T, H, K, smem)
-    if route in ("v3", "fused"):
-        if route == "v3":
+    if route in ("v3", "fused", "paged"):
+        if dispatch.decode.fused_form(T, H, K, smem) == "v3":  # 'paged': the op's v3 form (caches aligned here)
             name = dispatch.decode.v3_launch_config(T, H, K, smem, "", (BS, BS), sms)
-            p = dispatch.decode.v3_plan(T, H, K, sms, 0, name)
-            return f"v3 {name} S{p.splits}", 1 + (not p.direct)
+            # the composite caps the splits whose partials would pass PAGED_PARTIALS_MAX_BYTES
+            capped = dispatch.decode.composite_splits(T, H, K, sms, smem, "v3", (BS, BS))
+            p = dispatch.decode.v3_plan(T, H, K, sms, capped, name)
+            return f"{route} {name} S{p.splits}", 1 + (not p.direct)
         p = dispatch.decode.fused_plan(T, H, K, sms)
         return f"v1 S{p.splits}", 1 + (not p.direct)
     p = dispatch.decode.workspace_plan("auto", T, H, K, True, torch.cuda.current_device())
