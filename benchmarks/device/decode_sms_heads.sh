@@ -3,7 +3,7 @@
 #   A: the GPU tests of the paged decode (tests/test_decode_paged.py -m gpu, both variants; they also warm
 #      Triton's cache for B), -n 16 workers, under TEST_TIMEOUT;
 #   B: benchmarks/bench_decode_sms.py --sweep over CONFIGS (the dispatched kh32n64w8 beside the STREAM
-#      configs sh...) x splits <= MAX_SPLITS at the H >= 64 shapes, ours (auto) and P2 beside, on 132, 112, 104
+#      configs sh..., the wide-P@V wh64n16w8) x splits <= MAX_SPLITS at the H >= 64 shapes, ours (auto) and P2 beside, on 132, 112, 104
 #      SMs through driver green contexts, under BENCH_BUDGET_S.
 # usage: bash benchmarks/device/decode_sms_heads.sh   env: SHAPES, CONFIGS, MAX_SPLITS (5), SMS (132,112,104),
 #        BENCH_BUDGET_S (170), TEST_TIMEOUT (90), PYTEST_K, NAME (decode_sms_heads), DSV4_P2_DIR.
@@ -16,7 +16,7 @@ tail -40 "$OUT/logs/pytest_gpu.log" > "$OUT/results/pytest_gpu_tail.txt"
 SHAPES="${SHAPES:-64:64:512,128:64:512,64:128:512,16:64:512,128:128:512,256:64:512,16:128:512,256:128:512,64:64:128,128:128:128}"
 timeout $(( ${BENCH_BUDGET_S:-170} + 40 )) python3 benchmarks/bench_decode_sms.py --out "$OUT/results" \
   --name "${NAME:-decode_sms_heads}" --sms "${SMS:-132,112,104}" --shapes "$SHAPES" --sweep \
-  --configs "${CONFIGS:-kh32n64w8,sh32n32w4,kh32n32w4,sh32n32w8,sh64n16w8}" --max-splits "${MAX_SPLITS:-5}" \
+  --configs "${CONFIGS:-kh32n64w8,sh32n32w4,kh32n32w4,wh64n16w8,sh64n16w8}" --max-splits "${MAX_SPLITS:-5}" \
   --budget "${BENCH_BUDGET_S:-170}" --replays 10 > "$OUT/logs/bench.log" 2>&1
 summary "bench rc=$? at $(( $(date +%s) - t0 )) s: $(grep -c "'T'" "$OUT/logs/bench.log") rows; $(grep -E '^P2|copy GB' "$OUT/logs/bench.log" | tr '\n' ' ')"
 cp "$OUT/summary.txt" "$OUT/logs/bench.log" "$OUT/results/" 2>/dev/null
