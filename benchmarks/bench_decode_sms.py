@@ -2,7 +2,7 @@
 present) on 132, 112 and 104 SMs of the H200 through driver green contexts (benchmarks/green_ctx.py).
 
     python benchmarks/bench_decode_sms.py --out DIR [--sms 132,112,104] [--base] [--shapes T:H:K1,...] [--name decode_sms]
-                                          [--sweep] [--p2 DIR] [--budget S]
+                                          [--sweep] [--configs a,b] [--max-splits N] [--p2 DIR] [--budget S]
 
 For T in {1, 4, 16, 64, 128, 256} x H in {8, 16, 64, 128} at K = 512 top-k + 128 window, and V4.1's
 draft K = 128 + 128 at T in {1, 16, 64, 128} x H in {8, 64, 128}, block 64, int32 random valid slots,
@@ -17,10 +17,12 @@ sink, no lengths, on each SM count (DSV4_AMPERE_SMS = the granted count):
                SM count's copy rate (measured in the same green context); mma = 4*T*H16*K*512
                flops at MMA_TFLOPS_132 * SMs / 132 (mma.sync, H16 = H padded to 16); launch =
                the plan's launches * LAUNCH_US
+  mma_a100_us  the same flops at an A100's mma.sync rate, A100_TFLOPS (bf16 dense, 108 SMs) * SMs / 108
   --base       also base_us: the same call under the plans before the SM-count rule (V3_COST emptied: the
                busiest-SM split rule and the 132-SM windows; AUTO_V3_SMEM_WINDOWS as it was), same run
-  --sweep      also every dispatched v3-form config x balanced split count through the paged op
-               (best_us / best: config and S), for re-planning; each output checked as well
+  --sweep      also every dispatched v3-form config (or --configs) x balanced split count <= --max-splits
+               (20) through the paged op (best_us / best: config and S; every time in sweep_us), for
+               re-planning; each output checked as well
 Every time: 20 calls captured in one CUDA graph on the green stream, median of the replays.
 """
 
@@ -54,6 +56,7 @@ HS = (8, 16, 64, 128)
 DRAFT = [(T, H) for T in (1, 16, 64, 128) for H in (8, 64, 128)]  # K1 = 128: V4.1's draft K = 256
 LAUNCH_US = 0.9  # one in-graph launch (benchmarks/results/decode_graph.md)
 MMA_TFLOPS_132 = 600.0  # mma.sync bf16 on the H200's 132 SMs (no wgmma under DISABLE_MMA_V3), a guide
+A100_TFLOPS = 312.0  # an A100's bf16 dense tensor rate (mma.sync), 108 SMs
 SWEEP_CONFIGS = tuple(_vk.V3_DISPATCHED) + tuple(_v4k.V4_DISPATCHED)
 
 
@@ -133,11 +136,13 @@ def plan_of(T, H, K, sms) -> tuple:
     """(plan text, launches) of the composite under auto for this shape and SM count."""
     smem = dispatch.device.smem_per_block(torch.cuda.current_device())
     route = dispatch.decode.route("auto", T, H, K, smem)
-    if route in ("v3", "fused"):
-        if route == "v3":
+    if route in ("v3", "fused", "paged"):
+        if dispatch.decode.fused_form(T, H, K, smem) == "v3":  # 'paged': the op's v3 form (caches aligned here)
             name = dispatch.decode.v3_launch_config(T, H, K, smem, "", (BS, BS), sms)
-            p = dispatch.decode.v3_plan(T, H, K, sms, 0, name)
-            return f"v3 {name} S{p.splits}", 1 + (not p.direct)
+            # the composite caps the splits whose partials would pass PAGED_PARTIALS_MAX_BYTES
+            capped = dispatch.decode.composite_splits(T, H, K, sms, smem, "v3", (BS, BS))
+            p = dispatch.decode.v3_plan(T, H, K, sms, capped, name)
+            return f"{route} {name} S{p.splits}", 1 + (not p.direct)
         p = dispatch.decode.fused_plan(T, H, K, sms)
         return f"v1 S{p.splits}", 1 + (not p.direct)
     p = dispatch.decode.workspace_plan("auto", T, H, K, True, torch.cuda.current_device())
@@ -166,9 +171,9 @@ class base_rules:
         _host_plan.clear()
 
 
-def sweep_candidates(T, H, K, sms):
+def sweep_candidates(T, H, K, sms, configs=SWEEP_CONFIGS, max_splits=20):
     out = []
-    for name in SWEEP_CONFIGS:
+    for name in configs:
         cfg = dispatch.decode.v3_config(name)
         if cfg["BLOCK_H"] > 16 and H <= 16:
             continue
@@ -176,12 +181,12 @@ def sweep_candidates(T, H, K, sms):
             continue
         nb = -(-K // cfg["BLOCK_N"])
         for s in dispatch.decode.balanced_splits(nb):
-            if s <= 20:
+            if s <= max_splits:
                 out.append((name, s))
     return out
 
 
-def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False):
+def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False, configs=SWEEP_CONFIGS, max_splits=20):
     T, H, K1 = shape
     K = K1 + 128
     (cc, bc), (cw, bw) = caches
@@ -226,6 +231,7 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False):
                 h16 = max(16, -(-H // 16) * 16)
                 row["bytes_us"] = nbytes / (gbs[sms] * 1e3)
                 row["mma_us"] = 4.0 * T * h16 * K * D / (MMA_TFLOPS_132 * sms / 132 * 1e6)
+                row["mma_a100_us"] = 4.0 * T * h16 * K * D / (A100_TFLOPS * sms / 108 * 1e6)
                 row["launch_us"] = launches * LAUNCH_US
                 row["floor_us"] = max(row["bytes_us"], row["mma_us"], row["launch_us"])
                 row["ours/floor"] = row["ours_us"] / row["floor_us"]
@@ -246,7 +252,7 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False):
                     row["ours/p2"] = row["ours_us"] / row["p2_us"]
                 if sweep:
                     best = None
-                    for name, s in sweep_candidates(T, H, K, sms):
+                    for name, s in sweep_candidates(T, H, K, sms, configs, max_splits):
                         fn = (lambda name=name, s=s: paged_decode.dsv4_decode_fused(
                             q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, s, form="v3", config=name))
                         e = check(*fn())
@@ -266,6 +272,8 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False):
         finally:
             os.environ.pop(dispatch.decode.ENV_VAR, None)
         print({k: v for k, v in row.items() if k != "sweep"}, flush=True)
+        if row.get("sweep"):
+            print("sweep", T, H, K, sms, row["sweep"], flush=True)
         rows.append(row)
     return rows
 
@@ -311,6 +319,8 @@ def main():
     ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--base", action="store_true")
+    ap.add_argument("--configs", default="", help="sweep configs, comma-separated (default: the dispatched ones)")
+    ap.add_argument("--max-splits", type=int, default=20)
     ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_BUDGET_S", "1e9")))
     ap.add_argument("--replays", type=int, default=20)
@@ -335,9 +345,10 @@ def main():
         shapes = [tuple(int(x) for x in sh.split(":")) for sh in ns.shapes.split(",")]
     rows = []
     cols = ["T", "H", "K", "SMs", "plan", "ours_us", "base_plan", "base_us", "base/ours", "p2_us", "ours/p2", "floor_us", "ours/floor", "bytes_us",
-            "mma_us", "launch_us", "best_us", "best", "ours/best", "err", "base_err", "p2_err", "error"]
+            "mma_us", "mma_a100_us", "launch_us", "best_us", "best", "ours/best", "err", "base_err", "p2_err", "error"]
     for shape in shapes:
-        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays, ns.base)
+        configs = tuple(ns.configs.split(",")) if ns.configs else SWEEP_CONFIGS
+        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays, ns.base, configs, ns.max_splits)
         write_results(ns.name, ns.out, rows, cols,
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts (benchmarks/green_ctx.py), DSV4_AMPERE_SMS = SMs; copy "

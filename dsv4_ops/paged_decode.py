@@ -185,7 +185,7 @@ def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_si
     if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
         scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
                    scalars[3], swa_block_size.bit_length() - 1, scalars[5])
-        consts_tail = (True, cfg["PV_KEY"])
+        consts_tail = (True, cfg["PV_KEY"], cfg.get("STREAM", False), cfg.get("WIDE_PV", False))
         # register-capped: the plain launch (no fast path for it)
         kernel = _capped_v4(cfg["maxnreg"]) if cfg.get("maxnreg") and _v4_kernel.jit else _v4_kernel
     else:
@@ -251,11 +251,15 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                         sig["ALIGN"] = "constexpr"
                     if v4:
                         sig["PV_KEY"] = "constexpr"
+                        sig["STREAM"] = "constexpr"
+                        sig["WIDE_PV"] = "constexpr"
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
                               "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
                     if v4:
                         consts["ALIGN"] = True
                         consts["PV_KEY"] = cfg["PV_KEY"]
+                        consts["STREAM"] = cfg.get("STREAM", False)
+                        consts["WIDE_PV"] = cfg.get("WIDE_PV", False)
                     elif v3:
                         consts["PIPE"] = cfg["PIPE"]
                         consts["ALIGN"] = True

@@ -70,7 +70,8 @@ def test_v3_every_candidate_config_matches_reference(interpret, config):
 
 
 # One v4 config per (block shape, PV mode): warps / stages do not change the interpreter's result.
-V4_SHAPES = sorted({(c["BLOCK_H"], c["BLOCK_N"], c["PV_KEY"]): n for n, c in _v4k.V4_CANDIDATES.items()}.values())
+V4_SHAPES = sorted({(c["BLOCK_H"], c["BLOCK_N"], c["PV_KEY"], c.get("STREAM", False), c.get("WIDE_PV", False)): n
+                    for n, c in _v4k.V4_CANDIDATES.items()}.values())
 
 
 @pytest.mark.parametrize("config", V4_SHAPES)
@@ -400,6 +401,15 @@ def test_gpu_v4_matches_reference(variant, config, T, H, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3], ids=["direct", "S3"])
+@pytest.mark.parametrize("T,H", [(3, 64), (33, 128), (2, 72)])
+@pytest.mark.parametrize("config", ["sh32n32w4", "sh32n32w8", "sh64n16w8", "wh64n16w8"])
+def test_gpu_v4_stream_matches_reference(variant, config, T, H, splits):
+    """STREAM configs (32 / 64 heads a program) at the DSv4 shape, compiled, against float64."""
+    run_and_check(gpu_case(T, H, seed=T * 13 + H), splits, "cuda", config)
+
+
+@pytest.mark.gpu
 def test_gpu_v3_int64_adversarial(variant):
     args = gpu_case(3, 64, seed=2, slot_dtype=torch.int64)
     args["topk_slots"][0, :6] = torch.tensor([-(2 ** 63), 2 ** 63 - 1, 2 ** 40, -1, 16 * 64, 16 * 64 - 1]).cuda()
@@ -506,3 +516,13 @@ def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
     the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
     whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
     assert dispatch.decode.auto_is_v3(T, H, K, 99 * 1024) is want
+
+
+@pytest.mark.parametrize("config", ["sh32n32w4", "sh64n16w8", "wh64n16w8"])
+def test_v4_stream_head_groups_and_long_loop(interpret, config):
+    """STREAM configs (each key tile shared by 32 / 64 heads, key groups read twice): several head
+    groups with a partial last one (H = 72), lengths, adversarial slots, 20+ key blocks in one split."""
+    args = case(2, 72, 300, 24, seed=43, device=interpret)
+    args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
+    run_and_check(args, 1, interpret, config)
+    run_and_check(dict(args, sink=None), 3, interpret, config)

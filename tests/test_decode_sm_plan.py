@@ -63,6 +63,12 @@ def test_fewer_sms_never_model_faster():
             assert all(a >= b - 1e-9 for a, b in zip(times, times[1:])), (T, H, times)
 
 
+def _capped_cost(T, H, K, sms, name):
+    """The modelled time of a config at the split count the composite runs (its plan's, capped)."""
+    s = min(dd.v3_plan(T, H, K, sms, 0, name).splits, dd.composite_split_cap(T, H))
+    return dd.v3_cost_us(T, H, K, sms, name, s)
+
+
 def test_the_sm_config_keeps_the_window_unless_the_model_says_margin():
     for sms in SM_COUNTS:
         for T in TS:
@@ -70,8 +76,7 @@ def test_the_sm_config_keeps_the_window_unless_the_model_says_margin():
                 window = dd.v3_config_name(T, H, 640, A100)
                 name, why = dd.v3_sm_config(T, H, 640, sms, A100, window)
                 if name != window:
-                    win = dd.v3_cost_us(T, H, 640, sms, window, dd.v3_plan(T, H, 640, sms, 0, window).splits)
-                    new = dd.v3_cost_us(T, H, 640, sms, name, dd.v3_plan(T, H, 640, sms, 0, name).splits)
+                    win, new = _capped_cost(T, H, 640, sms, window), _capped_cost(T, H, 640, sms, name)
                     assert win > dd.V3_CONFIG_MARGIN * new and str(sms) in why
                     assert dd.v3_config(name)["BLOCK_H"] <= 16 or H > 16
                 else:
@@ -128,3 +133,22 @@ def test_the_indexer_logits_plan_for_the_sms_env(monkeypatch):
     assert tiles[104] > tiles[132]
     assert indexer.logits_sms(torch.device("cpu"), cfg) is None
     assert indexer.logits_sms(dev, _ik.PAGED_CONFIG) is None
+
+
+def test_the_sm_config_compares_configs_at_the_composite_splits():
+    """Where the partials cap (composite_split_cap) leaves the composite one split, configs are
+    compared at that count: some shape switches only because of it (its uncapped split counts
+    would have kept the window), and no switch is modelled slower at the splits that run."""
+    only_capped = []
+    for sms in SM_COUNTS:
+        for T in (16, 32, 48, 64, 96, 128, 192, 256):
+            for H in (16, 32, 64, 128):
+                window = dd.v3_config_name(T, H, 640, A100)
+                name = dd.v3_sm_config(T, H, 640, sms, A100, window)[0]
+                assert _capped_cost(T, H, 640, sms, name) <= _capped_cost(T, H, 640, sms, window)
+                if name != window and dd.composite_split_cap(T, H) < dd.v3_plan(T, H, 640, sms, 0, window).splits:
+                    win = dd.v3_cost_us(T, H, 640, sms, window, dd.v3_plan(T, H, 640, sms, 0, window).splits)
+                    new = dd.v3_cost_us(T, H, 640, sms, name, dd.v3_plan(T, H, 640, sms, 0, name).splits)
+                    if win <= dd.V3_CONFIG_MARGIN * new:
+                        only_capped.append((T, H, sms))
+    assert only_capped

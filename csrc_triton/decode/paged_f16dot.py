@@ -24,6 +24,15 @@ decode arithmetic, not the bytes or the MMA):
   launcher requires for this form as for v3). Block sizes are powers of two (vLLM's 64; the
   launcher runs v3 otherwise), passed as shifts: no 64-bit division for the record offsets.
 
+* STREAM (configs sh...): no key group stays live across the softmax: each is read and decoded
+  for its score dot, then read (an L1 hit) and decoded again for its P @ V dot, q's groups re-read
+  each block; the registers go to the accumulators of wide head groups (32-64 heads a program, each
+  key tile shared by all of them). PV_KEY's arithmetic otherwise.
+* WIDE_PV (configs wh..., with STREAM): every P @ V dot 128 columns wide (groups in pairs; group 6
+  and the RoPE dims each beside 64 zero columns, 1/8 more P @ V MMA), the score dots in 32-dim halves:
+  Triton's chained-dot layout is then [1, num_warps] at 64 heads ([num_warps, 1], its choice for
+  [64, 64] dots, holds every accumulator row twice at 8 warps).
+
 Under the Triton interpreter q is fp16 (its bf16 tl.dot is wrong): the RoPE dot runs in q's
 dtype there. NATIVE (sm_89+) uses the same exact integer decode (no fp8 dtype either way).
 """
@@ -159,6 +168,60 @@ def _pv(b_p, b_f, b_k, b_a, b_alpha):
 
 
 @triton.jit
+def _stream_score(p_q, m_h, b_up, p_row, m_2, b_s8, b_emax, g: tl.constexpr):
+    """STREAM: q's NoPE group g (re-read, prescaled to fp16) times the key group g (codes read
+    and decoded here): fp32 [BLOCK_H, BLOCK_N], in the units of PV_KEY's scores."""
+    b_q = (_q_group(p_q, m_h, g).to(tl.float32) * b_up[:, None]).to(tl.float16)
+    b_k = _key_group(_codes(p_row, m_2, g), _byte(b_s8, g), b_emax)
+    return tl.dot(b_q, tl.trans(b_k))
+
+
+@triton.jit
+def _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a, b_ratio, g: tl.constexpr):
+    """STREAM: group g's P @ V with the key group read and decoded again (an L1 hit: the codes
+    were read for the scores of this block), into acc rescaled by ratio."""
+    b_k = _key_group(_codes(p_row, m_2, g), _byte(b_s8, g), b_emax)
+    return tl.dot(b_pp, b_k, b_a * b_ratio)
+
+
+@triton.jit
+def _half_score(p_q, m_h, b_up, p_row, m_2, b_s8, b_emax, g: tl.constexpr, h: tl.constexpr):
+    """WIDE_PV: the score dot of dims 32h..32h+31 of group g (q's half re-read, the key's half read
+    and decoded): [BLOCK_H, 32] q tiles, half the registers of a group's A operand that every warp
+    of the [1, num_warps] layout holds."""
+    o_e = tl.arange(0, 32)
+    b_q = tl.load(p_q[:, None] + g * 64 + h * 32 + o_e[None, :], mask=m_h[:, None], other=0.0)
+    b_q = (b_q.to(tl.float32) * b_up[:, None]).to(tl.float16)
+    b_c = tl.load(p_row[:, None] + g * 64 + h * 32 + o_e[None, :], mask=m_2, other=0)
+    b_k = _key_group(b_c, _byte(b_s8, g), b_emax)
+    return tl.dot(b_q, tl.trans(b_k))
+
+
+@triton.jit
+def _wide_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a, b_ratio, g: tl.constexpr, PAIR: tl.constexpr):
+    """WIDE_PV: P @ V over 128 columns: key groups g and g + 1 (PAIR), or group g and 64 zero
+    columns, read and decoded here, into acc [BLOCK_H, 128] rescaled by ratio."""
+    o_c = tl.arange(0, 128)
+    m_c = m_2 & ((o_c < 64) | PAIR)[None, :]
+    b_c = tl.load(p_row[:, None] + g * 64 + o_c[None, :], mask=m_c, other=0)  # [BLOCK_N, 128] codes
+    if PAIR:
+        b_eg = tl.where((o_c < 64)[None, :], _byte(b_s8, g)[:, None], _byte(b_s8, g + 1)[:, None])
+    else:
+        b_eg = _byte(b_s8, g)[:, None] + 0 * o_c[None, :]
+    b_d = tl.maximum(b_eg - b_emax[:, None], -126)
+    b_r = ((b_d + 127) << 23).to(tl.float32, bitcast=True).to(tl.float16)
+    return tl.dot(b_pp, code_to_f16(b_c) * b_r, b_a * b_ratio)
+
+
+@triton.jit
+def _store_cols(p_o, b_acc, b_scale, m_h, d0: tl.constexpr, NCOL: tl.constexpr):
+    """WIDE_PV: the first NCOL columns of acc [BLOCK_H, 128] * scale to dims d0.. of each row."""
+    o_c = tl.arange(0, 128)
+    b_o = b_acc * b_scale[:, None]
+    tl.store(p_o[:, None] + d0 + o_c[None, :], b_o.to(p_o.dtype.element_ty), mask=m_h[:, None] & (o_c < NCOL)[None, :])
+
+
+@triton.jit
 def _dsv4_decode_v4_kernel(
     q_ptr,  # bf16 [T, H, 512], dims contiguous
     cc_ptr,  # uint8 [num_blocks_c, page_c]: the compressed cache
@@ -174,7 +237,7 @@ def _dsv4_decode_v4_kernel(
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
-    ALIGN: tl.constexpr, PV_KEY: tl.constexpr,
+    ALIGN: tl.constexpr, PV_KEY: tl.constexpr, STREAM: tl.constexpr = False, WIDE_PV: tl.constexpr = False,
 ):
     """Grid (T * S * G,) as paged_chunk128: program pid runs head group g = pid % G of token
     t = pid // (S*G) over the key blocks of split s = (pid // G) % S. DIRECT: out bf16 [T, H,
@@ -235,6 +298,12 @@ def _dsv4_decode_v4_kernel(
     b_a5 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_a6 = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
     b_ar = tl.zeros([BLOCK_H, 64], dtype=tl.float32)
+    if WIDE_PV:  # 128-column accumulators: dims 0-127, 128-255, 256-383, 384-447 (+ 64 zero), RoPE (+ 64 zero)
+        b_w0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        b_w1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        b_w2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        b_w3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        b_wr = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     b_u = tl.zeros([BLOCK_H], dtype=tl.float32)  # PV_KEY: NoPE acc units (true = acc * u * 2**8)
     o_e = tl.arange(0, 64)
     for blk in range(blk_lo, blk_hi):
@@ -265,8 +334,41 @@ def _dsv4_decode_v4_kernel(
             b_s8 = b_s8 | (tl.load(p_s2 + 1, mask=m_n, other=0).to(tl.uint64) << 16)
             b_s8 = b_s8 | (tl.load(p_s2 + 2, mask=m_n, other=0).to(tl.uint64) << 32)
             b_s8 = b_s8 | (tl.load(p_s2 + 3, mask=m_n, other=0).to(tl.uint64) << 48)
-        b_rope = tl.dot(b_qr, tl.trans(b_kr)) * qk_scale
-        if PV_KEY:
+        if WIDE_PV:  # q's RoPE dims re-read too, in 32-dim halves (no [BLOCK_H, 64] A operand held)
+            o_h32 = tl.arange(0, 32)
+            b_rope = tl.dot(tl.load(p_qrow[:, None] + 448 + o_h32[None, :], mask=m_h[:, None], other=0.0),
+                            tl.trans(tl.load(p_rope[:, None] + o_h32[None, :], mask=m_2, other=0)
+                                     .to(tl.bfloat16, bitcast=True).to(DTYPE)))
+            b_rope += tl.dot(tl.load(p_qrow[:, None] + 480 + o_h32[None, :], mask=m_h[:, None], other=0.0),
+                             tl.trans(tl.load(p_rope[:, None] + 32 + o_h32[None, :], mask=m_2, other=0)
+                                      .to(tl.bfloat16, bitcast=True).to(DTYPE)))
+            b_rope = b_rope * qk_scale
+        else:
+            b_rope = tl.dot(b_qr, tl.trans(b_kr)) * qk_scale
+        if STREAM:
+            # 64 heads a program: the 8 [64, 64] fp32 accumulators take the registers, so no key
+            # group (nor q) stays live across the softmax: each group is read, decoded and dotted
+            # for the scores, then read and decoded again for P @ V
+            b_emax = tl.maximum(tl.maximum(tl.maximum(_byte(b_s8, 0), _byte(b_s8, 1)),
+                                           tl.maximum(_byte(b_s8, 2), _byte(b_s8, 3))),
+                                tl.maximum(tl.maximum(_byte(b_s8, 4), _byte(b_s8, 5)), _byte(b_s8, 6)))
+            b_F = ue8m0_to_f32(b_emax.to(tl.uint8))
+            if WIDE_PV:
+                b_s = _half_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 0, 0)
+                for _g in tl.static_range(7):
+                    for _h in tl.static_range(2):
+                        if _g + _h > 0:
+                            b_s += _half_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, _g, _h)
+            else:
+                b_s = _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 0)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 1)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 2)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 3)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 4)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 5)
+                b_s += _stream_score(p_qrow, m_h, b_up, p_row, m_2, b_s8, b_emax, 6)
+            b_s = (b_s * b_rf) * b_F[None, :] + b_rope
+        elif PV_KEY:
             # every group as fp16 value * 2**-8 / 2**(e_max - 127): one scale a key (F)
             b_e0 = _byte(b_s8, 0)  # [BLOCK_N] int32 each
             b_e1 = _byte(b_s8, 1)
@@ -323,7 +425,7 @@ def _dsv4_decode_v4_kernel(
         b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N], in [0, 1]
         b_l = b_l * tl.reshape(b_alpha, [BLOCK_H]) + tl.sum(b_p, 1)
         b_m = b_m_new
-        if PV_KEY:
+        if PV_KEY or STREAM:
             # p' = p F / u (u: the NoPE accumulators' per-row unit, the power of two at or above
             # both max p F of this block and the old unit times alpha: p' <= 1 in fp16's 10
             # mantissa bits); the accumulators (in units of u) rescaled by alpha u_old / u <= 1.
@@ -333,6 +435,20 @@ def _dsv4_decode_v4_kernel(
             b_u, b_uinv = _pow2_ceil(tl.maximum(b_ua, tl.max(b_pf, 1)))  # powers of two
             b_ratio = (b_ua * b_uinv)[:, None]  # <= 1
             b_pp = (b_pf * b_uinv[:, None]).to(tl.float16)
+        if WIDE_PV:
+            b_w0 = _wide_pv(b_pp, p_row, m_2, b_s8, b_emax, b_w0, b_ratio, 0, True)
+            b_w1 = _wide_pv(b_pp, p_row, m_2, b_s8, b_emax, b_w1, b_ratio, 2, True)
+            b_w2 = _wide_pv(b_pp, p_row, m_2, b_s8, b_emax, b_w2, b_ratio, 4, True)
+            b_w3 = _wide_pv(b_pp, p_row, m_2, b_s8, b_emax, b_w3, b_ratio, 6, False)
+        elif STREAM:
+            b_a0 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a0, b_ratio, 0)
+            b_a1 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a1, b_ratio, 1)
+            b_a2 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a2, b_ratio, 2)
+            b_a3 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a3, b_ratio, 3)
+            b_a4 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a4, b_ratio, 4)
+            b_a5 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a5, b_ratio, 5)
+            b_a6 = _stream_pv(b_pp, p_row, m_2, b_s8, b_emax, b_a6, b_ratio, 6)
+        elif PV_KEY:
             b_a0 = tl.dot(b_pp, b_k0, b_a0 * b_ratio)
             b_a1 = tl.dot(b_pp, b_k1, b_a1 * b_ratio)
             b_a2 = tl.dot(b_pp, b_k2, b_a2 * b_ratio)
@@ -348,7 +464,15 @@ def _dsv4_decode_v4_kernel(
             b_a4 = _pv(b_p, b_f4, b_k4, b_a4, b_alpha)
             b_a5 = _pv(b_p, b_f5, b_k5, b_a5, b_alpha)
             b_a6 = _pv(b_p, b_f6, b_k6, b_a6, b_alpha)
-        b_ar = tl.dot(b_p.to(DTYPE), b_kr, b_ar * b_alpha)
+        if WIDE_PV:
+            # the RoPE dims beside 64 zero columns: every P @ V dot 128 wide, so Triton lays the MMA
+            # out as [1, num_warps] (no warp holds another's rows at 64 heads)
+            o_c = tl.arange(0, 128)
+            b_krw = tl.load(p_rope[:, None] + o_c[None, :], mask=m_2 & (o_c < 64)[None, :], other=0)
+            b_krw = b_krw.to(tl.bfloat16, bitcast=True).to(DTYPE)
+            b_wr = tl.dot(b_p.to(DTYPE), b_krw, b_wr * b_alpha)
+        else:
+            b_ar = tl.dot(b_p.to(DTYPE), b_kr, b_ar * b_alpha)
 
     has_key = b_l > 0.0
     b_l_safe = tl.where(has_key, b_l, 1.0)
@@ -374,16 +498,23 @@ def _dsv4_decode_v4_kernel(
         p_o = o_ptr + row * 512
         tl.store(lse_ptr + row, b_lse, mask=m_h)
     b_ns = b_scale
-    if PV_KEY:
+    if PV_KEY or STREAM:
         b_ns = b_scale * (b_u * 256.0)
-    _store_group(p_o, b_a0, b_ns, m_h, 0)
-    _store_group(p_o, b_a1, b_ns, m_h, 1)
-    _store_group(p_o, b_a2, b_ns, m_h, 2)
-    _store_group(p_o, b_a3, b_ns, m_h, 3)
-    _store_group(p_o, b_a4, b_ns, m_h, 4)
-    _store_group(p_o, b_a5, b_ns, m_h, 5)
-    _store_group(p_o, b_a6, b_ns, m_h, 6)
-    _store_group(p_o, b_ar, b_scale, m_h, 7)
+    if WIDE_PV:
+        _store_cols(p_o, b_w0, b_ns, m_h, 0, 128)
+        _store_cols(p_o, b_w1, b_ns, m_h, 128, 128)
+        _store_cols(p_o, b_w2, b_ns, m_h, 256, 128)
+        _store_cols(p_o, b_w3, b_ns, m_h, 384, 64)
+        _store_cols(p_o, b_wr, b_scale, m_h, 448, 64)
+    else:
+        _store_group(p_o, b_a0, b_ns, m_h, 0)
+        _store_group(p_o, b_a1, b_ns, m_h, 1)
+        _store_group(p_o, b_a2, b_ns, m_h, 2)
+        _store_group(p_o, b_a3, b_ns, m_h, 3)
+        _store_group(p_o, b_a4, b_ns, m_h, 4)
+        _store_group(p_o, b_a5, b_ns, m_h, 5)
+        _store_group(p_o, b_a6, b_ns, m_h, 6)
+        _store_group(p_o, b_ar, b_scale, m_h, 7)
 
 
 @triton.jit
@@ -409,6 +540,23 @@ V4_CANDIDATES = {
 for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168", "kh16n32w4", 168),
                            ("kh16n32w8r128", "kh16n32w8", 128), ("kh16n16w4r128", "kh16n16w4", 128)):
     V4_CANDIDATES[_name] = dict(V4_CANDIDATES[_base], maxnreg=_reg)
+# Streamed forms (prefix s: PV_KEY with STREAM, each key group read and decoded for the scores and
+# again for P @ V, q re-read: no key tile live across the softmax), for wide head groups. AOT sm_80:
+# sh32n32w4 / sh32n32w8 255 registers, 0 spills, 70 KB (fits sm_86's 99 KB, and two a block on an
+# A100's 163 KB); 64 heads a program spills at every block shape and warp count tried (sh64n16w8:
+# 13 KB, sh64n32w8: 16 KB, sh64n16w4: 19 KB; without STREAM kh64n32w8 10 KB, kh64n32w16 11 KB):
+# benchmark candidates only (benchmarks/results/decode_sms_heads.md).
+for _bh, _bn, _w in ((32, 32, 4), (32, 32, 8), (32, 16, 4), (64, 16, 8), (64, 32, 8)):
+    V4_CANDIDATES[f"sh{_bh}n{_bn}w{_w}"] = {"BLOCK_H": _bh, "BLOCK_N": _bn, "num_warps": _w, "num_stages": 2,
+                                            "PV_KEY": True, "STREAM": True}
+# Wide P @ V (prefix w: STREAM with every P @ V dot 128 columns wide, the RoPE and the last NoPE group
+# beside 64 zero columns, the score dots in 32-dim halves) for 64 heads a program: Triton then lays the
+# chained MMAs out as [1, 8] instead of [8, 1] (which holds every 64-row accumulator twice: 13-16 KB of
+# spills for sh64...). AOT sm_80: wh64n16w8 255 registers, 1548 B of spills, 86 KB; wh64n32w8 1652 B,
+# 119 KB: benchmark candidates only, not measured yet (benchmarks/results/decode_sms_heads_prediction.md).
+for _bh, _bn, _w in ((64, 32, 8), (64, 16, 8)):
+    V4_CANDIDATES[f"wh{_bh}n{_bn}w{_w}"] = {"BLOCK_H": _bh, "BLOCK_N": _bn, "num_warps": _w, "num_stages": 2,
+                                            "PV_KEY": True, "STREAM": True, "WIDE_PV": True}
 # The configs dispatch.decode.v3_config_name can pick (listed for the AOT compile).
 V4_DISPATCHED = ("kh16n32w4", "kh16n64w8", "kh32n64w8")
 # Shared memory a block of a config takes where it is over sm_86's 99 KiB, bytes (the AOT

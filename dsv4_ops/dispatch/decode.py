@@ -494,8 +494,11 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int, conf
 
 
 def _v3_best_cost(T: int, H: int, K: int, sms: int, config: str) -> float:
+    """The config's modelled time at its own split count, capped as the composite caps it
+    (composite_split_cap: S = 1 once T x H >= 4096), so the config is chosen for the splits it runs."""
     cfg = v3_config(config)
-    return v3_cost_us(T, H, K, sms, config, v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], config))
+    s = v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], config)
+    return v3_cost_us(T, H, K, sms, config, min(s, composite_split_cap(T, H)))
 
 
 @functools.lru_cache(maxsize=4096)
