@@ -31,11 +31,22 @@ sys.path.insert(0, os.path.dirname(HERE))   # tests/e2e (build, driver, v32_chec
 MAX_LEN = 4096
 
 
+# V4.1's DSpark draft (vLLM's ``DSparkV41DraftModel``, method "dspark"): its stages ship in the
+# target checkpoint as ``mtp.{stage}.*`` (a decoder layer each; ``main_proj`` / ``main_norm`` on
+# stage 0, ``norm`` / ``markov_head`` / ``confidence_head`` on the last), the draft config is the
+# target's. The stages read the target's aux hidden states after layers 1 and 3 (one-based: the
+# posts of layers 0 and 2).
+V41_DSPARK = dict(n_mtp_layers=2, dspark_target_layer_ids=[1, 3], dspark_markov_rank=16,
+                  dspark_block_size=5, dspark_noise_token_id=2)
+
+
 def configs() -> dict:
     import build
     import v32_checkpoint
 
-    v41 = dict(build.V41_CONFIG, max_position_embeddings=MAX_LEN)
+    v41 = dict(build.V41_CONFIG, max_position_embeddings=MAX_LEN, **V41_DSPARK)
+    # the draft stages are decoder layers num_hidden_layers.. (per-layer lists cover them)
+    v41["compress_ratios"] = v41["compress_ratios"] + [0] * V41_DSPARK["n_mtp_layers"]
     # one MTP layer (``mtp.0.*``): V4's speculative path (method "mtp") drafts with it
     v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN, num_nextn_predict_layers=1)
     v32 = dict(v32_checkpoint.V32_CONFIG)
@@ -107,6 +118,12 @@ def _unfuse(name: str, t: torch.Tensor, cfg: dict, sizes) -> list:
     return [(name, t)]
 
 
+def dspark_config(cfg: dict) -> dict:
+    """The draft config vLLM's ``SpeculativeConfig`` makes of a V4.1 target's (config/speculative.py:
+    method "dspark" keeps the target's config, renames the architecture)."""
+    return dict(cfg, architectures=["DSparkV41DraftModel"])
+
+
 class _DraftSpec:
     """What vLLM's MTP layer reads of ``speculative_config`` at construction (the draft config is
     the target's hf_config with vLLM's ``hf_config_override`` for V4: n_predict, the MTP arch)."""
@@ -137,6 +154,13 @@ def mtp_config(cfg: dict) -> dict:
     return dict(cfg, architectures=["DeepSeekV4MTPModel"], n_predict=cfg["num_nextn_predict_layers"])
 
 
+class _DSparkSpec(_DraftSpec):
+    method = "dspark"
+
+    def use_dspark(self) -> bool:
+        return True
+
+
 def _build_vllm_model(d: str, draft: bool = False):
     """vLLM's model class for the config in ``d`` (CPU harness already set up); draft: the
     config is a draft (MTP) config and ``speculative_config`` names it."""
@@ -150,7 +174,8 @@ def _build_vllm_model(d: str, draft: bool = False):
         ModelRegistry.register_model(arch, build.TEXT_MODELS[arch])
     vc = build.make_vllm_config(d, "cpu")
     if draft:
-        vc.speculative_config = _DraftSpec(vc.model_config)
+        spec = _DSparkSpec if arch == "DSparkV41DraftModel" else _DraftSpec
+        vc.speculative_config = spec(vc.model_config)
     ctx = set_current_vllm_config(vc)
     ctx.__enter__()
     _init_distributed()
@@ -186,10 +211,12 @@ def manifest(kind: str, cfg: dict) -> dict:
             for n, b in model.named_buffers() if n.endswith("tid2eid")]
     ctx.__exit__(None, None, None)
     man = dict(kind=kind, config=cfg, params=params, buffers=bufs)
-    if cfg.get("num_nextn_predict_layers"):
-        dm = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_mtp_")
+    draft_cfg = (mtp_config(cfg) if cfg.get("num_nextn_predict_layers")
+                 else dspark_config(cfg) if cfg.get("n_mtp_layers") else None)
+    if draft_cfg is not None:
+        dm = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_draft_")
         with open(os.path.join(dm, "config.json"), "w") as f:
-            json.dump(mtp_config(cfg), f)
+            json.dump(draft_cfg, f)
         model, _vc, ctx = _build_vllm_model(dm, draft=True)
         sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
         man["mtp"] = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
@@ -198,10 +225,34 @@ def manifest(kind: str, cfg: dict) -> dict:
     return man
 
 
+# DSpark parameters the draft shares with the target (aliased by vLLM's speculator; not in mtp.*)
+DSPARK_ALIASED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _dspark_ckpt_name(name: str, cfg: dict) -> str:
+    """A vLLM DSpark draft parameter name -> the checkpoint's ``mtp.{stage}.*`` name (the inverse
+    of ``DSparkDeepseekV4ForCausalLM._remap_dspark_name``)."""
+    import re
+
+    last = cfg["n_mtp_layers"] - 1
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        return f"mtp.{m.group(1)}.{m.group(2)}"
+    rest = name[len("model."):]
+    if rest.startswith(("main_proj.", "main_norm.")):
+        return f"mtp.0.{rest}"
+    rest = rest.replace("markov_head.markov_w1.", "markov_head.embed.").replace("markov_head.markov_w2.",
+                                                                                "markov_head.head.")
+    return f"mtp.{last}.{rest}"
+
+
 def _mtp_ckpt_name(name: str, cfg: dict) -> str:
     """A vLLM MTP parameter name -> the checkpoint's ``mtp.{i}.*`` name (the inverse of
     ``DeepSeekV4MTP.load_weights``' renames)."""
     import re
+
+    if cfg.get("n_mtp_layers"):
+        return _dspark_ckpt_name(name, cfg)
 
     if name == "model.embed_tokens.weight":
         return "mtp.0.emb.tok_emb.weight"
@@ -254,6 +305,8 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
         build.init_weights(shell, seed + 1)
         msizes = {e["name"]: e["sizes"] for e in man["mtp"]}
         for name, p in shell.named_parameters():
+            if cfg.get("n_mtp_layers") and name in DSPARK_ALIASED:
+                continue
             params["mtp:" + name] = p.detach().clone()
             for vname, t in _unfuse(name, p.detach(), cfg, msizes.get(name)):
                 ck = _mtp_ckpt_name(vname, cfg)
@@ -273,17 +326,21 @@ def write_v32(d: str) -> None:
     write_tokenizer(d, v32_checkpoint.V32_CONFIG["vocab_size"])
 
 
-def _load_and_check(model, vc, expected: dict, prefix: str = "") -> tuple:
+def _load_and_check(model, vc, expected: dict, prefix: str = "", skip=()) -> tuple:
+    """``skip``: parameters the checkpoint does not hold for this model (a draft's aliases of the
+    target's), neither poisoned nor counted."""
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    for p in model.parameters():            # poison: an unloaded element shows as NaN
-        if p.is_floating_point():
+    for name, p in model.named_parameters():            # poison: an unloaded element shows as NaN
+        if p.is_floating_point() and name not in skip:
             p.data.fill_(float("nan"))
     get_model_loader(vc.load_config).load_weights(model, vc.model_config)
     process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
     n, compared, bad = 0, 0, []
     for name, p in model.named_parameters():
+        if name in skip:
+            continue
         n += 1
         if p.is_floating_point() and torch.isnan(p).any():
             bad.append(f"{prefix}{name}: NaN after load")
@@ -298,12 +355,13 @@ def verify_mtp(d: str, expected: dict = None) -> dict:
     """V4's MTP draft model (vLLM's ``DeepSeekV4MTP``, as the speculative path builds it from the
     target's config) loaded from the same safetensors with vLLM's loader."""
     cfg = json.load(open(os.path.join(d, "config.json")))
+    dspark = bool(cfg.get("n_mtp_layers"))
     dm = tempfile.mkdtemp(prefix="dsv4_verify_mtp_")
     with open(os.path.join(dm, "config.json"), "w") as f:
-        json.dump(mtp_config(cfg), f)
+        json.dump(dspark_config(cfg) if dspark else mtp_config(cfg), f)
     os.symlink(os.path.join(os.path.abspath(d), "model.safetensors"), os.path.join(dm, "model.safetensors"))
     model, vc, ctx = _build_vllm_model(dm, draft=True)
-    n, compared, bad = _load_and_check(model, vc, expected, prefix="mtp:")
+    n, compared, bad = _load_and_check(model, vc, expected, prefix="mtp:", skip=DSPARK_ALIASED if dspark else ())
     ctx.__exit__(None, None, None)
     return dict(dir=d + "#mtp", arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
 

@@ -31,13 +31,35 @@ def written(tmp_path_factory):
 
 def test_vllm_loader_reads_every_parameter(written):
     _, res = written
-    assert set(res) == {"v41", "v4", "v4#mtp", "v32"}
+    assert set(res) == {"v41", "v41#mtp", "v4", "v4#mtp", "v32"}
     for m, r in res.items():
         assert r["params"] > 0 and r["mismatched"] == [], (m, r)
-    for m in ("v41", "v4", "v4#mtp"):   # every parameter compared with the tensor written
+    for m in ("v41", "v41#mtp", "v4", "v4#mtp"):   # every parameter compared with the tensor written
         assert res[m]["compared"] == res[m]["params"], res[m]
     assert res["v41"]["arch"] == "DeepseekV41LLMForCausalLM" and res["v4"]["arch"] == "DeepseekV4ForCausalLM"
     assert res["v4#mtp"]["arch"] == "DeepSeekV4MTPModel"   # V4's MTP layer, as the speculative path loads it
+    # V4.1's DSpark stages (mtp.0.*, mtp.1.*), as the speculative path (method "dspark") loads them;
+    # embed / head are the target's (aliased), not counted
+    assert res["v41#mtp"]["arch"] == "DSparkV41DraftModel" and res["v41#mtp"]["params"] > 0
+
+
+def test_v41_checkpoint_holds_the_dspark_stages(written):
+    from safetensors import safe_open
+
+    d, _ = written
+    cfg = json.loads((d / "v41" / "config.json").read_text())
+    n = cfg["n_mtp_layers"]
+    with safe_open(str(d / "v41" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    stages = {int(k.split(".")[1]) for k in names if k.startswith("mtp.")}
+    assert stages == set(range(n))
+    last = f"mtp.{n - 1}."
+    for k in ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", last + "norm.weight",
+              last + "markov_head.embed.weight", last + "markov_head.head.weight", last + "confidence_head.proj.weight"):
+        assert k in names, k
+    for i in range(n):   # each stage a decoder layer in the checkpoint's own names
+        assert f"mtp.{i}.attn.wq_a.weight" in names and f"mtp.{i}.ffn.experts.0.w1.weight" in names
+    assert len(cfg["compress_ratios"]) == cfg["num_hidden_layers"] + n
 
 
 def test_manifest_rewrites_the_same_bytes(written, tmp_path):
