@@ -366,6 +366,25 @@ def verify_mtp(d: str, expected: dict = None) -> dict:
     return dict(dir=d + "#mtp", arch=vc.model_config.architectures[0], params=n, compared=compared, mismatched=bad)
 
 
+def verify_dspark_spec(d: str) -> dict:
+    """What the engine's ``speculative_config=dict(method="dspark", num_speculative_tokens=k)``
+    (run_engine.py ``v41:...:dspark:K``) resolves to over this checkpoint: vLLM's own
+    ``SpeculativeConfig`` for k = 1 and 5 (the draft model, its architecture and target layers)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    import build
+
+    vc = build.make_vllm_config(d, "cpu")
+    out = {}
+    for k in (1, 5):
+        sc = SpeculativeConfig(method="dspark", num_speculative_tokens=k, target_model_config=vc.model_config,
+                               target_parallel_config=ParallelConfig())
+        h = sc.draft_model_config.hf_config
+        out[str(k)] = dict(method=sc.method, use_dspark=sc.use_dspark(), k=sc.num_speculative_tokens,
+                           draft_model=sc.model, arch=sc.draft_model_config.architectures[0],
+                           target_layer_ids=list(h.dspark_target_layer_ids), parallel=sc.parallel_drafting)
+    return dict(dir=d + "#spec", spec=out, mismatched=[])
+
+
 def verify(d: str, expected: dict = None) -> dict:
     """Load ``d`` with vLLM's own loader (``get_model_loader().load_weights``: it raises on a
     parameter the checkpoint leaves unloaded) and ``process_weights_after_loading``; compare
@@ -424,6 +443,10 @@ def main(argv=None) -> int:
             print(json.dumps(r), flush=True)
             if mans.get(m, {}).get("mtp"):
                 r = verify_mtp(d, exp)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+            if m == "v41":
+                r = verify_dspark_spec(d)
                 results.append(r)
                 print(json.dumps(r), flush=True)
     with open(os.path.join(a.out, "manifest.json"), "w") as f:

@@ -31,9 +31,16 @@ def written(tmp_path_factory):
 
 def test_vllm_loader_reads_every_parameter(written):
     _, res = written
+    spec = res.pop("v41#spec")["spec"]
     assert set(res) == {"v41", "v41#mtp", "v4", "v4#mtp", "v32"}
     for m, r in res.items():
         assert r["params"] > 0 and r["mismatched"] == [], (m, r)
+    # the engine's DSpark options resolve, through vLLM's SpeculativeConfig, to this checkpoint's stages
+    for k in ("1", "5"):
+        s = spec[k]
+        assert s["method"] == "dspark" and s["use_dspark"] and s["k"] == int(k) and s["parallel"], s
+        assert s["arch"] == "DSparkV41DraftModel" and s["draft_model"] == str(written[0] / "v41"), s
+        assert s["target_layer_ids"] == [1, 3], s
     for m in ("v41", "v41#mtp", "v4", "v4#mtp"):   # every parameter compared with the tensor written
         assert res[m]["compared"] == res[m]["params"], res[m]
     assert res["v41"]["arch"] == "DeepseekV41LLMForCausalLM" and res["v4"]["arch"] == "DeepseekV4ForCausalLM"
