@@ -50,7 +50,31 @@ def configs() -> dict:
     # one MTP layer (``mtp.0.*``): V4's speculative path (method "mtp") drafts with it
     v4 = dict(build.V4_CONFIG, max_position_embeddings=MAX_LEN, num_nextn_predict_layers=1)
     v32 = dict(v32_checkpoint.V32_CONFIG)
-    return {"v41": v41, "v4": v4, "v32": v32}
+    # V4.1 with one Engram layer, under the architecture real V4.1 checkpoints name (vLLM resolves
+    # an EngramConfig for that name only, config/engram.py); the engine maps it to the text class
+    v41x = dict(v41, architectures=["DeepseekV41ForCausalLM"], **engram_keys(v41))
+    return {"v41": v41, "v41x": v41x, "v4": v4, "v32": v32}
+
+
+def engram_keys(cfg: dict) -> dict:
+    """Engram config keys for one layer before the last KV source (the decoder replay needs it
+    there): 2- and 3-grams, 2 hash heads of 32 dims each; the compressed vocab is what vLLM's
+    ``build_compressed_token_map`` makes of this directory's tokenizer, the table holds exactly
+    the layout's prime-sized bucket ranges."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from vllm.models.deepseek_v41.common.engram import EngramLayout, build_compressed_token_map
+
+    d = tempfile.mkdtemp(prefix="dsv4_tok_")
+    write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    _, compressed = build_compressed_token_map(AutoTokenizer.from_pretrained(d))
+    keys = dict(engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
+                engram_vocab_size=257, engram_compressed_vocab_size=compressed,
+                engram_pad_token_id=cfg["eos_token_id"], engram_num_embeddings=[0])
+    layout = EngramLayout(SimpleNamespace(**keys))
+    keys["engram_num_embeddings"] = [sum(p for per in layer for p in per) for layer in layout.primes]
+    assert max(keys["engram_layer_ids"]) < max(cfg["kv_source_layer_ids"])
+    return keys
 
 
 def write_tokenizer(d: str, vocab_size: int, bos: int = 0, eos: int = 1) -> None:
@@ -79,6 +103,9 @@ def _split(name: str, t: torch.Tensor, cfg: dict, sizes=None) -> list:
 
 
 def _ckpt_name(name: str) -> str:
+    if ".engram.embed_tokens." in name:   # the fp8 table and its ue8m0 scale (vLLM's mapper reroutes)
+        return _ckpt_name(name.replace("embed_tokens.weight_scale_inv", "embed.scale")
+                          .replace("embed_tokens.weight", "embed.weight"))
     if name == "lm_head.weight":
         return "head.weight"
     if name == "model.embed_tokens.weight":
@@ -170,9 +197,17 @@ def _build_vllm_model(d: str, draft: bool = False):
     import build
 
     arch = json.load(open(os.path.join(d, "config.json")))["architectures"][0]
-    if arch not in ModelRegistry.get_supported_archs():
+    if arch == "DeepseekV41ForCausalLM":
+        # vLLM's name for the VL wrapper; the text class, as the engine's platform entry point maps it
+        ModelRegistry.register_model(arch, build.TEXT_MODELS["DeepseekV41LLMForCausalLM"])
+    elif arch not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(arch, build.TEXT_MODELS[arch])
     vc = build.make_vllm_config(d, "cpu")
+    if vc.engram_config is not None:
+        # the CPU harness: the table in ordinary memory (the engine keeps vLLM's default, pinned host
+        # memory read through UVA)
+        from vllm.config import EngramConfig
+        vc.engram_config = EngramConfig(cpu_offload=False)
     if draft:
         spec = _DSparkSpec if arch == "DSparkV41DraftModel" else _DraftSpec
         vc.speculative_config = spec(vc.model_config)
@@ -180,9 +215,26 @@ def _build_vllm_model(d: str, draft: bool = False):
     ctx.__enter__()
     _init_distributed()
     cls, _ = ModelRegistry.resolve_model_cls(vc.model_config.architectures, vc.model_config)
-    with set_default_torch_dtype(torch.bfloat16):
+    with set_default_torch_dtype(torch.bfloat16), _cpu_device_queries():
         model = cls(vllm_config=vc, prefix="")
     return model, vc, ctx
+
+
+class _cpu_device_queries:
+    """The two device queries ``ParallelEngramEmbedding.__init__`` makes (device index, SM count
+    for its lookup launch), answered as one A100 would, for the model build on the CPU only."""
+
+    def __enter__(self):
+        from types import SimpleNamespace
+
+        self._saved = (torch.accelerator.current_device_index, torch.cuda.get_device_properties)
+        if not torch.cuda.is_available():
+            torch.accelerator.current_device_index = lambda: 0
+            torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(multi_processor_count=108)
+        return self
+
+    def __exit__(self, *exc):
+        torch.accelerator.current_device_index, torch.cuda.get_device_properties = self._saved
 
 
 def _init_distributed():
@@ -203,6 +255,7 @@ def manifest(kind: str, cfg: dict) -> dict:
     d = tempfile.mkdtemp(prefix=f"dsv4_manifest_{kind}_")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
+    write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])   # Engram's hash reads it
     model, _vc, ctx = _build_vllm_model(d)
     sizes = {f"{m}.weight": getattr(mod, "output_sizes", None) for m, mod in model.named_modules()}
     params = [dict(name=n, shape=list(p.shape), dtype=str(p.dtype).replace("torch.", ""), sizes=sizes.get(n))
@@ -293,6 +346,7 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
     write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     shell = _Shell(man["params"], man["buffers"])
     build.init_weights(shell, seed)
+    _draw_engram_tables(shell, seed)
     sizes = {e["name"]: e["sizes"] for e in man["params"]}
     tensors, params = {}, {}
     for name, p in list(shell.named_parameters()) + list(shell.named_buffers()):
@@ -314,6 +368,17 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
                 tensors[ck] = t.contiguous().clone()
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     return params
+
+
+def _draw_engram_tables(shell, seed: int) -> None:
+    """The Engram tables ``init_weights`` leaves alone: fp8 e4m3 rows of unit scale, ue8m0 scale
+    bytes 2**-3 .. 2**0 (exponent bytes 124..127)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    for name, p in shell.named_parameters():
+        if name.endswith("engram.embed_tokens.weight"):
+            p.data.copy_((torch.randn(p.shape, generator=g) * 0.5).to(p.dtype))
+        elif name.endswith("engram.embed_tokens.weight_scale_inv"):
+            p.data.copy_(torch.randint(124, 128, p.shape, generator=g).to(p.dtype))
 
 
 def write_v32(d: str) -> None:
@@ -346,7 +411,10 @@ def _load_and_check(model, vc, expected: dict, prefix: str = "", skip=()) -> tup
             bad.append(f"{prefix}{name}: NaN after load")
         elif expected is not None and prefix + name in expected:
             compared += 1
-            if not torch.equal(p.detach(), expected[prefix + name]):
+            a, b = p.detach(), expected[prefix + name]
+            if a.dtype == torch.float8_e4m3fn:   # compared as bytes (no fp8 equal on the CPU)
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            if not torch.equal(a, b):
                 bad.append(f"{prefix}{name}: differs from the written tensor")
     return n, compared, bad
 
