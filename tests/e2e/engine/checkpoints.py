@@ -6,13 +6,15 @@ V4.1 / V4 tensors are named as the original DeepSeek checkpoints name them (``la
 model class on the CPU harness (tests/e2e/driver.py setup), draws random weights with
 ``build.init_weights`` and splits vLLM's fused parameters back into the checkpoint's pieces, so
 ``load_weights`` exercises the model's real ``hf_to_vllm_mapper`` and stacked/expert loaders.
+V4.1 carries DSpark draft stages (``mtp.{stage}.*``, loaded by vLLM's ``DSparkV41DraftModel``);
+``v41x`` is V4.1 plus one Engram layer (fp8 table, ue8m0 scale) under vLLM's VL architecture name.
 V3.2 is written by transformers' own ``save_pretrained`` (v32_checkpoint.write).
 ``verify`` reloads each directory into a fresh model with vLLM's ``get_model_loader`` and
 ``process_weights_after_loading`` and compares every parameter with what was written.
 
-    usage (CPU): python tests/e2e/engine/checkpoints.py OUT_DIR [v41 v4 v32] [--verify]
+    usage (CPU): python tests/e2e/engine/checkpoints.py OUT_DIR [v41 v41x v4 v32] [--verify]
       (also writes OUT_DIR/manifest.json: vLLM's parameter names/shapes)
-    the device: python tests/e2e/engine/checkpoints.py OUT_DIR v41 v4 v32 --from-manifest MANIFEST
+    the device: python tests/e2e/engine/checkpoints.py OUT_DIR v41 v41x v4 v32 --from-manifest MANIFEST
 """
 
 from __future__ import annotations
