@@ -41,7 +41,8 @@ def test_vllm_loader_reads_every_parameter(written):
         assert s["method"] == "dspark" and s["use_dspark"] and s["k"] == int(k) and s["parallel"], s
         assert s["arch"] == "DSparkV41DraftModel" and s["draft_model"] == str(written[0] / "v41"), s
         assert s["target_layer_ids"] == [1, 3], s
-    for m in ("v41", "v41#mtp", "v41x", "v41x#mtp", "v4", "v4#mtp"):   # every parameter compared with the tensor written
+    # every parameter compared with the tensor written
+    for m in ("v41", "v41#mtp", "v41x", "v41x#mtp", "v4", "v4#mtp"):
         assert res[m]["compared"] == res[m]["params"], res[m]
     assert res["v41"]["arch"] == "DeepseekV41LLMForCausalLM" and res["v4"]["arch"] == "DeepseekV4ForCausalLM"
     assert res["v4#mtp"]["arch"] == "DeepSeekV4MTPModel"   # V4's MTP layer, as the speculative path loads it
@@ -66,7 +67,8 @@ def test_v41x_engram_layer_loaded(written):
     with safe_open(str(d / "v41x" / "model.safetensors"), "pt") as f:
         table = f.get_tensor(f"layers.{layer}.engram.embed.weight")
         scale = f.get_tensor(f"layers.{layer}.engram.embed.scale")
-    assert table.shape == (cfg["engram_num_embeddings"][0], cfg["engram_head_dim"]) and str(table.dtype) == "torch.float8_e4m3fn"
+    assert table.shape == (cfg["engram_num_embeddings"][0], cfg["engram_head_dim"])
+    assert str(table.dtype) == "torch.float8_e4m3fn"
     assert scale.shape == (table.shape[0], 1) and bool(((scale >= 124) & (scale <= 127)).all())
     assert bool(table.float().abs().sum(1).gt(0).all())    # every bucket row drawn
 
@@ -83,7 +85,8 @@ def test_v41_checkpoint_holds_the_dspark_stages(written):
     assert stages == set(range(n))
     last = f"mtp.{n - 1}."
     for k in ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", last + "norm.weight",
-              last + "markov_head.embed.weight", last + "markov_head.head.weight", last + "confidence_head.proj.weight"):
+              last + "markov_head.embed.weight", last + "markov_head.head.weight",
+              last + "confidence_head.proj.weight"):
         assert k in names, k
     for i in range(n):   # each stage a decoder layer in the checkpoint's own names
         assert f"mtp.{i}.attn.wq_a.weight" in names and f"mtp.{i}.ffn.experts.0.w1.weight" in names
