@@ -29,6 +29,8 @@ class LayerRecord:
     ffn_out: torch.Tensor = None
     experts: torch.Tensor = None      # [T, topk] the experts vLLM's router chose
     ffn_ids: torch.Tensor = None      # token ids the MoE saw (hash routing)
+    window_lo: torch.Tensor = None    # [T] lowest position whose window KV the row may read (SWA
+    #                                   bounded replay: vLLM's kernels clip the window there), or None
 
 
 @dataclass

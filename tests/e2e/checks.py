@@ -123,7 +123,8 @@ class Checker:
         topk_bad = 0
         for t in range(T):
             r, p = req[t], pos[t]
-            ks = [decode_record(swa_cache, _slot(rec.swa_block_table, r, j, bs), bs) for j in range(max(0, p - W + 1), p + 1)]
+            lo = max(0, p - W + 1) if rec.window_lo is None else max(0, p - W + 1, int(rec.window_lo[t]))
+            ks = [decode_record(swa_cache, _slot(rec.swa_block_table, r, j, bs), bs) for j in range(lo, p + 1)]
             if ratio > 0:
                 n_entries = (p + 1) // ratio
                 # the indexer's choice, or (V4 C128A, no indexer) every visible entry

@@ -19,6 +19,11 @@ prepare_attn``):
 - V4.1 SWA bounded replay: a prefix hit's last window is recomputed from ``replay_start``; those
   tokens' slots in the prefix-cacheable groups are padded (``_pad_replayed_slots_kernel``) and
   the starts reach the builders as ``ReplayAttnMetadata``.
+- V4.1 decoder-side replay: in a step that trims a prefill (query > window), the cut layer writes
+  every row's KV (``write_kv`` -> ``forward_kv``) and it and the layers past it run on each
+  request's last ``window`` rows under metadata and a forward context of their own
+  (``replay_pass.py``, as ``_prepare_replay_batch``); their records are checked on the kept
+  sub-batch with the window floors vLLM's kernels use (``split_replay_layers``).
 Then vLLM's ``build_attn_metadata``, the forward (``steps.Scheduler.forward``), the checks, and the
 greedy token of every request whose prefill is complete back through ``update_from_output``.
 """
@@ -98,8 +103,8 @@ class Bridge:
         self.window = max(s.prefix_replay_tokens for s in specs)
         self.cacheable = [i for i, s in enumerate(specs) if s.prefix_cacheable]
         # V4.1's decoder-side replay (layers past the last KV source on each prefill's last window
-        # rows only) needs the model state's replay sub-batch; without one the layers run on the
-        # whole batch, as in FULL and small PIECEWISE graphs (decoder_replay_layers.py)
+        # rows only): ``replay_pass.ReplayPass`` prepares the sub-batch per step as the model state
+        # does in eager steps; steps that trim nothing run the layers on the whole batch
         replay_layers = getattr(built.model, "decoder_replay_layers", None)
         assert replay_layers is None or replay_layers.replay_batch is None
         self.config = dict(num_blocks=num_blocks, bound_blocks=built.kv_cache_config.num_blocks,
@@ -107,7 +112,9 @@ class Bridge:
                            scheduler_block_size=sbs, hash_block_size=hbs, replay_window=self.window,
                            cacheable_groups=self.cacheable, group_block_sizes=self.block_sizes,
                            sliding_reach=self.reach, slot_mapping_enabled=self.slot_enabled,
-                           decoder_replay_layers=None if replay_layers is None else "whole batch (no replay sub-batch)")
+                           decoder_replay_layers=None if replay_layers is None else dict(
+                               window=replay_layers.window, first_swa=replay_layers.first_swa_prefix,
+                               prefixes=sorted(replay_layers.metadata_prefixes)))
         self.states: Dict[str, ReqState] = {}
         self.free_rows = list(range(max_num_seqs * 2))
         self.max_blocks = 64
@@ -416,10 +423,23 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     chk.fwd_ctx = b.vllm_config.compilation_config.static_forward_context
     runner = steps.Scheduler(b)
 
+    import replay_pass
+    replay = replay_pass.ReplayPass(b) if getattr(b.model, "decoder_replay_layers", None) is not None else None
+    report["replay_steps"] = []
+
     def on_step(name, so, bt):
-        hidden, logits = runner.forward(bt, hook=lambda batch: rec.begin(name, batch))
+        kept = replay.prepare(bt) if replay is not None else None
+        try:
+            hidden, logits = runner.forward(bt, hook=lambda batch: rec.begin(name, batch))
+        finally:
+            if replay is not None:
+                replay.clear()
         step = rec.current
         assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
+        replayed = {}
+        if kept is not None:
+            # the replay layers ran on the kept rows under the replay batch's own metadata
+            replayed = split_replay_layers(step, kept, replay.cut, report)
         att_step, att_layers, skipped = without_truncated_windows(step, bt, bridge.window, b.model)
         report["replay_rows_not_compared"] += skipped
         if skipped:   # for the report: those rows against the full-window oracle (not asserted)
@@ -432,12 +452,18 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
                 except Exception as exc:  # noqa: BLE001 (a diagnostic: stale blocks may decode to anything)
                     res = dict(step=name, layer=i, error=repr(exc)[:200])
                 report["replay_rows_full_window"].append(res)
-        for i, lr in sorted(step.layers.items()):
-            chk.check_attention(att_step, att_layers[i])
-            chk.check_indexer(step, lr)
+        every = {**step.layers, **{i: rs.layers[i] for i, rs in replayed.items()}}
+        for i, lr in sorted(every.items()):
+            if i in replayed:
+                rstep = replayed[i]
+                chk.check_attention(rstep, lr)
+                chk.check_indexer(rstep, lr)
+            else:
+                chk.check_attention(att_step, att_layers[i])
+                chk.check_indexer(step, lr)
             chk.check_moe(step, lr)
         chk.check_logits(step, hidden, logits)
-        chk.check_first_mhc(step, step.layers[0])
+        chk.check_first_mhc(step, every[0])
         rec.steps.clear()            # the records are checked; keep memory flat
         return logits
 
@@ -451,6 +477,35 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     report["triton_launches"] = len(tripwire.LAUNCHES)
     report["ops_called"] = dict(counters.OPS)
     return report
+
+
+def split_replay_layers(step, kept: dict, cut: int, report: dict) -> dict:
+    """The replay layers' records out of ``step`` (which keeps the others): {layer: a step whose
+    batch is the kept sub-batch}. Each record's rows are the kept rows (asserted against the
+    gathered positions); its window floor is the batch's ``replay_start`` for the cut layer (it
+    wrote every row's window KV) and the gathered ``kv_start`` for the layers past it."""
+    import dataclasses
+    import torch
+
+    qsl = kept["query_start_loc_cpu"]
+    req = torch.repeat_interleave(torch.arange(len(qsl) - 1), qsl[1:] - qsl[:-1])
+    ids = step.batch["input_ids"].cpu()[kept["rows"]]
+    rbatch = dict(step.batch, query_start_loc_cpu=qsl, input_ids=ids)
+    out = {}
+    for i in sorted(step.layers):
+        if i < cut:
+            continue
+        lr = step.layers.pop(i)
+        assert lr.x.shape[0] == kept["num_tokens"] and torch.equal(lr.positions.cpu(), kept["positions"]), (
+            f"layer {i}: the replay layer did not run on the kept rows")
+        floor = kept["replay_start"] if i == cut else kept["kv_start"]
+        lr.window_lo = floor.long()[req]
+        out[i] = dataclasses.replace(step, batch=rbatch, layers={i: lr})
+    report["replay_steps"].append(dict(step=step.name, layers=sorted(out), rows=kept["num_tokens"],
+                                       kept_lens=kept["kept_lens"], kv_start=kept["kv_start"].tolist(),
+                                       replay_start=kept["replay_start"].tolist(),
+                                       metadata_keys=kept["metadata_keys"]))
+    return out
 
 
 def without_truncated_windows(step, bt: dict, window: int, model, invert: bool = False):

@@ -17,10 +17,15 @@ after a V4.1 prefix hit, the first window - 1 replayed rows attend only to windo
 comparison and counted; their MoE, indexer and logits rows are compared.
 
 Not covered here: the engine's processes, the profile run and vLLM's own KV sizing (the pool is
-set), CUDA graphs, async scheduling, speculative decoding, sampling other than greedy, V4.1's
-decoder-side replay sub-batch (the layers past the last KV source run on the whole batch, as in
-FULL graphs), the runner's own UVA block tables and Triton input kernels (their rules are
-mirrored in ``Bridge.batch``).
+set), CUDA graphs (V4.1's replay graphs included), async scheduling, speculative decoding,
+sampling other than greedy, the runner's own UVA block tables and Triton input kernels (their rules
+are mirrored in ``Bridge.batch``; V4.1's replay-batch gather is vLLM's own kernel).
+
+V4.1's decoder-side replay sub-batch runs as in the engine's eager steps (``replay_pass.py``):
+whenever a prefill is trimmed, layer 3 (the last KV source) writes every row's KV through
+``forward_kv`` and layers 3-4 run on each request's last ``window`` rows with metadata built for
+that sub-batch; their attention is compared over the window vLLM's kernels read (clipped at the
+batch's ``replay_start`` for layer 3, at the gathered ``kv_start`` for layer 4).
 """
 
 import json
@@ -161,3 +166,32 @@ def test_every_step_passed_the_oracle_v32(report_v32):
 def test_no_dead_kernel_ran(report):
     assert report["tripped"] == [], report["tripped"]
     assert report["tripwire"]["dead_rows"] > 0
+
+
+def test_v41_decoder_replay_pass(report_v41):
+    """The replay sub-batch ran in every step that trims a prefill, on the kept rows only, through
+    the plugin's attention and the decoder-replay KV write, and was checked layer by layer."""
+    report = report_v41
+    steps = {s["step"]: s for s in _steps(report)}
+    W = report["bridge"]["decoder_replay_layers"]["window"]
+    trimming = {name for name, s in steps.items()
+                if any(n > W and pre != "decode" for (_, n), pre in zip(s["schedule"], s["kinds"]))}
+    replayed = {r["step"]: r for r in report["replay_steps"]}
+    assert trimming and set(replayed) == trimming, (sorted(trimming), sorted(replayed))
+    n_layers = v4_e2e.LAYERS["v41"]["n"]
+    for name, r in replayed.items():
+        s = steps[name]
+        assert r["layers"] == list(range(r["layers"][0], n_layers)) and r["layers"][0] > 0, r
+        assert r["kept_lens"] == [min(n, W) for _, n in s["schedule"]], (r, s["schedule"])
+        assert r["rows"] == sum(r["kept_lens"]) < sum(n for _, n in s["schedule"])
+        for (rid, n), kept, kv, rs in zip(s["schedule"], r["kept_lens"], r["kv_start"], r["replay_start"]):
+            seq = s["starts"][rid] + n
+            assert kv == (max(rs, seq - W) if kept < n else rs), (name, rid, kv, rs, seq)
+        # every replay layer's records hold the kept rows only, and were compared
+        rows = [c for c in report["checks"] if c["step"] == name and c["layer"] in r["layers"]]
+        assert {c["tokens"] for c in rows} == {r["rows"]}, rows
+        assert sum(c["kind"].startswith("attn") for c in rows) == len(r["layers"])
+    # a replay after a prefix hit: the hit's replay start below the trimmed rows' kv start
+    assert any(0 < rs < kv for r in replayed.values() for kv, rs in zip(r["kv_start"], r["replay_start"]))
+    # the decoder-replay KV write (vLLM's forward_kv), once per replay step
+    assert report["standin_calls"].get("_C.fused_deepseek_v4_kv_rope_insert") == len(replayed)

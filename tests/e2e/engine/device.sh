@@ -30,7 +30,7 @@ python3 tests/e2e/engine/prewarm_modelinfo.py > "$R/prewarm.log" 2>&1 &   # besi
 PREWARM=$!
 export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_AUDIT_JSON_V32="$PWD/$B/audit_v32.json"
 CK=/tmp/e2e_ckpt
-python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
+python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v41x v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
 wait $PREWARM; echo "model-info prewarm rc=$? ($(grep -c cached "$R/prewarm.log") cached)" | tee "$OUT/setup.txt"
 echo "setup $(( $(date +%s) - T0 )) s" | tee -a "$OUT/setup.txt"
 python3 -c "

@@ -11,7 +11,7 @@ mkdir -p "$DEST/bundle"
 (cd "$SRC" && git ls-files -z | xargs -0 cp --parents -t "$DEST")   # tracked files only
 if [ "${2:-}" != "--skip-bundle" ]; then E2E_BUNDLE="$DEST/bundle" bash "$SRC/tests/e2e/make_bundle.sh"; fi
 if [ ! -f "$DEST/bundle/manifest.json" ]; then
-  T=$(mktemp -d); python "$SRC/tests/e2e/engine/checkpoints.py" "$T" v41 v4 v32 --verify
+  T=$(mktemp -d); python "$SRC/tests/e2e/engine/checkpoints.py" "$T" v41 v41x v4 v32 --verify
   cp "$T/manifest.json" "$DEST/bundle/manifest.json"
 fi
 if [ ! -f "$DEST/bundle/first_token.json" ]; then   # check (b): the float64 first tokens (first_token.py)

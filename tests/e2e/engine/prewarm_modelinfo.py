@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ARCHS = ("DeepseekV41LLMForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM")
+ARCHS = ("DeepseekV41LLMForCausalLM", "DeepseekV41ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM")
 
 
 def main() -> int:

@@ -64,7 +64,10 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from dsv4_ops.vllm import plugin
 cap = cp.get_device_capability()
-print(json.dumps(dict(cls=type(cp).__name__, mro=[c.__name__ for c in type(cp).__mro__], cap=[cap.major, cap.minor],
+from vllm.model_executor.models.registry import ModelRegistry
+archs = {a: [ModelRegistry.models[a].module_name, ModelRegistry.models[a].class_name]
+         for a in ("DeepseekV41LLMForCausalLM", "DeepseekV41ForCausalLM", "DeepseekV4ForCausalLM")}
+print(json.dumps(dict(archs=archs, cls=type(cp).__name__, mro=[c.__name__ for c in type(cp).__mro__], cap=[cap.major, cap.minor],
       name=cp.get_device_name(), sms=cp.num_compute_units(), is_cuda=cp.is_cuda(),
       routed=plugin.STATE.routed, plugin_cap=list(plugin.STATE.capability or ()), pid=os.getpid())))
 """, enabled=True)
@@ -72,6 +75,10 @@ print(json.dumps(dict(cls=type(cp).__name__, mro=[c.__name__ for c in type(cp)._
     assert r["cap"] == [8, 0] and r["sms"] == 108 and "A100" in r["name"] and r["is_cuda"]
     assert r["routed"] and r["plugin_cap"] == [8, 0], r
     assert f"dsv4_e2e_a100 (pid {r['pid']}): platform" in r["log"]
+    # the e2e classes (tripwire / counters armed after loading); v41x's VL architecture name runs
+    # the armed text class (the tiny checkpoint has no vision tower)
+    assert r["archs"]["DeepseekV41ForCausalLM"] == ["dsv4_e2e_a100.models", "DeepseekV41LLMForCausalLM"], r["archs"]
+    assert r["archs"]["DeepseekV41LLMForCausalLM"] == ["dsv4_e2e_a100.models", "DeepseekV41LLMForCausalLM"]
     # dsv4_ops' own INFO line is not asserted: vLLM 0.33 configures its logging lazily
     # (configure_logging_if_needed), after the general plugins ran in this process, so the line
     # goes to Python's last-resort handler (WARNING and up only)

@@ -78,6 +78,9 @@ def general() -> None:
     standins.install_flashmla_metadata()
     for arch in ("DeepseekV41LLMForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM"):
         ModelRegistry.register_model(arch, f"dsv4_e2e_a100.models:{arch}")
+    # the V4.1 + Engram checkpoint (v41x) names vLLM's VL architecture, the only one vLLM resolves an
+    # EngramConfig for; the text model runs it (no vision tower in the tiny checkpoint)
+    ModelRegistry.register_model("DeepseekV41ForCausalLM", "dsv4_e2e_a100.models:DeepseekV41LLMForCausalLM")
     from triton import knobs
 
     def on_compile(*_a, **kw):
