@@ -13,7 +13,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-ROUTE_MARGIN = 0.02
+# A token whose smallest float64 routing margin (top-k gate score minus the next one, over the MoE
+# layers) is at most this may pick another expert in bf16: its logits are left out. 0.02 (V4's
+# teacher-forced e2e) was too tight for the end-to-end logits here: with the fp8 latent cache a
+# token of margin 0.0221 flipped (sched e2e, DSV4_E2E_SEED=3193048433, step s3: rel err 0.26 on that
+# row alone, every other row <= 0.035).
+ROUTE_MARGIN = 0.03
 
 
 def cfg_topk(ckpt: str) -> int:
@@ -89,6 +94,9 @@ def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
     report, row = ctx["report"], 0
     for rid, tokens, start, n in rows:
         ref, margin = v32_checkpoint.oracle_logits(ctx["oracle"], tokens)
+        # near-ties among the earlier tokens of the request: one that routed differently changed
+        # their KV, which these rows attend to (reported: the scheduled test bounds them apart)
+        context_ties = int((margin[:start] <= ROUTE_MARGIN).sum())
         ref, margin = ref[start:], margin[start:]
         got = logits[row:row + n].double().cpu()
         row += n
@@ -98,12 +106,14 @@ def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
         clear = margin > ROUTE_MARGIN
         near_ties = int((~clear).sum())
         if not clear.any():
-            report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, skipped=True))
+            report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, context_ties=context_ties,
+                                         skipped=True))
             continue
         got, ref = got[clear], ref[clear]
         cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
         rel = ((got - ref).abs().max() / ref.abs().max()).item()
-        report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, cos=cos, rel_max=rel,
+        report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, context_ties=context_ties,
+                                     cos=cos, rel_max=rel,
                                      argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean())))
 
 
