@@ -551,6 +551,9 @@ def run_v32(device: str, cache_dtype: str, dry: bool, num_blocks: int) -> dict:
     import driver_v32
 
     ctx = driver_v32.prepare(device, cache_dtype, "v32")
+    # scheduled steps compare one-token decodes after long contexts: a token of margin 0.0221 was
+    # seen to flip its expert (DSV4_E2E_SEED=3193048433, step s3, rel err 0.26 on that row alone)
+    ctx["route_margin"] = 0.03
     b, report = ctx["built"], ctx["report"]
     sc = SCENARIOS["v32"]
     bridge = Bridge(b, num_blocks or sc["num_blocks"] or b.kv_cache_config.num_blocks, sc["budget"])
