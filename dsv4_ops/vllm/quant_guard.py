@@ -23,6 +23,13 @@ class UnauditedServePathError(RuntimeError):
     """vLLM would serve this model on sm_8x through kernels the audit never evaluated."""
 
 
+def _refused(variant: str, what: str) -> UnauditedServePathError:
+    """The startup refusal of a DeepSeek-V4 / V4.1 checkpoint: ``what`` says why."""
+    model = {"v4": "V4", "v41": "V4.1"}.get(variant, variant)
+    return UnauditedServePathError(f"dsv4_ops (sm_8x): DeepSeek-{model} checkpoint {what}. Refused at startup; "
+                                   "`dsv4-ops doctor --model <dir>` lists what is covered.")
+
+
 def check_quant_config(config, variant: str, kernel_config=None) -> serve_host.QuantLayout:
     """Raise UnauditedServePathError unless ``config`` (vLLM's DeepseekV4FP8Config, resolved)
     is an audited layout and ``kernel_config`` selects no other backend; the layout otherwise."""
@@ -34,9 +41,7 @@ def check_quant_config(config, variant: str, kernel_config=None) -> serve_host.Q
             {}, getattr(kernel_config, "linear_backend", "auto"), getattr(kernel_config, "moe_backend", "auto"),
             getattr(kernel_config, "linear_backend_per_quant", None))
     if problems:
-        raise UnauditedServePathError(
-            f"dsv4_ops (sm_8x): DeepSeek-{ {'v4': 'V4', 'v41': 'V4.1'}.get(variant, variant)} checkpoint with {layout.describe()}: "
-            + "; ".join(problems) + ". Refused at startup; `dsv4-ops doctor --model <dir>` lists what is covered.")
+        raise _refused(variant, f"with {layout.describe()}: " + "; ".join(problems))
     return layout
 
 
@@ -49,11 +54,9 @@ def check_model_quant(quant_config, variant: str) -> None:
     if quant_config is None or type(quant_config).__name__ == "DeepseekV4FP8Config":
         return
     name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
-    raise UnauditedServePathError(
-        f"dsv4_ops (sm_8x): DeepSeek-{ {'v4': 'V4', 'v41': 'V4.1'}.get(variant, variant)} checkpoint quantized as "
-        f"{name!r} ({type(quant_config).__name__}): vLLM builds its linear and MoE methods from that config, and the "
-        "audit covers only the DeepseekV4FP8Config layouts and bf16 weights. Refused at startup; "
-        "`dsv4-ops doctor --model <dir>` lists what is covered.")
+    raise _refused(variant, f"quantized as {name!r} ({type(quant_config).__name__}): vLLM builds its linear and MoE "
+                            "methods from that config, and the audit covers only the DeepseekV4FP8Config layouts and "
+                            "bf16 weights")
 
 
 def _current(field: str):
