@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-method", default="")
     ap.add_argument("--spec-k", type=int, default=1)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--serve-only", action="store_true",
+                    help="with --serve: no LLM.generate first (the summary compares with the model's eager run)")
     ap.add_argument("--serve-timeout", type=float, default=120)
     ap.add_argument("--extra", default="", help="more LLM(...) keyword arguments, JSON")
     a = ap.parse_args(argv)
@@ -149,6 +151,11 @@ def main(argv=None) -> int:
     ps = prompts(cfg["vocab_size"])[: a.n_prompts]
     t0 = time.time()
     try:
+        if a.serve and a.serve_only:
+            report["serve"] = serve(a, ps[1], a.max_tokens)
+            report["total_s"] = round(time.time() - t0, 1)
+            dump()
+            return 0 if "error" not in report["serve"] else 1
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -43,7 +43,8 @@ def load(out: str) -> dict:
             continue
         if not isinstance(r, dict) or "model" not in r:
             continue
-        r["_lines"] = log_lines(os.path.join(out, name + ".log"))
+        # the server's own processes (API server, engine core) log into <name>.json.serve.log
+        r["_lines"] = log_lines(os.path.join(out, name + ".log")) + log_lines(p + ".serve.log")
         runs[name] = r
     return runs
 
@@ -162,9 +163,12 @@ def main(out: str) -> int:
                 if not ok:
                     failures.append(f"{n}: the mutation did not change the output")
                 continue
-            pt = parting(base["tokens"], base.get("margins"), r.get("tokens"))
-            print(f"- {n} ({r['mode']}, spec {r.get('spec') or '-'}): tokens == eager: {same}"
-                  f"{'' if same else f' (parting: prompt, position, eager top-2 gap: {pt})'}")
+            if r.get("tokens") is not None:
+                pt = parting(base["tokens"], base.get("margins"), r.get("tokens"))
+                print(f"- {n} ({r['mode']}, spec {r.get('spec') or '-'}): tokens == eager: {same}"
+                      f"{'' if same else f' (parting: prompt, position, eager top-2 gap: {pt})'}")
+            elif not r.get("serve"):
+                print(f"- {n} ({r['mode']}, spec {r.get('spec') or '-'}): no tokens")
             if r.get("tokens") is not None and not same and not near_ties_only(pt):
                 failures.append(f"{n}: tokens differ from eager {pt}")
             s = r.get("serve")

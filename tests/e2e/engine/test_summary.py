@@ -57,3 +57,28 @@ def test_first_token_check_counts_clear_selection_free_prompts_only():
 def test_dense_len_follows_the_indexer():
     assert first_token.dense_len(dict(index_topk=128)) == 128
     assert first_token.dense_len(dict(index_topk=8, compress_rates={"compressed_sparse_attention": 4})) == 32
+
+
+def _write(d, name, **r):
+    import json
+
+    r.setdefault("mode", "eager")
+    with open(os.path.join(d, name + ".json"), "w") as f:
+        json.dump(r, f)
+
+
+def test_serve_only_run_is_compared_with_the_eager_runs_second_prompt(tmp_path, capsys):
+    rng, ref, gaps = _runs(3)
+    _write(tmp_path, "v41e", model="v41", tokens=ref, margins=gaps)
+    _write(tmp_path, "v41s", model="v41", serve=dict(token_ids=list(ref[1]), ready_s=9.0, exit_rc=0))
+    with open(os.path.join(tmp_path, "v41s.json.serve.log"), "w") as f:
+        f.write("INFO dsv4_ops plugin (pid 4242): capability sm_80\n")
+    assert summary.main(str(tmp_path)) == 0
+    shown = capsys.readouterr().out
+    assert "tokens == LLM.generate: True" in shown and "4242" in shown   # the server's pid is read
+    wrong = list(ref[1])
+    wrong[rng.randrange(len(wrong))] += 1
+    _write(tmp_path, "v41s", model="v41", serve=dict(token_ids=wrong, ready_s=9.0, exit_rc=0))
+    assert summary.main(str(tmp_path)) == 1
+    _write(tmp_path, "v41s", model="v41", serve=dict(error="server exited rc=1 before ready"))
+    assert summary.main(str(tmp_path)) == 1
