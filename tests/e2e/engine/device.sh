@@ -11,7 +11,7 @@
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
 #   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
-#   E2E_EXTRA: JSON of more LLM(...) kwargs
+#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2, E2E_EXTRA2, E2E_LANE2_DELAY: a second lane (below)
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -38,26 +38,42 @@ from importlib.metadata import entry_points as e
 print('platform_plugins', sorted(x.value for x in e(group='vllm.platform_plugins')))
 print('general_plugins', sorted(x.value for x in e(group='vllm.general_plugins')))" | tee -a "$OUT/setup.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/setup.txt" 2>&1
-for run in ${E2E_RUNS:-v41e=v41:eager}; do
-  name=${run%%=*}; IFS=: read -r model mode a3 a4 a5 <<< "${run#*=}"
-  args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$R/$name.json")
-  envs=()
-  for x in "${a3:-}" "${a4:-}" "${a5:-}"; do
-    case "$x" in
-      serve) args+=(--serve);;
-      serveonly) args+=(--serve --serve-only);;   # no LLM.generate first: compared with the eager run
-      mutate) envs+=(DSV4_E2E_MUTATE=topk_off_by_one);;
-      dspark|mtp|deepseek_mtp) args+=(--spec-method "$x");;
-      [0-9]*) args+=(--spec-k "$x");;
-    esac
+lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs for this lane's runs
+  local run name model mode a3 a4 a5 x t left lim extra
+  for run in $1; do
+    name=${run%%=*}; IFS=: read -r model mode a3 a4 a5 <<< "${run#*=}"
+    args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$R/$name.json")
+    envs=()
+    for x in "${a3:-}" "${a4:-}" "${a5:-}"; do
+      case "$x" in
+        serve) args+=(--serve);;
+        serveonly) args+=(--serve --serve-only);;   # no LLM.generate first: compared with the eager run
+        mutate) envs+=(DSV4_E2E_MUTATE=topk_off_by_one);;
+        dspark|mtp|deepseek_mtp) args+=(--spec-method "$x");;
+        [0-9]*) args+=(--spec-k "$x");;
+      esac
+    done
+    extra=$(python3 -c "import json, sys; d = json.loads(sys.argv[1] or '{}'); d.update(json.loads(sys.argv[2] or '{}')); print(json.dumps(d) if d else '')" "${E2E_EXTRA:-}" "$2")
+    [ -n "$extra" ] && args+=(--extra "$extra")
+    t=$(date +%s); left=$(( ${E2E_TOTAL:-480} - 25 - (t - T0) )); lim=${E2E_RUN_TIMEOUT:-150}
+    [ "$left" -lt 30 ] && { echo "$name skipped: ${left} s left of E2E_TOTAL" | tee -a "$OUT/setup.txt"; continue; }
+    [ "$left" -lt "$lim" ] && lim=$left
+    env "${envs[@]}" timeout -k 10 "$lim" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t )) s${2:+ (lane 2: $2)}" | tee -a "$OUT/setup.txt"
   done
-  [ -n "${E2E_EXTRA:-}" ] && args+=(--extra "$E2E_EXTRA")
-  t=$(date +%s); left=$(( ${E2E_TOTAL:-480} - 25 - (t - T0) )); lim=${E2E_RUN_TIMEOUT:-150}
-  [ "$left" -lt 30 ] && { echo "$name skipped: ${left} s left of E2E_TOTAL" | tee -a "$OUT/setup.txt"; continue; }
-  [ "$left" -lt "$lim" ] && lim=$left
-  env "${envs[@]}" timeout -k 10 "$lim" python3 tests/e2e/engine/run_engine.py "${args[@]}" > "$R/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/setup.txt"
-done
+}
+# A second lane (E2E_RUNS2) runs beside the first on the same GPU, started E2E_LANE2_DELAY s later.
+# Its runs get a fixed KV size (E2E_EXTRA2, vLLM's kv_cache_memory_bytes: the profile run still
+# runs, its measurement is skipped) because vLLM's memory profile counts every process's growth on
+# the device as its own non-torch memory; the first lane's KV sizes may come out smaller for the
+# same reason (reported as measured).
+if [ -n "${E2E_RUNS2:-}" ]; then
+  X2='{"kv_cache_memory_bytes": 4294967296}'; X2=${E2E_EXTRA2:-$X2}
+  ( sleep "${E2E_LANE2_DELAY:-40}"; lane "$E2E_RUNS2" "$X2" ) &
+  LANE2=$!
+fi
+lane "${E2E_RUNS:-v41e=v41:eager}" ""
+[ -n "${LANE2:-}" ] && wait "$LANE2"
 cp "$B/first_token.json" "$R/" 2>/dev/null   # check (b)'s float64 first tokens (prepare_carry.sh)
 python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
 tar czf "$OUT/runs.tgz" -C "$R" .

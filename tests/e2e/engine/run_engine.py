@@ -74,6 +74,10 @@ def serve(a, prompt: list, max_tokens: int) -> dict:
            "--max-num-batched-tokens", str(a.batched_tokens), "--seed", "0"]
     if a.mode == "eager":
         cmd.append("--enforce-eager")
+    for k, v in (json.loads(a.extra) if a.extra else {}).items():   # scalar LLM kwargs as CLI flags
+        if not isinstance(v, (int, float, str)):
+            raise ValueError(f"--extra {k}: only scalar values become `vllm serve` flags")
+        cmd += ["--" + k.replace("_", "-"), str(v)]
     log = open(a.out + ".serve.log", "w")
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
