@@ -29,7 +29,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   depyf==0.20.0 astor==0.8.1 dill==0.4.1 blake3==1.0.11 orjson==3.13.0 prometheus-fastapi-instrumentator==8.1.0 \
   uvicorn==0.54.0 setproctitle==1.3.8 python-json-logger==4.2.0 ijson==3.6.0 lark==1.2.2 jsonschema==4.26.0 \
   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 model-hosting-container-standards==0.1.16 \
-  watchfiles==1.3.0 python-multipart==0.0.34
+  watchfiles==1.3.0 python-multipart==0.0.34 jmespath==1.1.0 supervisor==4.3.0
 # transformers: the V3.2 / GLM-5 oracle's modeling code (the image's 5.17 predates the version the test extra pins)
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$B/whl" transformers==5.20.2
 dsv4-ops audit-vllm --model both --json > "$B/audit.json"

@@ -302,9 +302,29 @@ def _weak_ref_tensor(t):
     return t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+# Kept C++ ops that vLLM's compile-pass modules (vllm/compilation/passes/fusion/*, imported by
+# vllm.compilation.backends, which DSpark's and MTP's draft loaders import even with
+# enforce_eager) name at import time as pattern-matcher targets. The fusion passes are off in
+# every run here, so these are never called: each is defined with a placeholder schema (not
+# vLLM's) and raises if anything calls it.
+IMPORT_ONLY_OPS = ("rotary_embedding", "static_scaled_fp8_quant", "dynamic_scaled_fp8_quant",
+                   "dynamic_per_token_scaled_fp8_quant", "rms_norm_static_fp8_quant",
+                   "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_quant",
+                   "fused_qk_norm_rope", "silu_and_mul_quant", "silu_and_mul_per_block_quant")
+
+
+def _import_only(name: str):
+    def never(x):
+        raise RuntimeError(f"_C.{name}: an import-only stand-in (tests/e2e/standins.IMPORT_ONLY_OPS) was "
+                           "called; the harness has no torch version of it")
+    return never
+
+
 def install(cpu: bool = True) -> None:
     """Register every stand-in that is not already defined (idempotent)."""
     c, cc, moe = _lib("_C"), _lib("_C_cache_ops"), _lib("_moe_C")
+    for name in IMPORT_ONLY_OPS:
+        _define(c, "_C", f"{name}(Tensor x) -> ()", _import_only(name))
     _define(c, "_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q, Tensor kv, Tensor(a!) cache, "
             "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, int pad_to, float eps, int block_size, "
             "bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, bool is_q_interleaved=False) -> Tensor",
@@ -428,6 +448,9 @@ class _PreBigFuse:
     eps); coefficients as ``mhc_pre_torch``; the streams are hc copies of the embedding, so the
     collapsed input is (sum_j pre_j) * x, RMS-normed with ``norm_weight``."""
 
+    def register_warmup(self, *args, **kwargs) -> None:   # nothing to compile (see _NotWarmed)
+        CALLS["mhc.warmup_dropped._MHC_PRE_BIG_FUSE_TILELANG_KERNEL"] += 1
+
     def __call__(self, mul, sqrsum, hc_scale, hc_base, residual, post_mix, comb_mix, layer_input, rms_eps,
                  hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, residual_out=None,
                  norm_weight=None, norm_eps=1e-6):
@@ -451,6 +474,50 @@ class _PreBigFuse:
             residual_out.copy_(residual.unsqueeze(1).expand_as(residual_out))
 
 
+class _NotWarmed:
+    """A TileLang mHC kernel object where tilelang is absent: vLLM's model code imports it by name
+    and registers it for its JIT warmup; the registration is counted and dropped (nothing to
+    compile: its wrapper runs as a torch stand-in); a call raises."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def register_warmup(self, *args, **kwargs) -> None:
+        CALLS[f"mhc.warmup_dropped.{self.name}"] += 1
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name}: a TileLang kernel without tilelang and without a torch stand-in")
+
+
+TILELANG_KERNEL_NAMES = ("_MHC_PRE_BIG_FUSE_TILELANG_KERNEL", "_HC_PRENORM_GEMM_TILELANG_KERNEL",
+                         "_MHC_POST_TILELANG_KERNEL", "_MHC_FUSED_TILELANG_KERNEL", "_HC_HEAD_FUSED_TILELANG_KERNEL")
+# names vLLM's V4.1 mHC warmup module imports from it (never called here: the wrappers run as torch)
+TILELANG_HELPER_NAMES = ("compute_num_split", "mhc_pre_big_fuse_with_norm_tilelang")
+
+
+def _install_tilelang_kernels_module() -> None:
+    """``vllm.model_executor.kernels.mhc.tilelang_kernels`` where tilelang cannot be imported: the
+    kernel objects vLLM's V4 code imports by name (its JIT-warmup registrations at model build,
+    the first-layer broadcast wrapper's epilogue, which runs ``_PreBigFuse``); any other name is
+    missing, so ``from ... import`` of it raises ImportError as before."""
+    import sys
+    import types
+
+    import vllm.model_executor.kernels.mhc as pkg
+
+    name = "vllm.model_executor.kernels.mhc.tilelang_kernels"
+    mod = types.ModuleType(name, "dsv4 e2e: TileLang mHC kernel objects without tilelang (standins.py)")
+    for attr in TILELANG_KERNEL_NAMES + TILELANG_HELPER_NAMES:   # the epilogue's stand-in or a refusal
+        setattr(mod, attr, MHC_STANDINS.get(attr) or _NotWarmed(attr))
+    sys.modules[name] = mod
+    pkg.tilelang_kernels = mod
+    # V4.1's mHC warmup kernel (a VllmJitKernel over the TileLang pre-norm fuse, imported from the
+    # module above): its registrations are dropped as the V4 kernels' are
+    from vllm.model_executor.kernels.mhc import warmup
+
+    warmup.MHC_PRE_NORM_KERNEL.register_warmup = _NotWarmed("MHC_PRE_NORM_KERNEL").register_warmup
+
+
 MHC_STANDINS = {"mhc_pre_tilelang": _mhc_pre, "mhc_fused_post_pre_tilelang": _mhc_fused_post_pre,
                 "hc_head_fused_kernel_tilelang": _hc_head, "_MHC_PRE_BIG_FUSE_TILELANG_KERNEL": _PreBigFuse(),
                 "mhc_pre_delayed_tilelang": _mhc_pre_delayed, "mhc_post_tilelang": _mhc_post,
@@ -466,8 +533,8 @@ def install_mhc() -> list:
 
     try:
         import vllm.model_executor.kernels.mhc.tilelang_kernels  # noqa: F401 (holds the kernel objects)
-    except ImportError:   # no tilelang (the H200 image): V4's broadcast path is not run there
-        pass
+    except ImportError:   # no tilelang (the H200 image): a module of stand-ins in its place
+        _install_tilelang_kernels_module()
 
     rebound = []
     for mod in list(sys.modules.values()):

@@ -6,7 +6,7 @@
 # tests/e2e/engine/prepare_carry.sh): the repo (worktree copy) with bundle/ (vllm_py.tar.xz,
 # whl/*.whl, audit.json, audit_v32.json: tests/e2e/make_bundle.sh; manifest.json:
 # tests/e2e/engine/checkpoints.py), from which the checkpoints are rewritten here (E2E_MODELS).
-#   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve|:serveonly][:mutate], e.g.
+#   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve|:serveonly][:mutate][:nojit], e.g.
 #     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
@@ -48,6 +48,7 @@ lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs f
       case "$x" in
         serve) args+=(--serve);;
         serveonly) args+=(--serve --serve-only);;   # no LLM.generate first: compared with the eager run
+        nojit) args+=(--no-jit-warmup);;
         mutate) envs+=(DSV4_E2E_MUTATE=topk_off_by_one);;
         dspark|mtp|deepseek_mtp) args+=(--spec-method "$x");;
         [0-9]*) args+=(--spec-k "$x");;

@@ -36,6 +36,13 @@ def prompts(vocab: int, seed: int = 0) -> list:
     return ps
 
 
+def top2(out) -> list:
+    """Per generated position, the top-2 [(token, logprob)] vLLM returned (logprobs=2): how far
+    two runs' logprobs drift apart on the positions where their tokens still agree."""
+    return [sorted(((int(t), round(x.logprob, 4)) for t, x in (lp or {}).items()), key=lambda y: -y[1])[:2]
+            for lp in out.outputs[0].logprobs or []]
+
+
 def margins(out) -> list:
     """Per generated position, the gap between the top-2 logprobs vLLM returned (logprobs=2):
     where two runs' greedy tokens part, this says whether the first one stood on a near-tie."""
@@ -50,9 +57,10 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.ckpt, tokenizer=a.ckpt, dtype="bfloat16", seed=0, max_model_len=2048,
               gpu_memory_utilization=a.gpu_mem, max_num_seqs=16, max_num_batched_tokens=a.batched_tokens,
               enforce_eager=a.mode == "eager", enable_prefix_caching=True)
-    if a.mode == "graphs":
-        # vLLM's JIT warmup imports its TileLang mHC kernels (tilelang is not on the device image;
-        # the mHC wrappers run as vLLM's torch references): the one default changed for graphs
+    if a.mode == "graphs" and a.no_jit_warmup:
+        # vLLM's JIT warmup off (ours runs through it, so ours is off too): a fallback where the
+        # warmup cannot run; by default it runs, the TileLang mHC registrations dropped by the
+        # stand-ins where tilelang is absent (standins._install_tilelang_kernels_module)
         kw["kernel_config"] = {"enable_jit_warmup": False}
     if a.spec_method:
         kw["speculative_config"] = dict(method=a.spec_method, num_speculative_tokens=a.spec_k)
@@ -134,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-method", default="")
     ap.add_argument("--spec-k", type=int, default=1)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--no-jit-warmup", action="store_true", help="graphs: kernel_config.enable_jit_warmup=False")
     ap.add_argument("--serve-only", action="store_true",
                     help="with --serve: no LLM.generate first (the summary compares with the model's eager run)")
     ap.add_argument("--serve-timeout", type=float, default=120)
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
     if a.mode == "eager":   # Python counters of torch.ops.dsv4_ampere calls (no graphs to break)
         os.environ.setdefault("DSV4_E2E_COUNT_OPS", "1")
     report = dict(model=a.model, mode=a.mode, spec=f"{a.spec_method}:{a.spec_k}" if a.spec_method else "",
-                  parent_pid=os.getpid())
+                  parent_pid=os.getpid(), mutation=os.environ.get("DSV4_E2E_MUTATE", ""))
 
     def dump():
         with open(a.out, "w") as f:
@@ -186,6 +195,7 @@ def main(argv=None) -> int:
         report["prompt_lens"] = [len(p) for p in ps]
         report["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         report["margins"] = [margins(o) for o in outs]
+        report["top2"] = [top2(o) for o in outs]
         report["first_logprobs"] = [
             {str(k): v.logprob for k, v in (o.outputs[0].logprobs[0] or {}).items()} for o in outs]
         # a second pass over the shared-prefix prompts: their prefix blocks are cached now
@@ -194,6 +204,7 @@ def main(argv=None) -> int:
         report["prefix_pass_s"] = round(time.time() - t2, 1)
         report["prefix_pass_tokens"] = [list(o.outputs[0].token_ids) for o in again]
         report["prefix_pass_margins"] = [margins(o) for o in again]
+        report["prefix_pass_top2"] = [top2(o) for o in again]
         report["prefix_pass_cached_tokens"] = [getattr(o, "num_cached_tokens", None) for o in again]
         report["worker_after"] = llm.collective_rpc(worker_report)
         dump()

@@ -42,3 +42,51 @@ def test_kv_rope_insert_is_the_kv_half_of_the_fused_insert(seed):
     changed = {b * bs + p for b in range(nb) for p in range(bs)
                if not torch.equal(ref[b, p * d:(p + 1) * d], poison[b, p * d:(p + 1) * d])}
     assert changed == {int(x) for x in slots if x >= 0}
+
+
+def test_tilelang_kernels_module_without_tilelang():
+    """Where tilelang cannot be imported (the H200 image), V4's code still imports the TileLang mHC
+    kernel objects by name: their warmup registrations are counted and dropped, the first-layer
+    broadcast epilogue runs the torch stand-in, any other kernel raises when called, and a name
+    the stand-in module lacks fails to import as before. A fresh process: the module is swapped."""
+    import subprocess
+
+    code = """
+import sys
+sys.modules["vllm.model_executor.kernels.mhc.tilelang_kernels"] = None   # as if tilelang were absent
+import standins
+standins.install_mhc()
+from vllm.model_executor.kernels.mhc.tilelang_kernels import _MHC_PRE_BIG_FUSE_TILELANG_KERNEL as big, _MHC_POST_TILELANG_KERNEL as post
+import vllm.model_executor.kernels.mhc.tilelang as tl
+big.register_warmup(None, hidden_size=8); post.register_warmup(hidden_size=8)
+assert standins.CALLS["mhc.warmup_dropped._MHC_POST_TILELANG_KERNEL"] == 1
+assert big is standins.MHC_STANDINS["_MHC_PRE_BIG_FUSE_TILELANG_KERNEL"]
+assert standins.CALLS["mhc.warmup_dropped._MHC_PRE_BIG_FUSE_TILELANG_KERNEL"] == 1
+try:
+    post(); raise SystemExit("a kernel without a stand-in ran")
+except RuntimeError as e:
+    assert "without tilelang" in str(e)
+try:
+    from vllm.model_executor.kernels.mhc.tilelang_kernels import mhc_pre_big_fuse_tilelang
+    raise SystemExit("a missing name imported")
+except ImportError:
+    pass
+from vllm.model_executor.kernels.mhc.warmup import MHC_PRE_NORM_KERNEL   # V4.1's: imports the module above
+MHC_PRE_NORM_KERNEL.register_warmup(split_mode="fused", max_tokens=64, hidden_size=8)
+assert standins.CALLS["mhc.warmup_dropped.MHC_PRE_NORM_KERNEL"] == 1
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")]), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_import_only_ops_are_defined_and_refuse_to_run():
+    """vLLM's compile-pass modules name these kept C++ ops at import (DSpark's and MTP's draft
+    loaders import them even eagerly): each exists after install() and raises when called."""
+    standins.install(cpu=True)
+    for name in standins.IMPORT_ONLY_OPS:
+        op = getattr(torch.ops._C, name).default
+        with pytest.raises(RuntimeError, match="import-only stand-in"):
+            op(torch.zeros(1))

@@ -82,3 +82,26 @@ def test_serve_only_run_is_compared_with_the_eager_runs_second_prompt(tmp_path, 
     assert summary.main(str(tmp_path)) == 1
     _write(tmp_path, "v41s", model="v41", serve=dict(error="server exited rc=1 before ready"))
     assert summary.main(str(tmp_path)) == 1
+
+
+def test_drift_is_the_largest_shared_token_logprob_move_before_the_parting():
+    rng, ref, gaps = _runs(4)
+    a = [[[(t, -rng.uniform(0.1, 2.0)), (t + 1, -3.0)] for t in p] for p in ref]
+    b = [[[(t, lp + rng.uniform(-0.01, 0.01)), alt] for (t, lp), alt in p] for p in a]
+    b[2][1] = [(b[2][1][0][0], a[2][1][0][1] - 0.2), b[2][1][1]]    # the largest move, before the parting
+    b[2][4] = [(b[2][4][0][0] + 1, -0.5), b[2][4][1]]               # the parting
+    other = [[x[0][0] for x in p] for p in b]
+    pt = summary.parting(ref, gaps, other)
+    assert pt == [(2, 4, gaps[2][4])]
+    assert summary.drift(a, b, pt) == [0.2]
+    assert summary.drift(None, b, pt) == [None]
+
+
+def test_a_mutated_run_is_told_by_its_report_not_its_name(tmp_path):
+    _, ref, gaps = _runs(5)
+    _write(tmp_path, "v41e", model="v41", tokens=ref, margins=gaps)
+    _write(tmp_path, "v41m", model="v41", tokens=ref, mutation="topk_off_by_one")   # unchanged: must fail
+    assert summary.main(str(tmp_path)) == 1
+    changed = [[(t + 1) % 500 for t in p] for p in ref]
+    _write(tmp_path, "v41m", model="v41", tokens=changed, mutation="topk_off_by_one")
+    assert summary.main(str(tmp_path)) == 0

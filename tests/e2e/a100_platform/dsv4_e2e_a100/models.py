@@ -3,6 +3,7 @@ e2e's tripwire and counters; ``worker_report`` returns them through ``LLM.collec
 
 from __future__ import annotations
 
+import functools
 import os
 
 from vllm.models.deepseek_v4.nvidia.model import DeepseekV4ForCausalLM as _V4
@@ -80,6 +81,7 @@ def worker_report(worker=None, *_args, **_kw) -> dict:
                 ops_called=dict(counters.OPS), plugin_routed=plugin.STATE.routed,
                 plugin_capability=plugin.STATE.capability,
                 triton_compiles=list(e2e_plugin.COMPILES),
+                triton_compiles_ours=[c for c in e2e_plugin.COMPILES if c.split("[", 1)[0] in _our_kernel_names()],
                 max_memory_allocated=torch.cuda.max_memory_allocated(),
                 max_memory_reserved=torch.cuda.max_memory_reserved(),
                 memory_profile={k: getattr(worker, k, None) for k in (
@@ -112,7 +114,8 @@ def profile_start(*_args, **_kw) -> int:
     return os.getpid()
 
 
-def _our_kernel_names() -> set:
+@functools.lru_cache(maxsize=1)
+def _our_kernel_names() -> frozenset:
     """Names of dsv4_ops' Triton kernels (every ``triton.jit`` function under the package and
     csrc_triton), the names CUPTI reports for their launches."""
     import ast
@@ -131,13 +134,14 @@ def _our_kernel_names() -> set:
             for n in ast.walk(tree):
                 if isinstance(n, ast.FunctionDef) and any("jit" in ast.unparse(x) for x in n.decorator_list):
                     names.add(n.name)
-    return names
+    return frozenset(names)
 
 
 def profile_stop(*_args, **_kw) -> dict:
     """Kernel counts of the trace since profile_start: every kernel, ours (dsv4_ops' Triton
-    kernel names), and those launched from a CUDA graph (kineto marks a replayed graph's
-    kernels with a graph id), plus the graph launches themselves."""
+    kernel names), and those launched from a CUDA graph: CUPTI gives every kernel the
+    correlation id of the runtime call that launched it, so a replayed graph's kernels carry the
+    id of a ``cudaGraphLaunch``; plus the graph launches themselves."""
     import json
     import tempfile
     from collections import Counter
@@ -153,6 +157,8 @@ def profile_stop(*_args, **_kw) -> dict:
     ours = _our_kernel_names()
     kern, in_graph, ours_all, ours_graph, rt = Counter(), Counter(), Counter(), Counter(), Counter()
     graph_keys = set()
+    graph_launch_ids = {(e.get("args") or {}).get("correlation") for e in ev
+                        if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "")} - {None}
     for e in ev:
         cat, name, args = e.get("cat", ""), e.get("name", ""), e.get("args") or {}
         if cat == "cuda_runtime" and "Graph" in name:
@@ -161,7 +167,7 @@ def profile_stop(*_args, **_kw) -> dict:
             continue
         gk = [k for k in args if "graph" in k.lower()]
         graph_keys.update(gk)
-        g = any(args.get(k) not in (None, 0, -1, "0") for k in gk)
+        g = args.get("correlation") in graph_launch_ids or any(args.get(k) not in (None, 0, -1, "0") for k in gk)
         kern[name] += 1
         is_ours = name in ours   # Triton names a launched kernel by its function (helpers never launch)
         if g:
