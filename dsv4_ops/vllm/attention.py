@@ -128,10 +128,11 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     else:
         comp2d, comp_bs = _paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
         topk_slots = _slots_2d(topk_indices, T)
-    # Lengths: the first T values are read (no slicing needed); written straight into output.
+    # Lengths: the first T values are read (no slicing needed); written straight into output; the
+    # lse is dropped (the eager paged step then writes it to scratch: no allocation).
     dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
                           swa_block_size, topk_length=topk_lens, num_splits=num_splits,
-                          swa_length=swa_lens, out=output)
+                          swa_length=swa_lens, out=output, return_lse=False)
 
 
 def dequantize_and_gather_k_cache_ampere(
