@@ -263,24 +263,26 @@ class _AmpereAttentionMixin:
         With ``DSV4_AMPERE_DECODE_GRAPHS=1`` the step replays a private CUDA graph per input
         key (``dsv4_ops.vllm.decode_graph``)."""
         T = swa_metadata.num_decode_tokens
-
-        def step() -> None:
-            topk_indices = topk_lens = None
-            comp_bs = 1
-            if not swa_only:
-                topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
-                comp_bs = attn_metadata.block_size // self.compress_ratio
-            # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
-            ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
-                          self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
-                          swa_metadata.decode_swa_lens, swa_metadata.block_size,
-                          None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
-                          self.attn_sink, self.scale)
-
         if _graphs_enabled():
-            decode_graph.run_forward_decode(self, step, (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
+            decode_graph.run_forward_decode(
+                self, lambda: self._decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T),
+                (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
         else:
-            step()
+            self._decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
+
+    def _decode_step(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T: int) -> None:
+        """One eager decode step of this layer (``ampere_decode`` on vLLM's caches and metadata)."""
+        topk_indices = topk_lens = None
+        comp_bs = 1
+        if not swa_only:
+            topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
+            comp_bs = attn_metadata.block_size // self.compress_ratio
+        # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
+        ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
+                      self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
+                      swa_metadata.decode_swa_lens, swa_metadata.block_size,
+                      None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
+                      self.attn_sink, self.scale)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """bf16 o_proj: inverse RoPE (torch) + grouped bmm with the load-time bf16 wo_a + wo_b."""
