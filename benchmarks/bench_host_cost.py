@@ -23,8 +23,10 @@ Columns: ``launches`` (Triton launches a call makes), ``kernels`` (which), ``fas
 ``eager_us`` (N eager calls back to back, one synchronize at the end, per call, best of 3),
 ``eager_slow_launch_us`` (steps only: the same with the direct launch and the plan replay off,
 every launch through ``kernel[grid](...)``), ``graph_us`` (in a CUDA graph, 20 calls a replay),
-``eager/graph``. Goals (H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op
-above 25 us.
+``eager/graph``. The step rows of the paged op run the composite's kept plans
+(``dsv4_decode._kept_step``: one plan per layout, partials in per-stream scratch, the plugin's lse
+dropped), not the ops' recorded-plan replays: their ``replay`` is 0. Goals (H200 host): whole step
+at T = 1, H = 8 <= 40 us eager; no op above 25 us.
 
 ``--mock`` (no GPU needed): CPU tensors, every Triton launch replaced by a no-op compiled
 kernel (the direct path is exercised: key, cache hit, ``run``), and every dsv4_ampere op's CPU
