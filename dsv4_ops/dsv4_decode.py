@@ -12,11 +12,13 @@ attended) or the entry is past the token's length (j >= topk_length[t] / swa_len
 Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync, so the
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
 Host cost (vLLM runs this eagerly for mixed prefill + decode batches, per layer per
-step): in plain eager CUDA calls (``_direct_op``, ``_host_plan.direct_ok``: no compile, mode, functorch
-transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the route
-(dispatch.decode.route) is memoised per (T, H, K, shared memory, window tables) and the
-environment it reads (``_host_plan.env_memo``); the ops themselves replay recorded launch plans
-(``_host_plan.planned``).
+step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, functorch transform or
+profiler) the paged op's step runs from a kept plan (``_kept_step``: one ``paged_plan.PagedPlan`` per
+layout, made on the first call and reused by every layer of every step with that layout; no
+allocation when ``out`` is given and the lse dropped: the partials live in per-stream scratch);
+the workspace step's ops are called without the dispatcher hop (``_direct_op``), its route
+memoised per (T, H, K, shared memory, window tables) and the environment it reads
+(``_host_plan.env_memo``), the ops replaying recorded launch plans (``_host_plan.planned``).
 Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
