@@ -343,6 +343,7 @@ def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, nu
             lse = torch.empty((p.T, p.H), dtype=torch.float32, device=q.device)
     _pp.launch_paged(p, q, cc, topk, topk_length, cw, swa, swa_length, sink, sm_scale, out, lse, o_part, lse_part,
                      compiled=aligned)
+    _host_plan.STATS["kept"] += 1
     if _host_plan.DIRECT_OBSERVERS:
         args = (q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink, sm_scale, num_splits, out)
         for observe in _host_plan.DIRECT_OBSERVERS:

@@ -13,7 +13,8 @@ layout) and launches through the compiled kernels directly, into ``scratch`` buf
 
 Scratch (``scratch_partials``): the split partials (o_part fp32 [T, H, S, 512], lse_part fp32
 [T, H, S]) and, for a caller that drops it, the lse fp32 [T, H] come from one buffer per (device,
-stream), grown (never shrunk) to the largest call seen: no allocation per call. Safe because every
+stream), grown (never shrunk; exactly to the size asked, the old buffer freed first) to the
+largest call seen: no allocation per call once warm. Safe because every
 user of a buffer runs on that one stream, in order: a call's merge has read the partials before
 the next call's attention kernel writes them. Never used while the stream is capturing a CUDA
 graph (a graph would keep the buffer's address while a later growth frees it): captured calls
@@ -192,8 +193,11 @@ def scratch_partials(p: PagedPlan, device: torch.device, want_lse: bool):
     x0 = l0 + -(-n_l // 4) * 4
     need = x0 + n_x
     if entry is None or entry[0].numel() < need or entry[0].device != device:
-        size = max(need, 2 * entry[0].numel() if entry is not None else 0)
-        entry = _SCRATCH[key] = [torch.empty(size, dtype=torch.float32, device=device), {}]
+        # the old buffer goes first (stream-ordered reuse is safe): a growth never holds both, and
+        # the exact size keeps a call's peak what dsv4_decode.decode_peak_bytes accounts
+        _SCRATCH.pop(key, None)
+        entry = None
+        entry = _SCRATCH[key] = [torch.empty(need, dtype=torch.float32, device=device), {}]
     buf = entry[0]
     views = (buf[o0:o0 + n_o].view(T, H, S, HEAD_DIM) if S else None,
              buf[l0:l0 + n_l].view(T, H, S) if S else None,

@@ -136,13 +136,14 @@ def test_one_plan_serves_every_layer_of_a_step(mocked, monkeypatch):
     real = paged_plan.make_paged_plan
     monkeypatch.setattr(paged_plan, "make_paged_plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     step = inputs(1, 8, 512, 128, seed=1)
+    k0 = _host_plan.STATS["kept"]
     for layer in range(40):
         a = inputs(1, 8, 512, 128, seed=100 + layer)
         a.update(topk_slots=step["topk_slots"], swa_slots=step["swa_slots"], topk_length=step["topk_length"],
                  swa_length=step["swa_length"])
         out, lse = dsv4_decode.dsv4_decode_attention(**a, return_lse=False)
         assert out is a["out"] and lse is None
-    assert len(made) == 1 and _kept_plans() == made
+    assert len(made) == 1 and _kept_plans() == made and _host_plan.STATS["kept"] - k0 == 40
 
 
 def test_plan_is_remade_when_T_or_the_sm_count_changes(mocked, monkeypatch):
