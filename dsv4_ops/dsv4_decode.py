@@ -162,7 +162,7 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     Eager CUDA calls of the paged op (the common case) take ``_kept_step``: the layout's plan,
     made once and reused by every later call (every layer of a vLLM step), no allocation.
     """
-    if workspace is None and _host_plan.ENABLED and _host_plan.direct_ok(q):
+    if workspace is None and _host_plan.ENABLED and _host_plan.direct_ok(q) and q.dtype is torch.bfloat16:
         r = _kept_step(q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, sm_scale, compressed_block_size,
                        swa_block_size, topk_length, num_splits, swa_length, out, return_lse)
         if r is not None:

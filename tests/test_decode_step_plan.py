@@ -203,6 +203,8 @@ def test_general_path_when_the_kept_path_does_not_apply(mocked, monkeypatch):
     bad = dict(a, sink=torch.randn(9))
     with pytest.raises(ValueError, match="sink"):
         dsv4_decode.dsv4_decode_attention(**bad)
+    with pytest.raises(ValueError, match="q"):  # the composite takes bf16 q only (the op fp16 too)
+        dsv4_decode.dsv4_decode_attention(**dict(a, q=a["q"].half()))
     strided = dict(a, topk_slots=torch.randint(0, 8, (1, 1024), dtype=torch.int32)[:, ::2])
     dsv4_decode.dsv4_decode_attention(**strided)
     assert not _kept_plans()
