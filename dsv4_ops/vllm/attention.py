@@ -264,13 +264,12 @@ class _AmpereAttentionMixin:
         key (``dsv4_ops.vllm.decode_graph``)."""
         T = swa_metadata.num_decode_tokens
         if _graphs_enabled():
-            decode_graph.run_forward_decode(
-                self, lambda: self._decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T),
-                (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
+            args = (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
+            decode_graph.run_forward_decode(self, lambda: self._dsv4_ampere_decode_step(*args), args)
         else:
-            self._decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
+            self._dsv4_ampere_decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
 
-    def _decode_step(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T: int) -> None:
+    def _dsv4_ampere_decode_step(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T: int) -> None:
         """One eager decode step of this layer (``ampere_decode`` on vLLM's caches and metadata)."""
         topk_indices = topk_lens = None
         comp_bs = 1
