@@ -287,32 +287,22 @@ def _make_kept(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, 
     return plan, aligned
 
 
-def _kept_plan(args):
-    """The kept (PagedPlan, aligned) of a call, or _SLOW (made on a miss; a miss that raises is
-    not kept: the general path raises it again with its own message)."""
-    env = _host_plan._ENVIRON
-    if env is None:
-        return _SLOW
-    get = env.get
+def _kept_miss(key, k, args):
+    """Make (and keep) the plan of a key not kept yet: (PagedPlan, aligned) or _SLOW; a planning that
+    raises is not kept (the general path raises it again with its own message)."""
     try:
-        key = _kept_key(*args)
-        k = (key, tuple([get(n) for n in _KEPT_ENV]))
-        v = _KEPT.get(k)
-    except (AttributeError, TypeError, RuntimeError):  # a non-tensor, an unhashable argument, no storage
+        v, read = _host_plan._read_env_logged(_make_kept, args + (key[-1] == 0,))
+    except (ValueError, TypeError, RuntimeError):
         return _SLOW
-    if v is None:
-        try:
-            v, read = _host_plan._read_env_logged(_make_kept, args + (key[-1] == 0,))
-        except (ValueError, TypeError, RuntimeError):
-            return _SLOW
-        new = [n for n in sorted(read or (), key=repr) if n not in _KEPT_ENV]
-        if new:
-            _KEPT_ENV.extend(new)
-            _KEPT.clear()
-            k = (key, tuple([get(n) for n in _KEPT_ENV]))
-        if len(_KEPT) >= _host_plan.MAX_KEYS:
-            _KEPT.clear()
-        _KEPT[k] = v
+    new = [n for n in sorted(read or (), key=repr) if n not in _KEPT_ENV]
+    if new:
+        _KEPT_ENV.extend(new)
+        _KEPT.clear()
+        get = _host_plan._ENVIRON.get
+        k = (key, tuple([get(n) for n in _KEPT_ENV]))
+    if len(_KEPT) >= _host_plan.MAX_KEYS:
+        _KEPT.clear()
+    _KEPT[k] = v
     return v
 
 
@@ -326,7 +316,18 @@ def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, nu
     """The eager paged step from its kept plan: out allocated when None, lse allocated only when
     returned, the partials (and a dropped lse) in paged_plan's per-stream scratch, except while the
     stream captures a graph (then allocated, as the op does). None: the general path runs."""
-    got = _kept_plan((q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w))
+    env = _host_plan._ENVIRON
+    if env is None:
+        return None
+    get = env.get
+    try:
+        key = _kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w)
+        k = (key, tuple([get(n) for n in _KEPT_ENV]))
+        got = _KEPT.get(k)
+    except (AttributeError, TypeError, RuntimeError):  # a non-tensor, an unhashable argument, no storage
+        return None
+    if got is None:
+        got = _kept_miss(key, k, (q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w))
     if got is _SLOW:
         return None
     p, aligned = got
