@@ -19,12 +19,15 @@ host cost of our calls every step. Rows, at T in {1, 4} x H in {8, 64}:
 
 Columns: ``launches`` (Triton launches a call makes), ``kernels`` (which), ``fast`` / ``slow``
 (FastKernel direct / normal launches during the timed loop: slow should be 0), ``replay``
-(calls served by ``dsv4_ops._host_plan``'s recorded plans during the timed loop),
+(calls served by ``dsv4_ops._host_plan``'s recorded plans or the composite's kept plans during
+the timed loop),
 ``eager_us`` (N eager calls back to back, one synchronize at the end, per call, best of 3),
 ``eager_slow_launch_us`` (steps only: the same with the direct launch and the plan replay off,
 every launch through ``kernel[grid](...)``), ``graph_us`` (in a CUDA graph, 20 calls a replay),
-``eager/graph``. Goals (H200 host): whole step at T = 1, H = 8 <= 40 us eager; no op
-above 25 us.
+``eager/graph``. The step rows of the paged op run the composite's kept plans
+(``dsv4_decode._kept_step``: one plan per layout, partials in per-stream scratch, the plugin's lse
+dropped), counted in ``replay`` with the ops' recorded-plan replays. Goals (H200 host): whole step
+at T = 1, H = 8 <= 40 us eager; no op above 25 us.
 
 ``--mock`` (no GPU needed): CPU tensors, every Triton launch replaced by a no-op compiled
 kernel (the direct path is exercised: key, cache hit, ``run``), and every dsv4_ampere op's CPU
@@ -84,7 +87,8 @@ def _stats():
 
 
 def _replays() -> int:
-    return _host_plan.STATS["replay"] if _host_plan is not None else 0
+    """Calls served by a plan: the ops' recorded replays and the composite's kept plans."""
+    return _host_plan.STATS["replay"] + _host_plan.STATS.get("kept", 0) if _host_plan is not None else 0
 
 
 def launch_info(fn):

@@ -12,11 +12,13 @@ attended) or the entry is past the token's length (j >= topk_length[t] / swa_len
 Everything here calls ``torch.ops.dsv4_ampere.*`` on static shapes: no host sync, so the
 composite captures into a CUDA graph and traces under ``torch.compile(fullgraph=True)``.
 Host cost (vLLM runs this eagerly for mixed prefill + decode batches, per layer per
-step): in plain eager CUDA calls (``_direct_op``, ``_host_plan.direct_ok``: no compile, mode, functorch
-transform or profiler) the ops' CUDA kernels are called without the dispatcher hop; the route
-(dispatch.decode.route) is memoised per (T, H, K, shared memory, window tables) and the
-environment it reads (``_host_plan.env_memo``); the ops themselves replay recorded launch plans
-(``_host_plan.planned``).
+step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, functorch transform or
+profiler) the paged op's step runs from a kept plan (``_kept_step``: one ``paged_plan.PagedPlan`` per
+layout, made on the first call and reused by every layer of every step with that layout; no
+allocation when ``out`` is given and the lse dropped: the partials live in per-stream scratch);
+the workspace step's ops are called without the dispatcher hop (``_direct_op``), its route
+memoised per (T, H, K, shared memory, window tables) and the environment it reads
+(``_host_plan.env_memo``), the ops replaying recorded launch plans (``_host_plan.planned``).
 Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
 build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
 when the caller gives the output buffer). Argument checks live in the ops (cheap
@@ -35,7 +37,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import _host_plan
+from . import _host_plan, envs
+from . import paged_plan as _pp
 from .dispatch import decode as _dd
 from .dispatch import device as _device
 from .layout import HEAD_DIM
@@ -143,7 +146,8 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
                           topk_length: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
                           num_splits: int = 0, swa_length: Optional[torch.Tensor] = None,
-                          out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                          out: Optional[torch.Tensor] = None, return_lse: bool = True
+                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One DSv4 decode attention step.
 
     q bf16 [T, H, 512]; compressed_cache, swa_cache uint8 [num_blocks, page_bytes] (584-byte
@@ -151,9 +155,18 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     cache (-1: none); swa_slots int [T, K2] slots of the window cache (-1: none); sink float
     [H] or None; topk_length / swa_length int [>= T] or None (entries j >= length[t] are
     ignored); workspace bf16 [>= T*(K1+K2), 512] contiguous or None (allocated); num_splits
-    0 = heuristic; out bf16 [T, H, 512] (dims unit-stride) to write in place, or None.
-    Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
+    0 = heuristic; out bf16 [T, H, 512] (dims unit-stride) to write in place, or None;
+    return_lse False: the lse is not returned (None), so the eager paged path writes it into
+    scratch instead of allocating it.
+    Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H] (or None).
+    Eager CUDA calls of the paged op (the common case) take ``_kept_step``: the layout's plan,
+    made once and reused by every later call (every layer of a vLLM step), no allocation.
     """
+    if workspace is None and _host_plan.ENABLED and _host_plan.direct_ok(q) and q.dtype is torch.bfloat16:
+        r = _kept_step(q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, sm_scale, compressed_block_size,
+                       swa_block_size, topk_length, num_splits, swa_length, out, return_lse)
+        if r is not None:
+            return r
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.bfloat16):
         from ._checks import check_tensor
 
@@ -179,13 +192,11 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                 smem = _device.known_smem(q.get_device())
                 num_splits = _dd.composite_splits(T, H, K, _device.num_sms_at(q.get_device()), smem,
                                                   _dd.fused_form(T, H, K, smem), bs)
-            elif _dd.composite_may_cap(T, H, K):
-                smem = _device.smem_per_block(q.get_device())
-                form = _dd.paged_form(None, T, H, K, smem, compressed_cache, swa_cache)
-                num_splits = _paged_splits_memo(T, H, K, _device.num_sms_at(q.get_device()), smem, form, bs)
+            else:
+                num_splits = _capped_splits(q, compressed_cache, swa_cache, T, H, K, bs)
         lse = _fused_out(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
                          swa_length, swa_block_size, sink, sm_scale, num_splits, out)
-        return out, lse
+        return out, (lse if return_lse else None)
     if workspace is None:
         workspace = torch.empty((rows, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):
@@ -198,6 +209,144 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                                        compressed_block_size, swa_cache, swa_slots, swa_length, swa_block_size,
                                        workspace)
     if out is None:
-        return _sparse_mla_decode(q, workspace, indices, None, sink, sm_scale, num_splits)
+        out, lse = _sparse_mla_decode(q, workspace, indices, None, sink, sm_scale, num_splits)
+        return out, (lse if return_lse else None)
     lse = _sparse_mla_decode_out(q, workspace, indices, None, sink, sm_scale, num_splits, out)
-    return out, lse
+    return out, (lse if return_lse else None)
+
+
+def _capped_splits(q, compressed_cache, swa_cache, T: int, H: int, K: int, block_sizes: tuple) -> int:
+    """The num_splits the composite passes to the paged op (eager): 0 (the op's plan) unless the
+    partials must be capped (dispatch.decode.composite_splits)."""
+    if not _dd.composite_may_cap(T, H, K):
+        return 0
+    smem = _device.smem_per_block(q.get_device())
+    form = _dd.paged_form(None, T, H, K, smem, compressed_cache, swa_cache)
+    return _paged_splits_memo(T, H, K, _device.num_sms_at(q.get_device()), smem, form, block_sizes)
+
+
+# ---- the kept plans of the eager paged step ----------------------------------------------------
+# Key: every layout fact the composite's and the paged op's decisions and checks read (shapes,
+# strides, dtypes, devices of every argument; the caches' address and storage offset % 16; the
+# other arguments' addresses OR-ed % 16: when 0 the compiled kernels of the plan are called
+# directly), the current device, the window tables, the overrides and the environment variables
+# the planning read (learnt as _host_plan.env_memo learns them). One plan serves every layer of a
+# step (same T, H, K, caches' layout) and every later step of that T: nothing is set per step.
+_KEPT: dict = {}
+_KEPT_ENV: list = []
+_host_plan._TABLES.append(_KEPT)  # _host_plan.clear() forgets them too
+_SLOW = object()  # the layout takes the general path (workspace step, a copy, a bad argument)
+
+
+def _kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w):
+    """The layout key of one composite call (see above); AttributeError for a non-tensor."""
+    return (torch._C._cuda_getDevice(), envs._OVERRIDE_KEY, _dd.windows_identity(), bs_c, bs_w, num_splits,
+            q.dtype, q.shape, q.stride(), q.get_device(),
+            topk.dtype, topk.shape, topk.stride(), topk.get_device(),
+            swa.dtype, swa.shape, swa.stride(), swa.get_device(),
+            cc.dtype, cc.shape, cc.stride(), cc.get_device(), cc.data_ptr() & 15, cc.storage_offset() & 15,
+            cw.dtype, cw.shape, cw.stride(), cw.get_device(), cw.data_ptr() & 15, cw.storage_offset() & 15,
+            None if sink is None else (sink.dtype, sink.shape, sink.stride(), sink.get_device()),
+            None if topk_length is None else (topk_length.dtype, topk_length.shape, topk_length.stride(),
+                                              topk_length.get_device()),
+            None if swa_length is None else (swa_length.dtype, swa_length.shape, swa_length.stride(),
+                                             swa_length.get_device()),
+            None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
+            (q.data_ptr() | topk.data_ptr() | swa.data_ptr() | (0 if sink is None else sink.data_ptr())
+             | (0 if topk_length is None else topk_length.data_ptr())
+             | (0 if swa_length is None else swa_length.data_ptr()) | (0 if out is None else out.data_ptr())) & 15)
+
+
+def _make_kept(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w, aligned):
+    """The PagedPlan of a composite call that the paged op serves without a copy, else _SLOW.
+    The composite's decisions (route, cap) and the op's checks and decisions, as the general path
+    makes them."""
+    from . import paged_decode
+    from .attention import check_splits
+    from .dispatch import variant_for
+
+    T, H, K = q.shape[0], q.shape[1], topk.shape[1] + swa.shape[1]
+    if topk.dim() != 2 or topk.shape[0] != T:
+        return _SLOW
+    choice = _dd.route(_dd.mode(), T, H, K, _device.smem_per_block(q.get_device()))
+    if not _dd.uses_fused_op(choice, cc, cw):
+        return _SLOW
+    paged_decode.check_fused_args(q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink, out)
+    if (topk.stride(1) != 1 and topk.shape[1]) or (swa.stride(1) != 1 and swa.shape[1]) \
+            or any(x is not None and x.stride(0) != 1 for x in (topk_length, swa_length)) \
+            or (sink is not None and (sink.dtype != torch.float32 or (sink.stride(0) != 1 and H > 1))):
+        return _SLOW  # the launcher would copy: the general path
+    if not num_splits:
+        num_splits = _capped_splits(q, cc, cw, T, H, K, (bs_c, bs_w))
+    if num_splits:
+        check_splits(num_splits)
+    if out is None:
+        out = torch.empty_strided((T, H, HEAD_DIM), (H * HEAD_DIM, HEAD_DIM, 1), dtype=torch.bfloat16, device="meta")
+    plan = _pp.make_paged_plan(q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink is not None,
+                               num_splits, out, variant_for(q))
+    return plan, aligned
+
+
+def _kept_miss(key, k, args):
+    """Make (and keep) the plan of a key not kept yet: (PagedPlan, aligned) or _SLOW; a planning that
+    raises is not kept (the general path raises it again with its own message)."""
+    try:
+        v, read = _host_plan._read_env_logged(_make_kept, args + (key[-1] == 0,))
+    except (ValueError, TypeError, RuntimeError):
+        return _SLOW
+    new = [n for n in sorted(read or (), key=repr) if n not in _KEPT_ENV]
+    if new:
+        _KEPT_ENV.extend(new)
+        _KEPT.clear()
+        get = _host_plan._ENVIRON.get
+        k = (key, tuple([get(n) for n in _KEPT_ENV]))
+    if len(_KEPT) >= _host_plan.MAX_KEYS:
+        _KEPT.clear()
+    _KEPT[k] = v
+    return v
+
+
+def clear_kept() -> None:
+    """Forget the kept plans (after changing module constants the planning reads)."""
+    _KEPT.clear()
+
+
+def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
+               return_lse):
+    """The eager paged step from its kept plan: out allocated when None, lse allocated only when
+    returned, the partials (and a dropped lse) in paged_plan's per-stream scratch, except while the
+    stream captures a graph (then allocated, as the op does). None: the general path runs."""
+    env = _host_plan._ENVIRON
+    if env is None:
+        return None
+    get = env.get
+    try:
+        key = _kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w)
+        k = (key, tuple([get(n) for n in _KEPT_ENV]))
+        got = _KEPT.get(k)
+    except (AttributeError, TypeError, RuntimeError):  # a non-tensor, an unhashable argument, no storage
+        return None
+    if got is None:
+        got = _kept_miss(key, k, (q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w))
+    if got is _SLOW:
+        return None
+    p, aligned = got
+    if out is None:
+        out = torch.empty((p.T, p.H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    if q.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
+        lse = torch.empty((p.T, p.H), dtype=torch.float32, device=q.device)
+        o_part = lse_part = None
+        if not p.direct:
+            o_part, lse_part = (torch.empty(s, dtype=torch.float32, device=q.device) for s in p.partials_shape())
+    else:
+        o_part, lse_part, lse = _pp.scratch_partials(p, q.device, not return_lse)
+        if return_lse:
+            lse = torch.empty((p.T, p.H), dtype=torch.float32, device=q.device)
+    _pp.launch_paged(p, q, cc, topk, topk_length, cw, swa, swa_length, sink, sm_scale, out, lse, o_part, lse_part,
+                     compiled=aligned)
+    _host_plan.STATS["kept"] += 1
+    if _host_plan.DIRECT_OBSERVERS:
+        args = (q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink, sm_scale, num_splits, out)
+        for observe in _host_plan.DIRECT_OBSERVERS:
+            observe("dsv4_decode_fused_out", args, lse)
+    return out, (lse if return_lse else None)

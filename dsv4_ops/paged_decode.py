@@ -6,7 +6,8 @@ Two forms (dispatch.decode.resolve_paged_form): v1, csrc_triton.decode.paged_chu
 chunks of each record, any alignment); v3 over 16-byte aligned caches, with a launch config
 (dispatch.decode.resolve_v3_config) that runs csrc_triton.decode.paged_chunk128 (configs h...,
 4 x 128-dim chunks) or csrc_triton.decode.paged_f16dot (configs kh / gh..., the E4M3 codes as
-fp16 dot operands). Split counts: dispatch.decode.fused_plan / v3_plan. Semantics: the workspace
+fp16 dot operands). Split counts: dispatch.decode.fused_plan / v3_plan. Every decision of a call is made by
+dsv4_ops.paged_plan.make_paged_plan (one home, shared with the composite's kept plans). Semantics: the workspace
 step's (dsv4_ops.dsv4_decode), reference ``reference.ref_dsv4_decode_fused``.
 
 Launchers never sync the host and allocate only their outputs (plus the partials when they
@@ -21,18 +22,14 @@ import torch
 
 from . import kv_cache as _kv
 from ._checks import check_last_dim, check_tensor
-from ._launch import fast
-from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _launch_merge, _sink, check_splits, split_outputs_like
+from . import paged_plan as _pp
+from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _sink, check_splits, split_outputs_like
 from .csrc_triton.decode import paged_chunk64 as _pk
 from .csrc_triton.decode import paged_chunk128 as _vk
 from .csrc_triton.decode import paged_f16dot as _v4k
-from .dispatch import decode as _dd
-from .dispatch import device as _device
 from .dispatch import variant_for
 
-_fused_kernel = fast(_pk._dsv4_decode_fused_kernel)
-_v3_kernel = fast(_vk._dsv4_decode_v3_kernel)
-_v4_kernel = fast(_v4k._dsv4_decode_v4_kernel)
+_fused_kernel, _v3_kernel, _v4_kernel = _pp._fused_kernel, _pp._v3_kernel, _pp._v4_kernel
 
 
 def check_fused_args(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
@@ -124,93 +121,18 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     variant = variant or variant_for(q)
     if out is None:
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    dev = q.get_device()
-    form = _dd.paged_form(form, T, H, K1 + K2, _device.smem_per_block(dev) if form is None else -1,
-                          compressed_cache, swa_cache)
-    if form == "v3":
-        return _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
-                          swa_length, swa_block_size, sink, sm_scale, num_splits, out, variant, config)
-    plan = _dd.fused_plan(T, H, K1 + K2, _device.num_sms_at(dev), num_splits)
-    cfg = _pk.FUSED_CONFIG[plan.block_h]
-    consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
-    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
-               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
+    plan = _pp.make_paged_plan(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
+                               swa_slots, swa_length, swa_block_size, sink is not None, num_splits, out, variant,
+                               form, config)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if plan.direct:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-        if T and H:
-            _fused_kernel(
-                (T * plan.groups,),
-                (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
-                 H, K1, K2, 1, plan.groups, float(sm_scale),
-                 q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
-                 *scalars),
-                consts_head + (sink is not None, True, cfg["PIPELINE"]), cfg["num_warps"],
-                cfg["num_stages"])
+        _pp.launch_paged(plan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink,
+                         sm_scale, out, lse)
         return out, lse
-    S = plan.splits
-    o_part, lse_part = split_outputs_like(q, S)
-    if T and H:
-        _fused_kernel(
-            (T * S * plan.groups,),
-            (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
-             H, K1, K2, S, plan.groups, float(sm_scale),
-             q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
-            consts_head + (False, False, cfg["PIPELINE"]), cfg["num_warps"], cfg["num_stages"])
-    return _launch_merge(o_part, lse_part, sink, out, variant)
-
-
-def _capped_v4(maxnreg: int):
-    """A launch of the paged_f16dot kernel with a register cap, through Triton's own launch."""
-    def kernel(grid, args, consts, num_warps, num_stages):
-        _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    return kernel
-
-
-def _launch_v3(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots, swa_length,
-               swa_block_size, sink, sm_scale, num_splits, out, variant, config):
-    """The v3 form over 16-byte aligned caches, inputs checked: csrc_triton.decode.paged_chunk128 or, for a
-    paged_f16dot config (dispatch.decode.is_f16dot), the fp16-dot kernel of the same contract; the
-    config is dispatch.decode.resolve_v3_config's."""
-    T, H = q.shape[0], q.shape[1]
-    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
-    dev = q.get_device()
-    sms = _device.num_sms_at(dev)
-    name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else _device.smem_per_block(dev), config,
-                                (compressed_block_size, swa_block_size), sms)
-    cfg = _dd.v3_config(name)
-    plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name)
-    consts_head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
-    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
-               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
-    if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
-        scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
-                   scalars[3], swa_block_size.bit_length() - 1, scalars[5])
-        consts_tail = (True, cfg["PV_KEY"], cfg.get("STREAM", False), cfg.get("WIDE_PV", False))
-        # register-capped: the plain launch (no fast path for it)
-        kernel = _capped_v4(cfg["maxnreg"]) if cfg.get("maxnreg") and _v4_kernel.jit else _v4_kernel
-    else:
-        kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
-    if plan.direct:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-        if T and H:
-            kernel(
-                (T * plan.groups,),
-                (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
-                 H, K1, K2, 1, plan.groups, float(sm_scale),
-                 q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
-                 *scalars),
-                consts_head + (sink is not None, True) + consts_tail, cfg["num_warps"], cfg["num_stages"])
-        return out, lse
-    S = plan.splits
-    o_part, lse_part = split_outputs_like(q, S)
-    if T and H:
-        kernel(
-            (T * S * plan.groups,),
-            (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part, lse_part,
-             H, K1, K2, S, plan.groups, float(sm_scale),
-             q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars),
-            consts_head + (False, False) + consts_tail, cfg["num_warps"], cfg["num_stages"])
-    return _launch_merge(o_part, lse_part, sink, out, variant)
+    o_part, lse_part = split_outputs_like(q, plan.splits)
+    _pp.launch_paged(plan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink,
+                     sm_scale, out, lse, o_part, lse_part)
+    return out, lse
 
 
 def _fused_specs(variant, KernelSpec, optional_pointer):

@@ -192,7 +192,9 @@ def decode_world(kind, device="cpu", T=3, H=8, W=16, K=32, bs=16, nblk=4, seed=0
 def _bind(layer, base):
     """Give the recorder the mixin's methods and the base class, as the real subclass has."""
     layer._attrs.update(_dsv4_ampere_base=base,
-                        _decode_topk=lambda *a: vattn._AmpereAttentionMixin._decode_topk(layer, *a))
+                        _decode_topk=lambda *a: vattn._AmpereAttentionMixin._decode_topk(layer, *a),
+                        _dsv4_ampere_decode_step=lambda *a: vattn._AmpereAttentionMixin._dsv4_ampere_decode_step(
+                            layer, *a))
 
 
 @pytest.mark.parametrize("kind", ["swa_only", "c4a", "c128a", "v41"])
@@ -210,7 +212,7 @@ def test_forward_decode_key_covers_every_read(kind, monkeypatch):
     for r in (layer, sm, am, layer.swa_cache_layer):
         if r is not None:
             r.__dict__["_log"] = key_reads
-    body_reads -= {"layer._decode_topk", "layer._dsv4_ampere_base"}  # methods / class, not data
+    body_reads -= {"layer._decode_topk", "layer._dsv4_ampere_decode_step", "layer._dsv4_ampere_base"}  # methods / class
     dg.forward_decode_key(layer, q, kv, sm, am, swa_only, out, sm.num_decode_tokens)
     assert body_reads <= key_reads, f"read by the decode but not keyed: {sorted(body_reads - key_reads)}"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import dispatch, dsv4_decode, paged_decode, reference
+from dsv4_ops import dispatch, dsv4_decode, paged_decode, paged_plan, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k
 from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
@@ -199,10 +199,11 @@ def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
     """A cache whose page stride is not a multiple of 16 runs the v1 kernel (same results)."""
     args = _case(2, 8, 9, 4, seed=9, device=interpret)  # pages of 584 * 4 + 8 bytes
     assert args["compressed_cache"].stride(0) % 16
-    called = []
-    monkeypatch.setattr(paged_decode, "_launch_v3", lambda *a: called.append(1))
+    made = []
+    real = paged_plan.make_paged_plan
+    monkeypatch.setattr(paged_plan, "make_paged_plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     out, lse = paged_decode.dsv4_decode_fused(**args, num_splits=1, form="v3")
-    assert not called
+    assert [p.form for p in made] == ["v1"]
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
 

@@ -128,10 +128,11 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     else:
         comp2d, comp_bs = _paged_2d(compressed_cache, "compressed kv_cache"), compressed_block_size
         topk_slots = _slots_2d(topk_indices, T)
-    # Lengths: the first T values are read (no slicing needed); written straight into output.
+    # Lengths: the first T values are read (no slicing needed); written straight into output; the
+    # lse is dropped (the eager paged step then writes it to scratch: no allocation).
     dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
                           swa_block_size, topk_length=topk_lens, num_splits=num_splits,
-                          swa_length=swa_lens, out=output)
+                          swa_length=swa_lens, out=output, return_lse=False)
 
 
 def dequantize_and_gather_k_cache_ampere(
@@ -262,24 +263,25 @@ class _AmpereAttentionMixin:
         With ``DSV4_AMPERE_DECODE_GRAPHS=1`` the step replays a private CUDA graph per input
         key (``dsv4_ops.vllm.decode_graph``)."""
         T = swa_metadata.num_decode_tokens
-
-        def step() -> None:
-            topk_indices = topk_lens = None
-            comp_bs = 1
-            if not swa_only:
-                topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
-                comp_bs = attn_metadata.block_size // self.compress_ratio
-            # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
-            ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
-                          self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
-                          swa_metadata.decode_swa_lens, swa_metadata.block_size,
-                          None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
-                          self.attn_sink, self.scale)
-
         if _graphs_enabled():
-            decode_graph.run_forward_decode(self, step, (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T))
+            args = (q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
+            decode_graph.run_forward_decode(self, lambda: self._dsv4_ampere_decode_step(*args), args)
         else:
-            step()
+            self._dsv4_ampere_decode_step(q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T)
+
+    def _dsv4_ampere_decode_step(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, T: int) -> None:
+        """One eager decode step of this layer (``ampere_decode`` on vLLM's caches and metadata)."""
+        topk_indices = topk_lens = None
+        comp_bs = 1
+        if not swa_only:
+            topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
+            comp_bs = attn_metadata.block_size // self.compress_ratio
+        # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
+        ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
+                      self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
+                      swa_metadata.decode_swa_lens, swa_metadata.block_size,
+                      None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
+                      self.attn_sink, self.scale)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """bf16 o_proj: inverse RoPE (torch) + grouped bmm with the load-time bf16 wo_a + wo_b."""

@@ -1,0 +1,218 @@
+"""The paged decode's launch plan (op ``dsv4_decode_fused_out``), made once per layout and run many
+times: FlashInfer's plan() / run() split, for the eager decode step that vLLM runs per layer.
+
+``make_paged_plan`` makes every decision of one paged decode call that depends only on the layout
+(T, H, K1, K2, the SM count, the caches' block sizes and page strides, the alignment, the device,
+the knobs): the form (v1 / v3), the v3 config, the split count, the kernels, grids, constexprs and
+the integer launch arguments. ``launch_paged`` runs a plan on the call's tensors: one attention
+launch (+ the merge when it splits), nothing else. The op's launcher
+(``paged_decode.dsv4_decode_fused``) makes a plan per call and launches through FastKernel; the
+composite's eager path (``dsv4_decode.dsv4_decode_attention``) keeps the plan of each layout in
+``StepPlans`` (one plan serves every layer of a step: the layers share T, H, K and the caches'
+layout) and launches through the compiled kernels directly, into ``scratch`` buffers.
+
+Scratch (``scratch_partials``): the split partials (o_part fp32 [T, H, S, 512], lse_part fp32
+[T, H, S]) and, for a caller that drops it, the lse fp32 [T, H] come from one buffer per (device,
+stream), grown (never shrunk; exactly to the size asked, the old buffer freed first) to the
+largest call seen: no allocation per call once warm. Safe because every
+user of a buffer runs on that one stream, in order: a call's merge has read the partials before
+the next call's attention kernel writes them. Never used while the stream is capturing a CUDA
+graph (a graph would keep the buffer's address while a later growth frees it): captured calls
+allocate from the graph's private pool, as the op does.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import _launch
+from .attention import _merge_kernel
+from .csrc_triton.decode import merge as _mk
+from .csrc_triton.decode import paged_chunk128 as _vk
+from .csrc_triton.decode import paged_chunk64 as _pk
+from .csrc_triton.decode import paged_f16dot as _v4k
+from .dispatch import decode as _dd
+from .dispatch import device as _device
+from .layout import HEAD_DIM
+
+_fused_kernel = _launch.fast(_pk._dsv4_decode_fused_kernel)
+_v3_kernel = _launch.fast(_vk._dsv4_decode_v3_kernel)
+_v4_kernel = _launch.fast(_v4k._dsv4_decode_v4_kernel)
+
+
+def _capped_v4(maxnreg: int):
+    """A launch of the paged_f16dot kernel with a register cap, through Triton's own launch."""
+    def kernel(grid, args, consts, num_warps, num_stages):
+        _v4k._dsv4_decode_v4_kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    return kernel
+
+
+class PagedPlan:
+    """One paged decode call's decisions for a layout. T, H tokens and heads; form 'v1' | 'v3';
+    config the v3 config ('' for v1); splits S (direct: S == 1, the kernel writes out + lse);
+    kernel a FastKernel (or a capped plain launch); grid / consts / num_warps / num_stages its
+    launch; ints_a (H, K1, K2, S, G) and ints_b (strides, page facts) its integer arguments around
+    sm_scale; merge_* the merge launch (S > 1). entries: the compiled launchers (run, function,
+    packed metadata) of the attention and merge kernels once verified (``launch_paged`` fills it)."""
+
+    __slots__ = ("T", "H", "form", "config", "splits", "direct", "kernel", "grid", "consts", "num_warps",
+                 "num_stages", "ints_a", "ints_b", "merge_grid", "merge_ints", "merge_consts", "merge_warps",
+                 "merge_stages", "entries")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def partials_shape(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """(o_part, lse_part) shapes: fp32 [T, H, S, 512], fp32 [T, H, S]."""
+        return (self.T, self.H, self.splits, HEAD_DIM), (self.T, self.H, self.splits)
+
+
+def make_paged_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
+                    topk_length: Optional[torch.Tensor], compressed_block_size: int, swa_cache: torch.Tensor,
+                    swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
+                    has_sink: bool, num_splits: int, out: torch.Tensor, variant: str,
+                    form: Optional[str] = None, config: str = "") -> PagedPlan:
+    """The plan of ``dsv4_decode_fused`` for these (checked) inputs: reads only metadata (shapes,
+    strides, dtypes, device, 16-byte alignment of the caches) and the knobs. Slots [T, K] with
+    unit-stride entries; out bf16 [T, H, 512]; num_splits 0 = the form's own plan."""
+    T, H = q.shape[0], q.shape[1]
+    K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
+    dev = q.get_device()
+    form = _dd.paged_form(form, T, H, K1 + K2, _device.smem_per_block(dev) if form is None else -1,
+                          compressed_cache, swa_cache)
+    sms = _device.num_sms_at(dev)
+    scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
+               swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
+    maxnreg = None
+    if form == "v3":
+        name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else _device.smem_per_block(dev), config,
+                                    (compressed_block_size, swa_block_size), sms)
+        cfg = _dd.v3_config(name)
+        plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name)
+        if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
+            scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
+                       scalars[3], swa_block_size.bit_length() - 1, scalars[5])
+            consts_tail = (True, cfg["PV_KEY"], cfg.get("STREAM", False), cfg.get("WIDE_PV", False))
+            maxnreg = cfg.get("maxnreg")
+            # register-capped: the plain launch (no fast path for it)
+            kernel = _capped_v4(maxnreg) if maxnreg and _v4_kernel.jit else _v4_kernel
+        else:
+            kernel, consts_tail = _v3_kernel, (cfg["PIPE"], True)
+    else:
+        name = ""
+        plan = _dd.fused_plan(T, H, K1 + K2, sms, num_splits)
+        cfg = _pk.FUSED_CONFIG[plan.block_h]
+        kernel, consts_tail = _fused_kernel, (cfg["PIPELINE"],)
+    head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
+    S = plan.splits
+    if plan.direct:
+        consts = head + (has_sink, True) + consts_tail
+        ints_b = (q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), out.stride(0), out.stride(1),
+                  *scalars)
+        grid = (T * plan.groups,)
+        merge = dict(merge_grid=None, merge_ints=None, merge_consts=None, merge_warps=None, merge_stages=None)
+    else:
+        consts = head + (False, False) + consts_tail
+        ints_b = (q.stride(0), q.stride(1), topk_slots.stride(0), swa_slots.stride(0), 0, 0, *scalars)
+        grid = (T * S * plan.groups,)
+        mcfg = _mk.merge_config(S, HEAD_DIM)
+        merge = dict(merge_grid=(T * H, HEAD_DIM // mcfg["BLOCK_D"]), merge_ints=(H, S, out.stride(0), out.stride(1)),
+                     merge_consts=(HEAD_DIM, mcfg["BLOCK_S"], mcfg["BLOCK_D"], has_sink),
+                     merge_warps=mcfg["num_warps"], merge_stages=mcfg["num_stages"])
+    return PagedPlan(T=T, H=H, form=form, config=name, splits=S, direct=plan.direct, kernel=kernel, grid=grid,
+                     consts=consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                     ints_a=(H, K1, K2, S, plan.groups), ints_b=ints_b, entries=None, **merge)
+
+
+def launch_paged(p: PagedPlan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length,
+                 sink, sm_scale: float, out, lse, o_part=None, lse_part=None, compiled: bool = False) -> None:
+    """Run plan ``p``: the attention kernel into (out, lse) when direct, else into (o_part,
+    lse_part) and the merge into (out, lse). Tensors as the plan was made for (sink fp32 [H] or
+    None; o_part / lse_part of ``p.partials_shape()``, contiguous). ``compiled``: call the kernels'
+    compiled launchers directly once verified (the caller keyed the plan on every argument's
+    16-byte alignment being 0, so the specialization is the plan's); else FastKernel launches
+    (what a recording of the op sees)."""
+    if not (p.T and p.H):
+        return
+    sm_scale = float(sm_scale)
+    if p.direct:
+        args = (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink, out, lse,
+                *p.ints_a, sm_scale, *p.ints_b)
+    else:
+        args = (q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, None, o_part,
+                lse_part, *p.ints_a, sm_scale, *p.ints_b)
+    e = p.entries
+    if compiled and e is not None and _launch.ENABLED and _launch._hooks_idle():
+        st = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        g = p.grid
+        e[0][0](g[0], 1, 1, st, e[0][1], e[0][2], None, None, None, *args, *p.consts)
+        p.kernel.stats["fast"] += 1
+        if not p.direct:
+            m = p.merge_grid
+            e[1][0](m[0], m[1], 1, st, e[1][1], e[1][2], None, None, None, o_part, lse_part, sink, out, lse,
+                    *p.merge_ints, *p.merge_consts)
+            _merge_kernel.stats["fast"] += 1
+        return
+    p.kernel(p.grid, args, p.consts, p.num_warps, p.num_stages)
+    margs = None
+    if not p.direct:
+        margs = (o_part, lse_part, sink, out, lse, *p.merge_ints)
+        _merge_kernel(p.merge_grid, margs, p.merge_consts, p.merge_warps, p.merge_stages)
+    if compiled and e is None and p.kernel.__class__ is _launch.FastKernel:
+        first = _launch.compiled_entry(p.kernel, args, p.consts, p.num_warps, p.num_stages)
+        second = (None if p.direct else
+                  _launch.compiled_entry(_merge_kernel, margs, p.merge_consts, p.merge_warps, p.merge_stages))
+        if first is not None and (p.direct or second is not None):
+            p.entries = (first, second)
+
+
+# ---- scratch: the split partials (and a dropped lse) without an allocation per call ----------
+
+_SCRATCH: Dict[tuple, list] = {}  # (device index, raw stream) -> [fp32 buffer, {shape key: views}]
+_VIEWS_KEPT = 64
+
+
+def scratch_partials(p: PagedPlan, device: torch.device, want_lse: bool):
+    """(o_part, lse_part, lse or None) for plan ``p`` on the current stream of ``device``: views of
+    the stream's scratch buffer (see the module doc), lse included when ``want_lse``. The caller
+    checked that the stream is not capturing."""
+    dev = torch._C._cuda_getDevice() if device.type == "cuda" else -1
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0)
+    entry = _SCRATCH.get(key)
+    vkey = (p.T, p.H, p.splits if not p.direct else 0, want_lse)
+    if entry is not None:
+        got = entry[1].get(vkey)
+        if got is not None:
+            return got
+    T, H, S = p.T, p.H, (p.splits if not p.direct else 0)
+    n_o, n_l, n_x = T * H * S * HEAD_DIM, T * H * S, (T * H if want_lse else 0)
+    o0, l0 = 0, -(-n_o // 4) * 4  # each part starts at a multiple of 4 fp32: 16-byte aligned
+    x0 = l0 + -(-n_l // 4) * 4
+    need = x0 + n_x
+    if entry is None or entry[0].numel() < need or entry[0].device != device:
+        # the old buffer goes first (stream-ordered reuse is safe): a growth never holds both, and
+        # the exact size keeps a call's peak what dsv4_decode.decode_peak_bytes accounts
+        _SCRATCH.pop(key, None)
+        entry = None
+        entry = _SCRATCH[key] = [torch.empty(need, dtype=torch.float32, device=device), {}]
+    buf = entry[0]
+    views = (buf[o0:o0 + n_o].view(T, H, S, HEAD_DIM) if S else None,
+             buf[l0:l0 + n_l].view(T, H, S) if S else None,
+             buf[x0:x0 + n_x].view(T, H) if want_lse else None)
+    if len(entry[1]) >= _VIEWS_KEPT:
+        entry[1].clear()
+    entry[1][vkey] = views
+    return views
+
+
+def scratch_bytes() -> int:
+    """Bytes held by the scratch buffers of every (device, stream)."""
+    return sum(e[0].numel() * 4 for e in _SCRATCH.values())
+
+
+def clear_scratch() -> None:
+    """Drop every scratch buffer (tests; memory back to the caching allocator)."""
+    _SCRATCH.clear()
