@@ -343,3 +343,60 @@ def test_without_a_table_the_pick_is_within_10_percent_of_the_measured_best(res,
     ratio = res.times[res.model_pick] / best[1]
     assert ratio <= 1.10, (f"T={res.T} H={res.H} K={res.K} {sms} SMs: pick {res.model_pick} "
                            f"{res.times[res.model_pick]:.1f} us vs best {best[0]} {best[1]:.1f} us ({ratio:.2f}x)")
+
+
+def test_the_tune_run_writes_the_table_the_rows_and_the_summary(tmp_path, monkeypatch, capsys):
+    """run_tune's orchestration on the CPU: the GPU pieces (green context, caches, the paged op, the
+    graph timer) replaced by fakes; one config always fails its check and is reported dropped."""
+    import argparse
+    import contextlib
+
+    import torch
+
+    from dsv4_ops.dispatch import device as dev
+    from dsv4_ops.dispatch import variant
+    from dsv4_ops.tools import green_ctx, timing
+
+    class FakeShape:
+        def __init__(self, caches, T, H, K):
+            pass
+
+        def run(self, name, s):
+            return name, s
+
+        def check(self, got):
+            return "wrong output: rel 0.5" if got[0] == "kh16n64w8" else None
+
+    @contextlib.contextmanager
+    def fake_stream(n, device=0):
+        with envs.override(**{envs.SMS: str(n)}):
+            yield argparse.Namespace(sms=n)
+
+    monkeypatch.setattr(tune, "_GpuShape", FakeShape)
+    monkeypatch.setattr(tune, "_make_caches", lambda: None)
+    monkeypatch.setattr(green_ctx, "GreenStream", fake_stream)
+    monkeypatch.setattr(green_ctx, "device_sms", lambda d=0: 132)
+    monkeypatch.setattr(timing, "graph_us", lambda fn, replays=20: (lambda n, s: 10.0 + s + len(n))(*fn()))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=0: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(dev, "smem_per_block", lambda d=-1: A100)
+    monkeypatch.setattr(variant, "variant_for", lambda t: "portable")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: None)
+    args = argparse.Namespace(sms=104, quick=True, shapes="", configs="", max_splits=0, replays=5, budget=0.0,
+                              out=str(tmp_path))
+    assert tune.run_tune(args) == 0
+    name = tables.file_name(DEVICE, 104, "portable")
+    table = json.loads((tmp_path / name).read_text())
+    assert table["sms"] == 104 and table["variant"] == "portable" and table["smem"] == A100
+    assert {k for b in table["entries"].values() for k in b} == {f"{T},{H}" for T in tune.QUICK_T for H in tune.QUICK_H}
+    for K, buckets in table["entries"].items():  # the fake timer: fewest splits of the shortest name wins
+        for key, e in buckets.items():
+            T, H = (int(x) for x in key.split(","))
+            cands = [c for c in tune.candidates(T, H, int(K), A100, tune.tune_configs()) if c[0] != "kh16n64w8"]
+            assert (e["config"], e["splits"]) == min(cands, key=lambda c: (10.0 + c[1] + len(c[0]), tune.key_of(*c)))
+    rows = json.loads((tmp_path / f"tune_{name[:-5]}.json").read_text())["rows"]
+    assert len(rows) == len(tune.QUICK_T) * len(tune.QUICK_H) and all(r["SMs"] == 104 for r in rows)
+    assert all(any(k.startswith("kh16n64w8") for k in " ".join(r.get("sweep_fail", [])).split()) for r in rows)
+    assert "| 64 | 8 | 640 | 104 |" in (tmp_path / f"tune_{name[:-5]}.md").read_text()
+    assert "wrote" in capsys.readouterr().out
+    tables.load(str(tmp_path / name), A100)
