@@ -38,8 +38,8 @@ def tables_on(monkeypatch):
 @pytest.fixture
 def fake_gpu(monkeypatch, tables_on):
     """The current device is an A100 (portable, 163 KiB a block), as tables.lookup sees it."""
-    monkeypatch.setattr(tables, "_current_device", lambda: 0)
-    monkeypatch.setattr(tables, "_device", lambda index: (tables.sanitize_device_name(DEVICE), "portable", A100))
+    monkeypatch.setattr(tables, "_query_current_device", lambda: 0)
+    monkeypatch.setattr(tables, "_query_device", lambda i: (tables.sanitize_device_name(DEVICE), "portable", A100))
 
 
 def _table(entries, sms=104, device=DEVICE, variant="portable"):
@@ -142,7 +142,7 @@ def test_tables_off_and_no_gpu_mean_no_entry(monkeypatch, tables_on):
     monkeypatch.setenv(envs.DECODE_TABLES, "0")
     assert tables.lookup_for("NVIDIA_H200", "portable", A100, 64, 8, 640, 104) is None
     monkeypatch.setenv(envs.DECODE_TABLES, "1")
-    monkeypatch.setattr(tables, "_current_device", lambda: -1)
+    monkeypatch.setattr(tables, "_query_current_device", lambda: -1)
     assert tables.lookup(64, 8, 640, 104) is None  # no CUDA device initialised
 
 
@@ -400,3 +400,30 @@ def test_the_tune_run_writes_the_table_the_rows_and_the_summary(tmp_path, monkey
     assert "| 64 | 8 | 640 | 104 |" in (tmp_path / f"tune_{name[:-5]}.md").read_text()
     assert "wrote" in capsys.readouterr().out
     tables.load(str(tmp_path / name), A100)
+
+
+def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypatch, tables_on):
+    """torch.compile(fullgraph=True) through v3_plan: the table of the device the last eager lookup saw,
+    read from plain dicts (no torch.cuda query while tracing)."""
+    import torch
+
+    _write(tmp_path, _table({"640": {"64,8": {"config": "kh16n32w4", "splits": 5}}}))
+    monkeypatch.setenv(envs.DECODE_TABLE_DIR, str(tmp_path))
+    monkeypatch.setattr(tables, "_query_current_device", lambda: 0)
+    monkeypatch.setattr(tables, "_query_device", lambda i: (tables.sanitize_device_name(DEVICE), "portable", A100))
+    assert dd.v3_plan(64, 8, 640, 104, 0, "kh16n32w4").splits == 5  # eager: fills the plain dicts
+
+    def no_query(*a):
+        raise AssertionError("a device query while tracing")
+
+    monkeypatch.setattr(tables, "_query_current_device", no_query)
+    monkeypatch.setattr(tables, "_query_device", no_query)
+
+    def f(x):
+        return x * dd.v3_plan(64, 8, 640, 104, 0, "kh16n32w4").splits
+
+    torch._dynamo.reset()
+    try:
+        assert torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [5.0, 5.0]
+    finally:
+        torch._dynamo.reset()

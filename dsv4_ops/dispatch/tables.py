@@ -142,7 +142,8 @@ def find(device_name: str, sms: int, variant: str) -> Optional[str]:
 # (device name, SMs, variant, smem, user dir) -> parsed table or None; (that key, T, H, K) -> Entry or None
 _TABLES: dict = {}
 _LOOKUPS: dict = {}
-_DEVICES: dict = {}  # CUDA device index -> (sanitized name, variant, smem); plain dict: traced code reads it
+_DEVICES: dict = {}  # (CUDA device index, DSV4_AMPERE_IMPL) -> (sanitized name, variant, smem)
+_LAST_DEVICE = [-1]  # the current device of the last eager lookup: what traced code plans for
 
 
 def clear() -> None:
@@ -150,29 +151,49 @@ def clear() -> None:
     _TABLES.clear()
     _LOOKUPS.clear()
     _DEVICES.clear()
+    _LAST_DEVICE[0] = -1
 
 
-def _device(index: int) -> Tuple[str, str, int]:
+def _device(index: int) -> Optional[Tuple[str, str, int]]:
     got = _DEVICES.get((index, envs.raw(envs.IMPL)))
     if got is None:
         import torch
 
-        from . import device as _dev
-        from .variant import _cuda_variant
-
-        got = (sanitize_device_name(torch.cuda.get_device_name(index)), _cuda_variant(index, envs.raw(envs.IMPL)),
-               _dev.smem_per_block(index))
-        _DEVICES[(index, envs.raw(envs.IMPL))] = got
+        if torch.compiler.is_compiling():  # traced: no device queries (torch.compile reads plain dicts only)
+            return None
+        got = _DEVICES[(index, envs.raw(envs.IMPL))] = _query_device(index)
     return got
 
 
-def _current_device() -> int:
-    """The current CUDA device's index, or -1 (no CUDA, or CUDA not initialised: no table)."""
+def _query_device(index: int) -> Tuple[str, str, int]:
+    """(sanitized name, kernel variant, shared memory a block) of CUDA device ``index``."""
+    import torch
+
+    from . import device as _dev
+    from .variant import _cuda_variant
+
+    return (sanitize_device_name(torch.cuda.get_device_name(index)), _cuda_variant(index, envs.raw(envs.IMPL)),
+            _dev.smem_per_block(index))
+
+
+def _query_current_device() -> int:
+    """The current CUDA device's index, or -1 (no CUDA, or CUDA not initialised)."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return -1
     return torch.cuda.current_device()
+
+
+def _current_device() -> int:
+    """The current CUDA device's index, or -1 (no CUDA device initialised: no table). Traced code
+    (torch.compile) gets the device of the last eager lookup, without a device query."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return _LAST_DEVICE[0]
+    _LAST_DEVICE[0] = _query_current_device()
+    return _LAST_DEVICE[0]
 
 
 def lookup_for(device_name: str, variant: str, smem: int, T: int, H: int, K: int, sms: int) -> Optional[Entry]:
@@ -213,5 +234,8 @@ def lookup(T: int, H: int, K: int, sms: int) -> Optional[Entry]:
     index = _current_device()
     if index < 0:
         return None
-    name, variant, smem = _device(index)
+    dev = _device(index)
+    if dev is None:
+        return None
+    name, variant, smem = dev
     return _lookup_for(name, variant, smem, T, H, K, sms)

@@ -50,7 +50,9 @@ def _driver():
 
 def device_sms(device: int = 0) -> int:
     """SMs of the whole device (its properties, not DSV4_AMPERE_SMS)."""
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    from ..dispatch import device as _device
+
+    return _device._device_sms(device)  # the one reader of the property (tests/test_dispatch.py)
 
 
 def smids_used(stream: torch.cuda.Stream, programs: int = 4096) -> int:
