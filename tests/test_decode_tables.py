@@ -427,3 +427,21 @@ def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypa
         assert torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [5.0, 5.0]
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_the_composite_runs_every_shipped_entry_as_written(path, monkeypatch, tables_on):
+    """On the table's device (faked) at its SM count, the composite's split count (composite_splits: the
+    partials cap) and the paged op's plan give exactly the entry's config and splits."""
+    table = json.loads(path.read_text())
+    smem = table["smem"]
+    monkeypatch.setattr(tables, "_query_current_device", lambda: 0)
+    monkeypatch.setattr(tables, "_query_device", lambda i: (table["device_name"], table["variant"], smem))
+    sms = table["sms"]
+    for K, buckets in table["entries"].items():
+        for key, e in buckets.items():
+            T, H, K = int(key.split(",")[0]), int(key.split(",")[1]), int(K)
+            capped = dd.composite_splits(T, H, K, sms, smem, "v3", (64, 64))
+            name = dd.v3_launch_config(T, H, K, smem, "", (64, 64), sms)
+            p = dd.v3_plan(T, H, K, sms, capped, name)
+            assert (p.config, p.splits) == (e["config"], e["splits"]), (T, H, K)
