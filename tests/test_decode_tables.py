@@ -445,3 +445,15 @@ def test_the_composite_runs_every_shipped_entry_as_written(path, monkeypatch, ta
             name = dd.v3_launch_config(T, H, K, smem, "", (64, 64), sms)
             p = dd.v3_plan(T, H, K, sms, capped, name)
             assert (p.config, p.splits) == (e["config"], e["splits"]), (T, H, K)
+
+
+def test_the_shipped_tables_are_package_data():
+    """A wheel carries dsv4_ops/tables/*.json (setup.py package_data), where tables.SHIPPED_DIR reads them."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    data = next(ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "package_data")
+    patterns = data["dsv4_ops"]
+    assert SHIPPED and all(any(p.match(pat) for pat in patterns) for p in
+                           (pathlib.PurePosixPath(s.relative_to(ROOT / "dsv4_ops").as_posix()) for s in SHIPPED))
+    assert pathlib.Path(tables.SHIPPED_DIR) == ROOT / "dsv4_ops" / "tables"
