@@ -39,7 +39,7 @@ def main():
     variants = {d["meta"].get("impl", "portable") for _, d in loaded}
     if len(gpus) != 1 or len(variants) != 1:
         raise SystemExit(f"the sweeps must come from one device and variant, got {gpus} / {variants}")
-    made = "; ".join(f"{p} (commit {d['meta']['commit']}, {d['meta']['date']}, {d.get('notes', '')[:60]})"
+    made = "; ".join(f"{p} (commit {d['meta']['commit']}, {d['meta']['date']}, {d['meta'].get('gpu')}, {d.get('notes', '').split(', SMs')[0]})"
                      for p, d in loaded)
     gpu, variant = gpus.pop(), variants.pop()
     rows = [r for _, d in loaded for r in d["rows"]]
