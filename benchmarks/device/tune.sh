@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `dsv4-ops tune --quick` on N SMs of the H200 (driver green context), portable, every tl.dot as mma.sync (what
 # sm_80 runs), then the table it wrote read back through the dispatch (DSV4_AMPERE_DECODE_TABLE_DIR at it):
-#   A: the tune (T 1,16,64,128 x H 8,64, K 640; 100 s budget for starting shapes);
+#   A: the tune (T 1,16,64,128 x H 8,64, K 640; 75 s budget for starting shapes);
 #   B: every entry of the written table is what dispatch.decode.v3_plan plans at that shape and SM count.
 # usage: bash benchmarks/device/tune.sh   env: SMS (104), TUNE_ARGS (extra `dsv4-ops tune` arguments)
 # Results: $OUT/results/ (the table, tune_<table>.json rows for fit_v3_cost.py, tune_<table>.md, summary.txt).

@@ -204,13 +204,13 @@ def main(argv=None) -> int:
                                                        "at it); default %(default)s")
     tu.add_argument("--sms", type=int, default=0, help="run on N SMs of the device (driver green context) and "
                                                        "write the table for N (default: every SM)")
-    tu.add_argument("--quick", action="store_true", help="T 1,16,64,128 x H 8,64 at K 640, a 100 s budget")
+    tu.add_argument("--quick", action="store_true", help="T 1,16,64,128 x H 8,64 at K 640, a 75 s budget")
     tu.add_argument("--shapes", default="", help="T:H:K,... instead of the grid")
     tu.add_argument("--configs", default="", help="configs to measure, comma-separated (default: the dispatched)")
     tu.add_argument("--max-splits", type=int, default=0, help="measure split counts up to N (0: all balanced)")
     tu.add_argument("--replays", type=int, default=20, help="timed graph replays a candidate")
     tu.add_argument("--budget", type=float, default=0.0, help="stop starting shapes after S seconds (0: none; "
-                                                              "--quick: 100)")
+                                                              "--quick: 75)")
     args = p.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
             "pp-partition": cmd_pp_partition, "doctor": cmd_doctor, "tune": cmd_tune}[args.cmd](args)

@@ -39,6 +39,7 @@ QUICK_K = (640,)
 K2 = 128  # the window's keys of every shape (K1 = K - K2 top-k keys)
 BLOCK_SIZE = 64  # cache block size of the measured caches
 NBLK = 8192  # pages a cache (524288 slots, 306 MB of records: beyond the L2)
+QUICK_BUDGET_S = 75.0  # --quick: no shape starts after this many seconds (the device run stays < 2 min)
 DEFAULT_OUT = os.path.join(os.path.expanduser("~"), ".cache", "dsv4_ops", "decode_tables")
 
 
@@ -311,7 +312,7 @@ def run_tune(args) -> int:
     variant = variant_for(torch.empty(0, device="cuda"))
     name = torch.cuda.get_device_name(dev)
     caches = _make_caches()
-    budget = args.budget if args.budget > 0 else (100.0 if args.quick else 0.0)
+    budget = args.budget if args.budget > 0 else (QUICK_BUDGET_S if args.quick else 0.0)
     results: List[ShapeResult] = []
     with GreenStream(asked, dev) as gs, envs.override(**{envs.DECODE_TABLES: "0"}):
         sms = gs.sms
