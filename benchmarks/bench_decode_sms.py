@@ -46,6 +46,7 @@ from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk  # noqa: E402
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k  # noqa: E402
 from dsv4_ops.layout import RECORD_BYTES, vllm_page_bytes  # noqa: E402
 from dsv4_ops.testing import assert_attention_close  # noqa: E402
+from dsv4_ops.tools.timing import graph_us  # noqa: E402
 
 D = 512
 SM_SCALE = D ** -0.5
@@ -58,31 +59,6 @@ LAUNCH_US = 0.9  # one in-graph launch (benchmarks/results/decode_graph.md)
 MMA_TFLOPS_132 = 600.0  # mma.sync bf16 on the H200's 132 SMs (no wgmma under DISABLE_MMA_V3), a guide
 A100_TFLOPS = 312.0  # an A100's bf16 dense tensor rate (mma.sync), 108 SMs
 SWEEP_CONFIGS = tuple(_vk.V3_DISPATCHED) + tuple(_v4k.V4_DISPATCHED)
-
-
-def graph_us(fn, replays=20, inner=20) -> float:
-    """Median us of one fn() in a CUDA graph of ``inner`` calls captured and replayed on the current
-    stream (the green stream: the capture must be made on it so the replays stay confined)."""
-    s = torch.cuda.current_stream()
-    fn()
-    fn()
-    s.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record(s)
-        g.replay()
-        end.record(s)
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def copy_gbs(nbytes=256 << 20) -> float:

@@ -36,6 +36,8 @@ FAST_LAUNCH = "DSV4_AMPERE_FAST_LAUNCH"
 DECODE_GRAPHS = "DSV4_AMPERE_DECODE_GRAPHS"
 WARMUP = "DSV4_AMPERE_WARMUP"
 WARM_SET_CACHE = "DSV4_AMPERE_WARM_SET_CACHE"
+DECODE_TABLES = "DSV4_AMPERE_DECODE_TABLES"
+DECODE_TABLE_DIR = "DSV4_AMPERE_DECODE_TABLE_DIR"
 
 _OFF = ("0", "false", "off")
 _ON = ("1", "true", "on")
@@ -71,6 +73,10 @@ def _sms(v: str) -> Optional[int]:
 
 def _text(v: str) -> str:
     return v
+
+
+def _dir(v: str) -> Optional[str]:
+    return v.strip() or None
 
 
 def _cache_dir(v: str) -> Optional[str]:
@@ -109,6 +115,12 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob(DECODE_CONFIG, "", "a paged config name (docs/dispatch.md)", "call", "kernels",
          "Force this launch config wherever the decode runs the v3 mode's paged kernels (benchmarks, tests).",
          _text),
+    Knob(DECODE_TABLES, "1", "1, 0", "call", "kernels",
+         "0: ignore every per-device decode table (dsv4-ops tune, dsv4_ops/tables/); the cost model plans.",
+         _flag_default_on),
+    Knob(DECODE_TABLE_DIR, "", "a directory", "call", "kernels",
+         "Per-device decode tables to use before the shipped ones (dsv4-ops tune --out writes them; "
+         "dsv4_ops.dispatch.tables).", _dir),
     Knob(SMS, "", "a positive integer", "call", "kernels",
          "Plan for this many SMs instead of the device's count (a green context or an MPS share).", _sms),
     Knob(BATCH_INVARIANT, "0", "0, 1", "call", "kernels",

@@ -20,6 +20,8 @@ tables equal to windows.py).
     paged op form (v1 / v3)                   decode.resolve_paged_form             decode_paged_chunk128.md
     v3-form config (DSV4_AMPERE_DECODE_CONFIG) decode.resolve_v3_config             decode_paged_f16dot.md, decode_paged_chunk128.md
                                               (v3_sm_config: the SMs, V3_COST)      decode_sms_call1.md
+    v3-form config + splits measured on the   tables.lookup (dsv4-ops tune;         dsv4_ops/tables/*.json (from decode_sms_call1.json,
+    device at its SM count (first, where set) DSV4_AMPERE_DECODE_TABLE(S/_DIR))     decode_sms_heads.json)
     v3-form kernel                            decode.is_f16dot (PV_KEY)             -
     v1 / v3 split counts                      decode.fused_splits, v3_splits        decode_paged_chunk64.md, decode_paged_f16dot_splits.md,
                                               (v3: V3_COST on the plan's SMs)       decode_sms_call1.md, decode_sms.md
@@ -33,7 +35,7 @@ tables equal to windows.py).
 
 from __future__ import annotations
 
-from . import decode, device, indexer, prefill, v32, variant, windows
+from . import decode, device, indexer, prefill, tables, v32, variant, windows
 from .variant import (
     CAPABILITY_TABLE,
     ENV_VAR,
@@ -48,7 +50,7 @@ from .variant import (
     variant_for,
 )
 
-__all__ = ["decode", "device", "indexer", "prefill", "v32", "variant", "windows",
+__all__ = ["decode", "device", "indexer", "prefill", "tables", "v32", "variant", "windows",
            "CAPABILITY_TABLE", "ENV_VAR", "KERNEL_VARIANTS", "SHOWCASE_CAPABILITIES", "device_capability",
            "impl_override", "kernel_variant", "native_fp8_available", "routes_to_dsv4_ops", "table_variant",
            "variant_for"]

@@ -80,6 +80,7 @@ from ..csrc_triton.decode import paged_f16dot as _v4k
 from ..csrc_triton.decode.tiles import MAX_SPLITS, PARTITION_N
 from ..csrc_triton.decode.tiles import SPLIT_CONFIG as _SPLIT_CONFIG
 from . import device as _device
+from . import tables as _tables
 from . import windows as _windows
 
 ENV_VAR = envs.DECODE_KERNEL
@@ -406,8 +407,9 @@ def resolve_v3_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
                       block_sizes: Tuple[int, ...] = (), sms: int = 0) -> Tuple[str, str]:
     """(the v3 form's launch config, why), first rule that applies: the caller's ``config``
     (benchmarks, tests); DSV4_AMPERE_DECODE_CONFIG when set (ValueError naming it on an unknown
-    config); v3_config_name (the windows), then, for ``sms`` > 0, v3_sm_config (another config where
-    the cost model on that many SMs says so). Then a paged_f16dot config over ``block_sizes`` that
+    config); for ``sms`` > 0 the current device's decode table entry (dispatch.tables: measured by
+    dsv4-ops tune); v3_config_name (the windows), then, for ``sms`` > 0, v3_sm_config (another config
+    where the cost model on that many SMs says so). Then a paged_f16dot config over ``block_sizes`` that
     are not all powers of two runs V3_ANY_BLOCK_SIZE_CONFIG (paged_f16dot takes them as shifts)."""
     if config:
         name, why = config, "the caller's config"
@@ -421,10 +423,14 @@ def resolve_v3_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
                                  f"V3_CANDIDATES, paged_f16dot.V4_CANDIDATES)") from None
             name, why = forced, f"forced by {CONFIG_ENV}"
         else:
-            name, why = _v3_config_name(T, H, K, smem)
-            if sms > 0:
-                name, more = v3_sm_config(T, H, K, sms, smem, name)
-                why += more
+            entry = _tables.lookup(T, H, K, sms) if sms > 0 else None
+            if entry is not None:  # measured on this device at this SM count (dsv4-ops tune)
+                name, why = entry.config, f"decode table {entry.why}"
+            else:
+                name, why = _v3_config_name(T, H, K, smem)
+                if sms > 0:
+                    name, more = v3_sm_config(T, H, K, sms, smem, name)
+                    why += more
     if block_sizes and not all(_pow2(b) for b in block_sizes) and is_f16dot(v3_config(name)):
         return V3_ANY_BLOCK_SIZE_CONFIG, (f"{name} ({why}) takes power-of-two block sizes only, got "
                                           f"{tuple(block_sizes)}: {V3_ANY_BLOCK_SIZE_CONFIG}")
@@ -522,11 +528,15 @@ def v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> Tu
 
 def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
     """The plan of the v3 form (kernel 'v3') on ``sms`` SMs; config: a name to force one (benchmarks),
-    else resolve_v3_config's for ``sms`` (DSV4_AMPERE_DECODE_CONFIG, then the windows and
-    v3_sm_config); splits 0 = v3_splits."""
+    else resolve_v3_config's for ``sms`` (DSV4_AMPERE_DECODE_CONFIG, the decode table, then the windows
+    and v3_sm_config); splits 0 = the decode table's count where its entry names that config, else
+    v3_splits."""
     name = config or v3_launch_config(T, H, K, sms=sms)
     cfg = v3_config(name)
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    if not splits:  # the decode table's count where its entry names this config (dispatch.tables)
+        entry = _tables.lookup(T, H, K, sms) if sms > 0 else None
+        splits = entry.splits if entry is not None and entry.config == name else 0
     s = splits or v3_splits(T, H, K, sms, bh, bn, name)
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1, name)
 

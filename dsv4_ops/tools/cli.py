@@ -3,6 +3,7 @@
   dsv4-ops check   environment, op table, AOT sm_80/86 table, numeric self-test; exit 1 on a failure
   dsv4-ops bench   the benchmarks (needs a CUDA GPU and a source checkout)
   dsv4-ops doctor  this host against a vLLM deployment (driver, GPUs, /dev/shm, sampler JIT, NVLink, quant layout, Engram, PP, ...)
+  dsv4-ops tune    measure the decode plans on this GPU and write its decode table (dsv4_ops.tools.tune)
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def cmd_audit_vllm(args) -> int:
     return 1 if res.open_rows() else 0
 
 
+def _tune_out() -> str:
+    from .tune import DEFAULT_OUT
+
+    return DEFAULT_OUT
+
+
 def _bench_dir() -> str:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.join(here, "benchmarks")
@@ -152,6 +159,13 @@ def cmd_doctor(args) -> int:
     return doctor.main(args)
 
 
+def cmd_tune(args) -> int:
+    """Measure the paged decode's plans on this GPU, write its decode table (dsv4_ops.tools.tune); 2 on a CPU."""
+    from . import tune
+
+    return tune.main(args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv4-ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,9 +197,23 @@ def main(argv=None) -> int:
     dr.add_argument("--moe-backend", default="auto", help="the --moe-backend you will pass to vllm serve")
     dr.add_argument("--max-num-batched-tokens", type=int, default=None, help="as for vllm serve (default: vLLM's)")
     dr.add_argument("--max-num-seqs", type=int, default=None, help="as for vllm serve (default: vLLM's)")
+    tu = sub.add_parser("tune", help="measure the decode plans on this GPU and write its decode table (minutes)")
+    from .. import envs
+
+    tu.add_argument("--out", default=_tune_out(), help=f"directory of the table (point {envs.DECODE_TABLE_DIR} "
+                                                       "at it); default %(default)s")
+    tu.add_argument("--sms", type=int, default=0, help="run on N SMs of the device (driver green context) and "
+                                                       "write the table for N (default: every SM)")
+    tu.add_argument("--quick", action="store_true", help="T 1,16,64,128 x H 8,64 at K 640, a 75 s budget")
+    tu.add_argument("--shapes", default="", help="T:H:K,... instead of the grid")
+    tu.add_argument("--configs", default="", help="configs to measure, comma-separated (default: the dispatched)")
+    tu.add_argument("--max-splits", type=int, default=0, help="measure split counts up to N (0: all balanced)")
+    tu.add_argument("--replays", type=int, default=20, help="timed graph replays a candidate")
+    tu.add_argument("--budget", type=float, default=0.0, help="stop starting shapes after S seconds (0: none; "
+                                                              "--quick: 75)")
     args = p.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
-            "pp-partition": cmd_pp_partition, "doctor": cmd_doctor}[args.cmd](args)
+            "pp-partition": cmd_pp_partition, "doctor": cmd_doctor, "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":
