@@ -11,7 +11,7 @@
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
 #   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
-#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2, E2E_EXTRA2, E2E_LANE2_DELAY: a second lane (below)
+#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2, E2E_RUNS3, E2E_EXTRA2, E2E_LANE2_DELAY: more lanes (below)
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -68,13 +68,13 @@ lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs f
 # runs, its measurement is skipped) because vLLM's memory profile counts every process's growth on
 # the device as its own non-torch memory; the first lane's KV sizes may come out smaller for the
 # same reason (reported as measured).
-if [ -n "${E2E_RUNS2:-}" ]; then
-  X2='{"kv_cache_memory_bytes": 4294967296}'; X2=${E2E_EXTRA2:-$X2}
-  ( sleep "${E2E_LANE2_DELAY:-40}"; lane "$E2E_RUNS2" "$X2" ) &
-  LANE2=$!
-fi
+X2='{"kv_cache_memory_bytes": 4294967296}'; X2=${E2E_EXTRA2:-$X2}
+LANES=()
+if [ -n "${E2E_RUNS2:-}" ]; then ( sleep "${E2E_LANE2_DELAY:-40}"; lane "$E2E_RUNS2" "$X2" ) & LANES+=($!); fi
+# a third lane likewise (E2E_RUNS3), started twice the delay later
+if [ -n "${E2E_RUNS3:-}" ]; then ( sleep $(( 2 * ${E2E_LANE2_DELAY:-40} )); lane "$E2E_RUNS3" "$X2" ) & LANES+=($!); fi
 lane "${E2E_RUNS:-v41e=v41:eager}" ""
-[ -n "${LANE2:-}" ] && wait "$LANE2"
+for p in "${LANES[@]}"; do wait "$p"; done
 cp "$B/first_token.json" "$R/" 2>/dev/null   # check (b)'s float64 first tokens (prepare_carry.sh)
 python3 tests/e2e/engine/summary.py "$R" > "$OUT/SUMMARY.md" 2>&1; RC=$?; tail -60 "$OUT/SUMMARY.md"
 tar czf "$OUT/runs.tgz" -C "$R" .
