@@ -18,7 +18,11 @@ R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, s
 B=bundle
 T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/e2e_site "$B"/whl/*.whl > "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+# E2E_USE_INSTALLED=1: dsv4_ops as already installed (e.g. by the GPU suite running beside this
+# script in the same call: a second editable install would re-point it under the suite's workers)
+if [ "${E2E_USE_INSTALLED:-0}" != 1 ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
+fi
 python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3 tests/e2e/a100_platform/make_wheel.py /tmp/e2e_whl)" >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
 python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
 export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm:$PWD/tests/e2e:$PWD/tests/e2e/engine PYTHONUNBUFFERED=1
