@@ -15,35 +15,10 @@ from dsv4_ops.dispatch import device as _device
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, poison_like, rng
 from test_decode_paged import case as paged_case  # 16-byte aligned pages of real records, fp16 q
+from test_host_cost import _LogJit  # kernel[grid](...) logs instead of launching
 
 D = 512
 SM_SCALE = D ** -0.5
-
-
-class _LogCompiled:
-    function, packed_metadata = "fn", ("meta",)
-
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def run(self, gx, gy, gz, stream, function, packed, lm, enter, exit_, *args):
-        self.log.append((self.name, (gx, gy, gz), args))
-
-
-class _LogJit:
-    """kernel[grid](*args, **opts) logs and returns a compiled kernel that logs."""
-
-    params = None
-
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def __getitem__(self, grid):
-        def launch(*args, **opts):
-            self.log.append((self.name, tuple(grid) + (1,) * (3 - len(grid)), args))
-            return _LogCompiled(self.log, self.name)
-
-        return launch
 
 
 @pytest.fixture
