@@ -444,12 +444,15 @@ def _read_env_logged(fn, args):
     saved = _ENVIRON
     if saved is None:
         return fn(*args), None
+    outer = os.environ._data  # another recording's log when this one is nested in it
     log = _EnvLog(saved)
     os.environ._data = log
     try:
         return fn(*args), log.read
     finally:
-        os.environ._data = saved
+        os.environ._data = outer
+        if type(outer) is _EnvLog:  # the outer recording read these too (through this call)
+            outer.read |= log.read
         if dict(log) != saved:
             saved.clear()
             saved.update(log)
@@ -471,6 +474,9 @@ def env_memo(fn: Callable) -> Callable:
         get = env.get
         k = (args, envs._OVERRIDE_KEY, tuple([get(n) for n in names]))
         v = table.get(k, _MISS)
+        cur = os.environ._data
+        if type(cur) is _EnvLog:  # called inside another recording: a hit reads no variable, so
+            cur.read.update(names)  # tell it the ones this answer depends on
         if v is _MISS:
             v, read = _read_env_logged(fn, args)
             new = [n for n in sorted(read, key=repr) if n not in names]

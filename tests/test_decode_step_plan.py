@@ -6,6 +6,8 @@ launches as the op; correct against the float64 reference, also for a direct op 
 CPU: launches mocked (logged) or run by the Triton interpreter (fp16 q: the interpreter's bf16 dot
 is wrong); GPU (marked): the composite on CUDA, eager and inside a captured graph."""
 
+import os
+
 import pytest
 import torch
 
@@ -145,6 +147,48 @@ def test_plan_is_remade_when_T_or_the_sm_count_changes(mocked, monkeypatch):
     assert p132.splits == min(_dd.v3_plan(T, 8, 640, 132).splits, cap)
     assert p104[0].splits == min(_dd.v3_plan(T, 8, 640, 104).splits, cap)
     assert p104[0].splits != p132.splits
+
+
+def test_plan_is_remade_when_the_forced_config_changes(mocked, monkeypatch):
+    """DSV4_AMPERE_DECODE_CONFIG read inside the planning's own memos (route, split cap) still keys
+    the kept plan: at one layout, the dispatched config, then two forced ones in turn (each call
+    followed by the op with that config, as the GPU test of graph replay does), and each call's
+    kept plan is its config's, at its own split count. The H200 caught a graph replay of kh32n64w8
+    that ran another config's plan."""
+    monkeypatch.setenv(_dd.ENV_VAR, "v3")
+    monkeypatch.setattr(_device, "num_sms_at", lambda dev: 132)
+    a = inputs(128, 8, 512, 128)
+    op_args = {k: v for k, v in a.items() if k != "out"}
+    cap = _dd.composite_split_cap(128, 8)
+    for config in ("", "kh16n32w4", "kh32n64w8"):
+        if config:
+            monkeypatch.setenv(_dd.CONFIG_ENV, config)
+        else:
+            monkeypatch.delenv(_dd.CONFIG_ENV, raising=False)
+        before = set(map(id, _kept_plans()))
+        dsv4_decode.dsv4_decode_attention(**a)
+        paged_decode.dsv4_decode_fused(**op_args, form="v3", config=config)
+        made = [p for p in _kept_plans() if id(p) not in before]  # a new value of the variable: a new plan
+        want = _dd.v3_launch_config(128, 8, 640, -1, "", (16, 16))
+        assert [(p.config, p.splits) for p in made] == [
+            (want, min(_dd.v3_plan(128, 8, 640, 132, 0, want).splits, cap))], (config, want)
+
+
+def test_nested_env_memos_tell_the_outer_recording_what_they_read(monkeypatch):
+    """An env_memo hit (or miss) inside another recording adds the variables its answer depends on
+    to that recording, so the outer memo is keyed on them too."""
+    name = "DSV4_TEST_NESTED_ENV_MEMO"
+    monkeypatch.delenv(name, raising=False)
+    inner = _host_plan.env_memo(lambda x: os.environ.get(name, "a") + str(x))
+    outer = _host_plan.env_memo(lambda x: "outer:" + inner(x))
+    assert inner(1) == "a1"          # filled first: the outer's first run hits it, reading nothing itself
+    assert outer(1) == "outer:a1"
+    monkeypatch.setenv(name, "b")
+    assert inner(1) == "b1" and outer(1) == "outer:b1"
+    monkeypatch.delenv(name)
+    assert outer(2) == "outer:a2"     # a miss nested in a miss
+    monkeypatch.setenv(name, "c")
+    assert outer(2) == "outer:c2"
 
 
 def test_kept_step_allocates_nothing(mocked, monkeypatch):

@@ -22,7 +22,7 @@ tables equal to windows.py).
                                               (v3_sm_config: the SMs, V3_COST)      decode_sms_call1.md
     v3-form config + splits measured on the   tables.lookup (dsv4-ops tune;         dsv4_ops/tables/*.json (from decode_sms_call1.json,
     device at its SM count (first, where set) DSV4_AMPERE_DECODE_TABLE(S/_DIR))     decode_sms_heads.json)
-    v3-form kernel                            decode.is_f16dot (PV_KEY)             -
+    v3-form kernel                            configs.is_f16dot (PV_KEY)            -
     v1 / v3 split counts                      decode.fused_splits, v3_splits        decode_paged_chunk64.md, decode_paged_f16dot_splits.md,
                                               (v3: V3_COST on the plan's SMs)       decode_sms_call1.md, decode_sms.md
     batch invariance                          decode.batch_invariant_plan           decode_kernels.md

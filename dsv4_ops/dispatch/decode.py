@@ -75,12 +75,11 @@ from .. import envs
 from ..layout import HEAD_DIM
 from ..csrc_triton.decode import heads as _hk
 from ..csrc_triton.decode import paged_chunk64 as _pk
-from ..csrc_triton.decode import paged_chunk128 as _vk
-from ..csrc_triton.decode import paged_f16dot as _v4k
 from ..csrc_triton.decode.tiles import MAX_SPLITS, PARTITION_N
 from ..csrc_triton.decode.tiles import SPLIT_CONFIG as _SPLIT_CONFIG
 from . import device as _device
 from . import tables as _tables
+from .configs import config_fits, is_f16dot, v3_config  # noqa: F401 (names of this module too)
 from . import windows as _windows
 
 ENV_VAR = envs.DECODE_KERNEL
@@ -347,25 +346,6 @@ V3_RESIDENT_PER_SM = 2
 # The paged_chunk128 config that takes any block size: where a paged_f16dot config was chosen
 # but the block sizes are not powers of two (that kernel takes them as shifts).
 V3_ANY_BLOCK_SIZE_CONFIG = "h16n32w4"
-
-
-def v3_config(name: str) -> dict:
-    """The launch config of a v3-form name: paged_chunk128.V3_CANDIDATES (bf16 decode) or
-    paged_f16dot.V4_CANDIDATES (fp16 dots; its configs carry PV_KEY). KeyError if neither."""
-    cfg = _vk.V3_CANDIDATES.get(name) or _v4k.V4_CANDIDATES.get(name)
-    if cfg is None:
-        raise KeyError(f"no v3 / v4 decode config named {name!r}")
-    return cfg
-
-
-def is_f16dot(cfg: dict) -> bool:
-    """Whether a v3-form config runs paged_f16dot (its configs carry PV_KEY), else paged_chunk128."""
-    return "PV_KEY" in cfg
-
-
-def config_fits(name: str, smem: int) -> bool:
-    """Whether a v3-form config's shared memory fits ``smem`` bytes a block."""
-    return _v4k.V4_SMEM_BYTES.get(name, 0) <= smem
 
 
 def _smem_window(T: int, H: int, K: int, smem: int) -> str:

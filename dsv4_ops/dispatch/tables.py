@@ -35,6 +35,8 @@ import re
 from typing import Dict, Optional, Tuple
 
 from .. import envs
+from ..csrc_triton.decode.tiles import MAX_SPLITS
+from .configs import config_fits, v3_config
 
 FORMAT = "dsv4_ops.decode_table/1"
 # The shipped tables: package data (setup.py package_data), beside this package.
@@ -80,7 +82,6 @@ def _parse_bucket(key: str, where: str) -> Tuple[int, int, int]:
 def parse(table: dict, path: str, smem: int) -> Dict[int, Dict[int, list]]:
     """The checked entries of a loaded table: {K: {H: [(T_lo, T_hi, Entry), ...]}}. ``smem``: bytes of
     shared memory a block may opt into on the device that will run it. TableError on anything wrong."""
-    from .decode import MAX_SPLITS, config_fits, v3_config  # decode imports this module
 
     if not isinstance(table, dict) or table.get("format") != FORMAT:
         raise TableError(f"{path}: not a decode table (expected \"format\": {FORMAT!r})")
