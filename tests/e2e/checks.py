@@ -103,17 +103,11 @@ class Checker:
         # 1. the SWA writer: this step's records decode to the oracle's K
         werr = 0.0
         for t in range(T):
+            # the record's rounding model (writer_checks.quant_ratio: E4M3 half a step, subnormals
+            # of the writer's scale, which may be a binade above the float64 one, plus the bf16
+            # pipeline before the writer), as for the compressed and indexer writers
             dec = decode_record(swa_cache, int(rec.swa_slot_mapping[t]), bs)
-            ref = kv[t]
-            # E4M3 rounding (half a step: |x|/16, subnormals 2**-10 of the scale) plus the bf16
-            # pipeline before the writer (GEMM, norm, RoPE in bf16: a few bf16 ulps of the element,
-            # or of the row's rms for small elements)
-            scale = torch.exp2(torch.ceil(torch.log2(ref[:448].abs().view(7, 64).amax(1).clamp(min=1e-4) / 448)))
-            slack = 2 ** -6 * (ref.abs() + float(ref.pow(2).mean().sqrt()))
-            nope_bound = ref[:448].abs() * (1 / 16) * 1.02 + scale.repeat_interleave(64) * 2 ** -9 + slack[:448]
-            rope_bound = slack[448:]
-            err = torch.cat([(dec[:448] - ref[:448]).abs() / nope_bound, (dec[448:] - ref[448:]).abs() / rope_bound])
-            werr = max(werr, float(err.max()))
+            werr = max(werr, WC.quant_ratio(dec, kv[t], 448, 64, True))
         # 2. keys: the request's window from the SWA cache, the chosen compressed entries
         W = attn.window_size
         keys, valid = [], []
