@@ -69,6 +69,17 @@ def engine_kwargs(a) -> dict:
     return kw
 
 
+def serve_flags(extra: str) -> list:
+    """``--extra`` (JSON of LLM(...) kwargs) as ``vllm serve`` flags: scalars only
+    (``kv_cache_memory_bytes`` -> ``--kv-cache-memory-bytes N``); ValueError for anything else."""
+    flags = []
+    for k, v in (json.loads(extra) if extra else {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"--extra {k}: only scalar values become `vllm serve` flags")
+        flags += ["--" + k.replace("_", "-"), str(v)]
+    return flags
+
+
 def serve(a, prompt: list, max_tokens: int) -> dict:
     """``vllm serve DIR`` as a subprocess; one /v1/completions request (token-id prompt, greedy);
     SIGINT and wait for a clean exit."""
@@ -82,10 +93,7 @@ def serve(a, prompt: list, max_tokens: int) -> dict:
            "--max-num-batched-tokens", str(a.batched_tokens), "--seed", "0"]
     if a.mode == "eager":
         cmd.append("--enforce-eager")
-    for k, v in (json.loads(a.extra) if a.extra else {}).items():   # scalar LLM kwargs as CLI flags
-        if not isinstance(v, (int, float, str)):
-            raise ValueError(f"--extra {k}: only scalar values become `vllm serve` flags")
-        cmd += ["--" + k.replace("_", "-"), str(v)]
+    cmd += serve_flags(a.extra)
     log = open(a.out + ".serve.log", "w")
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -105,3 +105,16 @@ def test_a_mutated_run_is_told_by_its_report_not_its_name(tmp_path):
     changed = [[(t + 1) % 500 for t in p] for p in ref]
     _write(tmp_path, "v41m", model="v41", tokens=changed, mutation="topk_off_by_one")
     assert summary.main(str(tmp_path)) == 0
+
+
+def test_serve_flags_take_scalar_engine_kwargs_only():
+    import pytest
+
+    import run_engine
+
+    assert run_engine.serve_flags("") == []
+    assert run_engine.serve_flags('{"kv_cache_memory_bytes": 4294967296, "max_num_seqs": 8}') == [
+        "--kv-cache-memory-bytes", "4294967296", "--max-num-seqs", "8"]
+    for bad in ('{"kernel_config": {"enable_jit_warmup": false}}', '{"enforce_eager": true}'):
+        with pytest.raises(ValueError, match="scalar"):
+            run_engine.serve_flags(bad)
