@@ -11,36 +11,26 @@ import os
 import pytest
 import torch
 
-from dsv4_ops import _host_plan, _launch, dsv4_decode, paged_decode, paged_plan, reference
+from dsv4_ops import _host_plan, dsv4_decode, paged_decode, paged_plan, reference
 from dsv4_ops.dispatch import decode as _dd
 from dsv4_ops.dispatch import device as _device
 from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import assert_attention_close, poison_like, rng
 from test_decode_paged import case as paged_case  # 16-byte aligned pages of real records, fp16 q
-from test_host_cost import _LogJit  # kernel[grid](...) logs instead of launching
+from test_host_cost import mocked_launches  # noqa: F401 (a fixture: FastKernels log instead of launching)
 
 D = 512
 SM_SCALE = D ** -0.5
 
 
 @pytest.fixture
-def mocked(monkeypatch):
-    """Every FastKernel logs (name, grid, args) instead of launching; CPU tensors take the eager CUDA
-    path (DIRECT_CPU, device / stream queries stubbed); no plan or scratch from another test."""
-    log = []
-    for fk in list(_launch._REGISTRY.values()):
-        monkeypatch.setattr(fk, "fn", _LogJit(log, fk.name))
-        monkeypatch.setattr(fk, "jit", True)
-        monkeypatch.setattr(fk, "cache", {})
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 77, raising=False)
-    monkeypatch.setattr(_launch, "ENABLED", True)
-    monkeypatch.setattr(_host_plan, "ENABLED", True)
+def mocked(mocked_launches, monkeypatch):
+    """test_host_cost's mocked launches (every FastKernel logs (name, grid, args); device / stream
+    queries stubbed), plus CPU tensors on the eager CUDA path (DIRECT_CPU) and no scratch from
+    another test."""
     monkeypatch.setattr(_host_plan, "DIRECT_CPU", True)
-    _host_plan.clear()
     paged_plan.clear_scratch()
-    yield log
-    _host_plan.clear()
+    yield mocked_launches
     paged_plan.clear_scratch()
 
 
