@@ -491,15 +491,48 @@ class _NotWarmed:
 
 TILELANG_KERNEL_NAMES = ("_MHC_PRE_BIG_FUSE_TILELANG_KERNEL", "_HC_PRENORM_GEMM_TILELANG_KERNEL",
                          "_MHC_POST_TILELANG_KERNEL", "_MHC_FUSED_TILELANG_KERNEL", "_HC_HEAD_FUSED_TILELANG_KERNEL")
-# names vLLM's V4.1 mHC warmup module imports from it (never called here: the wrappers run as torch)
-TILELANG_HELPER_NAMES = ("compute_num_split", "mhc_pre_big_fuse_with_norm_tilelang")
+# a TileLang function vLLM's V4.1 mHC warmup module imports from it (never called here: the wrappers
+# run as torch)
+TILELANG_HELPER_NAMES = ("mhc_pre_big_fuse_with_norm_tilelang",)
+
+
+def _host_python_of(path: str) -> dict:
+    """The plain-Python part of a vLLM module that imports tilelang at the top: its constants and its
+    undecorated (or ``functools.cache``) functions that name no TileLang object, run from vLLM's own
+    source (e.g. ``mhc_fused_post_pre_splits``, the split-k factors V4.1's model build registers for
+    the JIT warmup). The TileLang kernels and their classes are left out."""
+    import ast
+    import functools
+    import math
+
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils.math_utils import cdiv
+
+    tree = ast.parse(open(path).read(), path)
+    tl_names = {"T", "tilelang", "tilelang_jit"}
+    keep = []
+    for node in tree.body:
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if names & tl_names:
+            continue
+        if isinstance(node, ast.FunctionDef) and all(ast.unparse(d) == "cache" for d in node.decorator_list):
+            keep.append(node)
+        elif isinstance(node, ast.Assign) and not isinstance(node.value, ast.Call):
+            keep.append(node)
+    ns = {"cache": functools.cache, "math": math, "torch": torch, "current_platform": current_platform,
+          "cdiv": cdiv, "__name__": "vllm.model_executor.kernels.mhc.tilelang_kernels"}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), path, "exec"), ns)
+    return {k: v for k, v in ns.items() if k not in ("__name__", "__builtins__")}
 
 
 def _install_tilelang_kernels_module() -> None:
     """``vllm.model_executor.kernels.mhc.tilelang_kernels`` where tilelang cannot be imported: the
     kernel objects vLLM's V4 code imports by name (its JIT-warmup registrations at model build,
-    the first-layer broadcast wrapper's epilogue, which runs ``_PreBigFuse``); any other name is
-    missing, so ``from ... import`` of it raises ImportError as before."""
+    the first-layer broadcast wrapper's epilogue, which runs ``_PreBigFuse``) and its plain-Python
+    helpers from vLLM's source (``_host_python_of``); any other name is missing, so
+    ``from ... import`` of it raises ImportError as before."""
+    import os
     import sys
     import types
 
@@ -507,6 +540,7 @@ def _install_tilelang_kernels_module() -> None:
 
     name = "vllm.model_executor.kernels.mhc.tilelang_kernels"
     mod = types.ModuleType(name, "dsv4 e2e: TileLang mHC kernel objects without tilelang (standins.py)")
+    mod.__dict__.update(_host_python_of(os.path.join(os.path.dirname(pkg.__file__), "tilelang_kernels.py")))
     for attr in TILELANG_KERNEL_NAMES + TILELANG_HELPER_NAMES:   # the epilogue's stand-in or a refusal
         setattr(mod, attr, MHC_STANDINS.get(attr) or _NotWarmed(attr))
     sys.modules[name] = mod

@@ -12,7 +12,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ARCHS = ("DeepseekV41LLMForCausalLM", "DeepseekV41ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM")
+# the targets, then the draft models the speculative runs build (DSpark for V4.1, MTP for V4)
+ARCHS = ("DeepseekV41LLMForCausalLM", "DeepseekV41ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV32ForCausalLM",
+         "DSparkV41DraftModel", "DeepSeekV4MTPModel")
 
 
 def main() -> int:

@@ -47,8 +47,9 @@ def test_kv_rope_insert_is_the_kv_half_of_the_fused_insert(seed):
 def test_tilelang_kernels_module_without_tilelang():
     """Where tilelang cannot be imported (the H200 image), V4's code still imports the TileLang mHC
     kernel objects by name: their warmup registrations are counted and dropped, the first-layer
-    broadcast epilogue runs the torch stand-in, any other kernel raises when called, and a name
-    the stand-in module lacks fails to import as before. A fresh process: the module is swapped."""
+    broadcast epilogue runs the torch stand-in, any other kernel raises when called, vLLM's
+    plain-Python helpers answer as in the real module, and a name the stand-in module lacks fails
+    to import as before. A fresh process: the module is swapped."""
     import subprocess
 
     code = """
@@ -74,8 +75,40 @@ except ImportError:
 from vllm.model_executor.kernels.mhc.warmup import MHC_PRE_NORM_KERNEL   # V4.1's: imports the module above
 MHC_PRE_NORM_KERNEL.register_warmup(split_mode="fused", max_tokens=64, hidden_size=8)
 assert standins.CALLS["mhc.warmup_dropped.MHC_PRE_NORM_KERNEL"] == 1
+# V4.1's decoder layer (JIT warmup on) asks the module for the fused GEMM's split-k factors: vLLM's own
+# plain-Python helpers, the values the real module gives
+from vllm.model_executor.kernels.mhc.tilelang_kernels import mhc_fused_post_pre_splits, require_fused_post_pre_config
+got = [mhc_fused_post_pre_splits(h, m) for h, m in SHAPES]
+assert got == EXPECTED, (got, EXPECTED)
+assert require_fused_post_pre_config(1, 4096, 4) == REQUIRED
+import importlib
+mod = importlib.import_module("vllm.model_executor.kernels.mhc.tilelang_kernels")
+missing = [n for n in NEEDED if not hasattr(mod, n)]
+assert not missing, f"vLLM's model / warmup code imports {missing} from the stand-in module"
 print("ok")
 """
+    real = pytest.importorskip("vllm.model_executor.kernels.mhc.tilelang_kernels")   # tilelang present here
+    shapes = [(4096, 4), (7168, 4), (256, 4), (64, 4), (384, 2)]
+    expected = [real.mhc_fused_post_pre_splits(h, m) for h, m in shapes]
+    assert any(expected) and not all(expected)   # the shapes reach both answers: the comparison can fail
+    # every name vLLM's code outside the TileLang wrappers (which install_mhc rebinds) imports from it
+    import ast
+    import glob
+
+    import vllm
+    root = os.path.dirname(vllm.__file__)
+    needed = set()
+    for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        if f.endswith(os.path.join("kernels", "mhc", "tilelang.py")):
+            continue
+        src = open(f).read()
+        if "mhc.tilelang_kernels import" not in src:
+            continue
+        needed |= {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)
+                   and n.module == real.__name__ for a in n.names}
+    assert "mhc_fused_post_pre_splits" in needed   # the scan sees V4.1's model build
+    code = (f"NEEDED = {sorted(needed)!r}\nSHAPES = {shapes!r}\nEXPECTED = {expected!r}\n"
+            f"REQUIRED = {real.require_fused_post_pre_config(1, 4096, 4)!r}\n") + code
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                         os.environ.get("PYTHONPATH", "")]), CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -75,12 +75,26 @@ def test_serve_only_run_is_compared_with_the_eager_runs_second_prompt(tmp_path, 
         f.write("INFO dsv4_ops plugin (pid 4242): capability sm_80\n")
     assert summary.main(str(tmp_path)) == 0
     shown = capsys.readouterr().out
-    assert "tokens == LLM.generate: True" in shown and "4242" in shown   # the server's pid is read
+    assert "tokens == LLM.generate (the 13-prompt batch): True" in shown and "4242" in shown   # the server's pid is read
     wrong = list(ref[1])
     wrong[rng.randrange(len(wrong))] += 1
     _write(tmp_path, "v41s", model="v41", serve=dict(token_ids=wrong, ready_s=9.0, exit_rc=0))
     assert summary.main(str(tmp_path)) == 1
     _write(tmp_path, "v41s", model="v41", serve=dict(error="server exited rc=1 before ready"))
+    assert summary.main(str(tmp_path)) == 1
+
+
+def test_serve_is_compared_exactly_with_the_solo_pass_where_the_eager_run_has_one(tmp_path, capsys):
+    """The server runs the prompt alone: its tokens must equal the eager run's solo pass of that
+    prompt, not the 13-prompt batch's tokens (which may part on a near-tie)."""
+    rng, ref, gaps = _runs(5)
+    solo = list(ref[summary.SERVED])
+    solo[rng.randrange(1, len(solo))] += 1             # the batch of 13 parted from the solo run
+    _write(tmp_path, "v41e", model="v41", tokens=ref, margins=gaps, solo_tokens=solo)
+    _write(tmp_path, "v41s", model="v41", serve=dict(token_ids=solo, ready_s=9.0, exit_rc=0))
+    assert summary.main(str(tmp_path)) == 0
+    assert "LLM.generate (its solo pass): True" in capsys.readouterr().out
+    _write(tmp_path, "v41s", model="v41", serve=dict(token_ids=list(ref[summary.SERVED]), ready_s=9.0, exit_rc=0))
     assert summary.main(str(tmp_path)) == 1
 
 
