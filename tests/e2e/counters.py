@@ -54,6 +54,17 @@ def install(model: str, attention_classes=()) -> None:
             UNCOUNTED.append(key)
 
 
+# ops whose first argument's dim 1 is the tokens a request brings to a decode step (next_n: 1
+# without speculative decoding, 1 + k with k drafted tokens): counted per next_n as well
+NEXT_N_OPS = ("paged_mqa_logits",)
+
+
+def _count(name: str, args) -> None:
+    OPS[name] += 1
+    if name in NEXT_N_OPS and args and getattr(args[0], "dim", lambda: 0)() >= 2:
+        OPS[f"{name}[next_n={int(args[0].shape[1])}]"] += 1
+
+
 def install_ops() -> None:
     """Count ``torch.ops.dsv4_ampere.<op>(...)`` calls at the namespace attribute."""
     from dsv4_ops.registration import op_names
@@ -69,7 +80,7 @@ def install_ops() -> None:
                 self._p, self._n = p, n
 
             def __call__(self, *a, **k):
-                OPS[self._n] += 1
+                _count(self._n, a)
                 out = self._p(*a, **k)
                 LAST[self._n] = out
                 return out
@@ -83,7 +94,7 @@ def install_ops() -> None:
     from dsv4_ops import _host_plan
 
     def observe(name, args, out):
-        OPS[name] += 1
+        _count(name, args)
         LAST[name] = out
 
     _host_plan.DIRECT_OBSERVERS.append(observe)

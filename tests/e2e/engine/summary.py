@@ -71,6 +71,12 @@ def parting(ref_tokens, ref_margins, tokens) -> list:
     return out
 
 
+def spec_k(r: dict) -> int:
+    """The run's speculative token count k (0 without speculative decoding)."""
+    spec = r.get("spec") or ""
+    return int(spec.split(":")[1]) if ":" in spec else 0
+
+
 def near_ties_only(parts) -> bool:
     return bool(parts) and all(m is not None and m < TIE for _, _, m in parts)
 
@@ -147,6 +153,10 @@ def main(out: str) -> int:
                   f" ours in graphs {rp.get('ours_in_graph')} |" + " |" * 14)
         if wa and wa.get("ops_called"):
             print(f"|  | dsv4_ampere ops called ({name}): {wa.get('ops_called')} |" + " |" * 14)
+        k = spec_k(r)
+        if k and wa and wa.get("ops_called") and not wa["ops_called"].get(f"paged_mqa_logits[next_n={k + 1}]"):
+            # the verify steps bring 1 + k tokens a request: they must reach our indexer decode as such
+            failures.append(f"{name}: no paged_mqa_logits call with next_n = {k + 1} (spec k = {k})")
         if r.get("error") and not mutated(name, r):
             failures.append(f"{name}: {err}")
         if wa and "NOT ARMED" in str(wa.get("tripwire")):

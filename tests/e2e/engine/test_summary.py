@@ -132,3 +132,26 @@ def test_serve_flags_take_scalar_engine_kwargs_only():
     for bad in ('{"kernel_config": {"enable_jit_warmup": false}}', '{"enforce_eager": true}'):
         with pytest.raises(ValueError, match="scalar"):
             run_engine.serve_flags(bad)
+
+
+def test_a_speculative_run_must_reach_the_indexer_decode_with_next_n_k_plus_1(tmp_path, capsys):
+    """A spec:K run passes only if its worker counted paged_mqa_logits calls with next_n = K + 1
+    (the verify steps), as counters.install_ops records them."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/e2e
+    import counters
+
+    rng, ref, gaps = _runs(6)
+    k = rng.randrange(1, 6)
+    counters.OPS.clear()
+    q = __import__("torch").zeros(3, k + 1, 2, 4)
+    counters._count("paged_mqa_logits", (q,))
+    assert counters.OPS == {"paged_mqa_logits": 1, f"paged_mqa_logits[next_n={k + 1}]": 1}
+    wa = dict(pid=1, ops_called=dict(counters.OPS))
+    counters.OPS.clear()
+    _write(tmp_path, "v4e", model="v4", tokens=ref, margins=gaps)
+    _write(tmp_path, "v4m", model="v4", spec=f"mtp:{k}", tokens=ref, margins=gaps, worker_after=[wa])
+    assert summary.main(str(tmp_path)) == 0
+    wa["ops_called"] = {"paged_mqa_logits": 1, "paged_mqa_logits[next_n=1]": 1}   # the drafts never reached it
+    _write(tmp_path, "v4m", model="v4", spec=f"mtp:{k}", tokens=ref, margins=gaps, worker_after=[wa])
+    assert summary.main(str(tmp_path)) == 1
+    assert f"next_n = {k + 1}" in capsys.readouterr().out
