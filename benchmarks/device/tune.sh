@@ -4,7 +4,8 @@
 #   A: the tune (T 1,16,64,128 x H 8,64, K 640; 75 s budget for starting shapes);
 #   B: every entry of the written table is what dispatch.decode.v3_plan plans at that shape and SM count.
 # usage: bash benchmarks/device/tune.sh   env: SMS (104), TUNE_ARGS (extra `dsv4-ops tune` arguments)
-# Results: $OUT/results/ (the table, tune_<table>.json rows for fit_v3_cost.py, tune_<table>.md, summary.txt).
+# Results: $OUT/results/ (the table, tune_<table>.json rows for fit_v3_cost.py, tune_<table>.md, summary.txt)
+# and all of it as $OUT/tune_results.tgz.
 source "$(dirname "$0")/preamble.sh"
 timeout 240 python3 -m dsv4_ops tune --quick --sms "${SMS:-104}" --out "$OUT/results" ${TUNE_ARGS:-} > "$OUT/logs/tune.log" 2>&1
 summary "tune rc=$? at $(( $(date +%s) - t0 )) s: $(grep -E '^wrote|DROPPED|budget' "$OUT/logs/tune.log" | tr '\n' ' ')"
@@ -30,3 +31,5 @@ PY
 summary "readback rc=$?: $(tail -1 "$OUT/logs/readback.log")"
 cp "$OUT/logs/readback.log" "$OUT/summary.txt" "$OUT/results/"
 cat "$OUT/summary.txt"
+# the table's name holds commas (vLLM's convention), which the device tool does not bring back: a tarball does
+tar czf "$OUT/tune_results.tgz" -C "$OUT/results" .
