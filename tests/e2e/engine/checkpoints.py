@@ -348,6 +348,7 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
     write_tokenizer(d, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     shell = _Shell(man["params"], man["buffers"])
     build.init_weights(shell, seed)
+    _stable_routing(shell, seed)
     _draw_engram_tables(shell, seed)
     sizes = {e["name"]: e["sizes"] for e in man["params"]}
     tensors, params = {}, {}
@@ -359,6 +360,7 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
     if man.get("mtp"):   # the MTP layer's own draws (another seed), named mtp.{i}.*
         shell = _Shell(man["mtp"])
         build.init_weights(shell, seed + 1)
+        _stable_routing(shell, seed + 1)
         msizes = {e["name"]: e["sizes"] for e in man["mtp"]}
         for name, p in shell.named_parameters():
             if cfg.get("n_mtp_layers") and name in DSPARK_ALIASED:
@@ -370,6 +372,30 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
                 tensors[ck] = t.contiguous().clone()
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     return params
+
+
+# The gap between consecutive experts' routing biases: far above the spread of the routing scores
+# (sqrtsoftplus of an O(1) logit), so the biases alone choose each layer's experts.
+ROUTING_BIAS_STEP = 64.0
+
+
+def _stable_routing(shell, seed: int) -> None:
+    """Every score-routed MoE layer (``e_score_correction_bias``, added to the scores for the
+    choice only) chooses the same experts for every token: a random order of the experts a layer,
+    biases ``ROUTING_BIAS_STEP`` apart. Random tiny models have near-flat routing scores, so a
+    rounding difference between two batch shapes flips an expert and moves the logits by tenths
+    (engine call 7: one configuration parted from itself at top-2 gaps up to 0.47); with the choice
+    fixed, the MoE stays continuous in its input and two runs part only where the logits tie. The
+    gating weights (the scores) still depend on the token; routing itself is checked per call by
+    the CPU e2e's float64 MoE checks."""
+    g = torch.Generator().manual_seed(seed + 11)
+    for name, p in shell.named_parameters():
+        if name.endswith(".gate.e_score_correction_bias"):
+            E = p.shape[-1]
+            order = torch.randperm(E, generator=g)
+            bias = torch.empty(E, dtype=torch.float32)
+            bias[order] = ROUTING_BIAS_STEP * torch.arange(E, 0, -1, dtype=torch.float32)
+            p.data.copy_(bias.to(p.dtype))
 
 
 def _draw_engram_tables(shell, seed: int) -> None:

@@ -111,3 +111,29 @@ def test_tokenizer_round_trips(written):
     assert ids == [5, 17, 300]
     assert tok.decode(ids) == "w5 w17 w300"
     assert tok.eos_token_id == 1 and tok.bos_token_id == 0
+
+
+@pytest.mark.parametrize("model", ["v41", "v4"])
+def test_score_routed_layers_choose_the_same_experts_for_every_token(written, model):
+    """checkpoints._stable_routing: in each score-routed MoE layer (the target's and the draft
+    layers') the routing biases alone choose the experts: top-k of sqrtsoftplus(h W^T) + bias is one
+    set for thousands of random unit-RMS hidden states, while without the biases the choice varies
+    (so the check can fail)."""
+    import torch
+    from safetensors import safe_open
+
+    d, _ = written
+    cfg = json.load(open(os.path.join(d, model, "config.json")))
+    k = cfg["num_experts_per_tok"]
+    with safe_open(os.path.join(d, model, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        gates = [n[: -len(".bias")] for n in names if n.endswith(".gate.bias")]
+        assert len(gates) >= 2 and any(n.startswith("mtp.") for n in gates), gates
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        for n in gates:
+            w, b = f.get_tensor(n + ".weight").float(), f.get_tensor(n + ".bias").float()
+            h = torch.randn(4096, w.shape[1], generator=g)
+            scores = torch.nn.functional.softplus(h @ w.T).sqrt()
+            chosen = {tuple(sorted(r)) for r in (scores + b).topk(k, dim=-1).indices.tolist()}
+            assert len(chosen) == 1, (n, len(chosen))
+            assert len({tuple(sorted(r)) for r in scores.topk(k, dim=-1).indices.tolist()}) > 1, n
