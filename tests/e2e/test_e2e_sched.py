@@ -57,11 +57,16 @@ def report_v41(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def report_v4(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v4")
+
+
+@pytest.fixture(scope="module")
 def report_v32(tmp_path_factory):
     return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v32")
 
 
-@pytest.fixture(params=["v41", "v32"])
+@pytest.fixture(params=["v41", "v4", "v32"])
 def report(request):
     return request.getfixturevalue(f"report_{request.param}")
 
@@ -105,17 +110,18 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
     assert sampled == report["max_tokens"], (sampled, report["max_tokens"])
 
 
-def test_every_step_passed_the_oracle_v41(report_v41):
-    report = report_v41
+def _every_step_passed_the_oracle(report):
+    """The model e2e's float64 checks, every layer of every step (test_e2e.py's bounds)."""
+    model = report["model"]
     names = {s["step"] for s in _steps(report)}
     checks = report["checks"]
-    n_layers = v4_e2e.LAYERS["v41"]["n"]
+    n_layers = v4_e2e.LAYERS[model]["n"]
     for step in names:
         rows = [c for c in checks if c["step"] == step]
         assert sum(c["kind"].startswith("attn") for c in rows) == n_layers, (step, rows)
         assert sum(c["kind"] == "moe" for c in rows) == n_layers, (step, rows)
         assert sum(c["kind"] == "logits" for c in rows) == 1 and sum(c["kind"] == "mhc_first" for c in rows) == 1
-        assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS["v41"]["indexer"]), step
+        assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS[model]["indexer"]), step
     for c in checks:
         if c["kind"].startswith("attn"):
             assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, c
@@ -127,14 +133,25 @@ def test_every_step_passed_the_oracle_v41(report_v41):
             assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
         else:
             assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+    # the indexer's long path ran (more compressed entries than top-k) and was checked
+    assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
+
+
+def test_every_step_passed_the_oracle_v41(report_v41):
+    report = report_v41
+    _every_step_passed_the_oracle(report)
     # left out of the attention comparison: only each replay's first window - 1 rows, whose window
     # vLLM clips at replay_start by design (sched_driver.without_truncated_windows)
     W = report["bridge"]["replay_window"]
     clipped = sum(1 for s in _steps(report) for rid, n in s["schedule"] if rid in s["replay_starts"]
                   for p in range(s["starts"][rid], s["starts"][rid] + n) if p < s["replay_starts"][rid] + W - 1)
     assert 0 < report["replay_rows_not_compared"] == clipped
-    # the indexer's long path ran (more compressed entries than top-k) and was checked
-    assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
+
+
+def test_every_step_passed_the_oracle_v4(report_v4):
+    """V4 has no SWA bounded replay: every row of every layer is compared."""
+    _every_step_passed_the_oracle(report_v4)
+    assert report_v4["bridge"]["replay_window"] == 0 and report_v4["replay_rows_not_compared"] == 0
 
 
 CONTEXT_TIE_BOUNDS = (0.995, 0.12)  # (cos min, rel max): rows after a routing near-tie (below)
