@@ -306,11 +306,13 @@ SCENARIOS = {
     # V4: the scheduler's block is 256 tokens (C128A), the groups' blocks [64, 64, 256, 4, 8]
     # tokens (SWA KV x2, compressed KV + indexer K, the C4A / C128A compressor states). Admission
     # reserves each request's whole (window-capped) need, so a preemption needs a request admitted
-    # on blocks another one grows into: p1's 60-token tail is cut after 11 tokens (the C4A state
-    # crosses a chunk boundary mid-window) and p1 is preempted when q's decode and p0's take the
-    # last free blocks; it returns with the same 256-token hit. Every feature at a pool of 65 only
-    # (64 schedules nothing: p0's admission needs the whole pool)
-    "v4": dict(shared=256, tails=(8, 60), q=60, max_tokens=(3, 1, 2), budget=48, num_blocks=65,
+    # on blocks another one grows into: p1 (a 256-token hit) gets 6 tokens beside p0's decode and
+    # q's last chunk and is preempted when their decodes take the last free blocks; it returns
+    # with the same hit. Chunk ends off the 4-token C4A windows (q at 21, p0's prefill at 267 closed
+    # by its first decode) carry the compressor state across steps, and both C128A windows of p0
+    # span three chunks. Every feature at a pool of 65 only (64 schedules nothing: p0's admission
+    # needs the whole pool)
+    "v4": dict(shared=256, tails=(11, 62), q=62, max_tokens=(3, 1, 2), budget=48, num_blocks=65,
                order=("p0", "q", "p1"), sweep=(55, 80)),
     "v32": dict(shared=64, tails=(8, 12), q=60, max_tokens=(2, 2, 6), budget=40, num_blocks=4,
                 order=("q", "p0", "p1")),
