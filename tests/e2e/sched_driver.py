@@ -12,7 +12,8 @@ prepare_attn``):
 - per request its state index, its block ids per KV-cache group (new requests' ids, then each
   step's new ids appended; V2 sends a preempted request back as a new one with all its tokens);
 - positions from ``num_computed_tokens``; ``is_prefilling`` = fewer computed than prefill tokens;
-- block tables per group, sliding-window groups' leading blocks below the window of the first
+- block tables per group, as wide as the runner's (``max_num_blocks_per_req`` of max_model_len,
+  ``get_block_table_width``), sliding-window groups' leading blocks below the window of the first
   scheduled token set to the null block (``_gather_block_tables_kernel``);
 - slot = table[pos // bs] * bs + pos % bs per group, table[0] for groups without slot mapping
   (``_compute_slot_mappings_kernel``);

@@ -1,6 +1,6 @@
 """End to end with vLLM 0.33.0's own scheduler: its ``Scheduler`` and KV-cache manager (prefix
 caching on, chunked prefill with a small ``max_num_batched_tokens``, a small block pool) decide
-every step of the model e2e for DeepSeek-V4.1 and V3.2; ``sched_driver.py`` turns each
+every step of the model e2e for DeepSeek-V4.1, V4 and V3.2; ``sched_driver.py`` turns each
 ``SchedulerOutput`` into the step's inputs as the V2 GPU model runner does, runs vLLM's model with
 the plugin, checks the step against the float64 oracle (the model e2e's checks, unchanged), and
 feeds the greedy tokens back through ``update_from_output``.
@@ -9,7 +9,10 @@ Three requests: two share a prefix of whole hash blocks, a third is short. What 
 counted from the SchedulerOutputs: a prefill split across steps, a step mixing decodes with a
 prefill, a prefix-cache hit (V4.1: with SWA bounded replay, the hit's last window recomputed and
 its slots in the prefix-cacheable groups padded), a preemption by the small block pool and the
-preempted request's return (V2 sends it as a new request with every token so far).
+preempted request's return (V2 sends it as a new request with every token so far). V4's groups
+(SWA KV, compressed KV + indexer K in 256-token blocks, the C4A / C128A compressor states in 4- and
+8-token blocks) get the runner's own block-table widths; its chunk ends cut C4A windows, so the
+compressor state carried across steps is pinned by the model e2e's writer checks.
 
 Every step passes the model e2e's float64 checks (the same bounds), with one exception by design:
 after a V4.1 prefix hit, the first window - 1 replayed rows attend only to window KV at or above
