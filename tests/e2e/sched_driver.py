@@ -12,7 +12,8 @@ prepare_attn``):
 - per request its state index, its block ids per KV-cache group (new requests' ids, then each
   step's new ids appended; V2 sends a preempted request back as a new one with all its tokens);
 - positions from ``num_computed_tokens``; ``is_prefilling`` = fewer computed than prefill tokens;
-- block tables per group, sliding-window groups' leading blocks below the window of the first
+- block tables per group, as wide as the runner's (``max_num_blocks_per_req`` of max_model_len,
+  ``get_block_table_width``), sliding-window groups' leading blocks below the window of the first
   scheduled token set to the null block (``_gather_block_tables_kernel``);
 - slot = table[pos // bs] * bs + pos % bs per group, table[0] for groups without slot mapping
   (``_compute_slot_mappings_kernel``);
@@ -68,6 +69,7 @@ class Bridge:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
         from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.block_table import get_block_table_width
         from vllm.utils.hashing import get_hash_fn_by_name
 
         self.b = built
@@ -92,11 +94,16 @@ class Bridge:
         init_none_hash(get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo))
         self.hasher = get_request_block_hasher(hbs, get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo),
                                                vc.num_hash_lookahead_tokens)
-        self.block_sizes, self.reach, self.slot_enabled = [], [], []
+        self.block_sizes, self.reach, self.slot_enabled, self.max_blocks = [], [], [], []
         for g in built.kv_cache_config.kv_cache_groups:
             spec = g.kv_cache_spec
             layer = spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
             self.block_sizes.append(spec.block_size)
+            # the runner's block-table width per group (V4's 4-token compressed groups need
+            # max_model_len / 4 entries, not a fixed 64)
+            self.max_blocks.append(get_block_table_width(spec.max_num_blocks_per_req(vc, vc.model_config.max_model_len),
+                                                         spec.block_size,
+                                                         token_alignment=spec.block_table_token_alignment))
             self.reach.append(layer.num_retained_tokens if isinstance(layer, SlidingWindowSpec) else 0)
             self.slot_enabled.append(bool(layer.uses_slot_mapping))
         specs = [g.kv_cache_spec for g in built.kv_cache_config.kv_cache_groups]
@@ -112,12 +119,12 @@ class Bridge:
                            scheduler_block_size=sbs, hash_block_size=hbs, replay_window=self.window,
                            cacheable_groups=self.cacheable, group_block_sizes=self.block_sizes,
                            sliding_reach=self.reach, slot_mapping_enabled=self.slot_enabled,
+                           block_table_widths=self.max_blocks,
                            decoder_replay_layers=None if replay_layers is None else dict(
                                window=replay_layers.window, first_swa=replay_layers.first_swa_prefix,
                                prefixes=sorted(replay_layers.metadata_prefixes)))
         self.states: Dict[str, ReqState] = {}
         self.free_rows = list(range(max_num_seqs * 2))
-        self.max_blocks = 64
         self.torch = torch
         self.preempted_ever: set = set()
 
@@ -186,7 +193,7 @@ class Bridge:
         T = len(ids)
         block_tables, slot_mappings = [], []
         for g, bs in enumerate(self.block_sizes):
-            bt = torch.zeros(len(rows), self.max_blocks, dtype=torch.int32)
+            bt = torch.zeros(len(rows), self.max_blocks[g], dtype=torch.int32)
             for i, st in enumerate(rows):
                 blk = list(st.blocks[g])
                 if self.reach[g] > 0:    # entries wholly below the first query's window: null block
@@ -297,6 +304,17 @@ SCENARIOS = {
                 order=("p0", "q", "p1")),
     # V3.2: one group (MLA + indexer K) of 64-token blocks; q's decodes cross into a second block
     # while p0's chunks hold the rest of a 4-block pool (3 usable: block 0 is the null block)
+    # V4: the scheduler's block is 256 tokens (C128A), the groups' blocks [64, 64, 256, 4, 8]
+    # tokens (SWA KV x2, compressed KV + indexer K, the C4A / C128A compressor states). Admission
+    # reserves each request's whole (window-capped) need, so a preemption needs a request admitted
+    # on blocks another one grows into: p1 (a 256-token hit) gets 6 tokens beside p0's decode and
+    # q's last chunk and is preempted when their decodes take the last free blocks; it returns
+    # with the same hit. Chunk ends off the 4-token C4A windows (q at 21, p0's prefill at 267 closed
+    # by its first decode) carry the compressor state across steps, and both C128A windows of p0
+    # span three chunks. Every feature at a pool of 65 only (64 schedules nothing: p0's admission
+    # needs the whole pool)
+    "v4": dict(shared=256, tails=(11, 62), q=62, max_tokens=(3, 1, 2), budget=48, num_blocks=65,
+               order=("p0", "q", "p1"), sweep=(55, 80)),
     "v32": dict(shared=64, tails=(8, 12), q=60, max_tokens=(2, 2, 6), budget=40, num_blocks=4,
                 order=("q", "p0", "p1")),
 }
@@ -356,7 +374,7 @@ def dry_sweep(report, b, model, vocab, seed):
     """Scheduler only over a range of block pools: which ones make every feature happen."""
     sc = SCENARIOS[model]
     report["sweep"] = []
-    for nb in list(range(6, 40)) + [b.kv_cache_config.num_blocks]:
+    for nb in list(range(*sc.get("sweep", (6, 40)))) + [b.kv_cache_config.num_blocks]:
         try:
             bridge = Bridge(b, nb, sc["budget"])
             for rid, toks, mt in scenario_requests(model, vocab, seed):

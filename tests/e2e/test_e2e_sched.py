@@ -1,6 +1,6 @@
 """End to end with vLLM 0.33.0's own scheduler: its ``Scheduler`` and KV-cache manager (prefix
 caching on, chunked prefill with a small ``max_num_batched_tokens``, a small block pool) decide
-every step of the model e2e for DeepSeek-V4.1 and V3.2; ``sched_driver.py`` turns each
+every step of the model e2e for DeepSeek-V4.1, V4 and V3.2; ``sched_driver.py`` turns each
 ``SchedulerOutput`` into the step's inputs as the V2 GPU model runner does, runs vLLM's model with
 the plugin, checks the step against the float64 oracle (the model e2e's checks, unchanged), and
 feeds the greedy tokens back through ``update_from_output``.
@@ -9,7 +9,10 @@ Three requests: two share a prefix of whole hash blocks, a third is short. What 
 counted from the SchedulerOutputs: a prefill split across steps, a step mixing decodes with a
 prefill, a prefix-cache hit (V4.1: with SWA bounded replay, the hit's last window recomputed and
 its slots in the prefix-cacheable groups padded), a preemption by the small block pool and the
-preempted request's return (V2 sends it as a new request with every token so far).
+preempted request's return (V2 sends it as a new request with every token so far). V4's groups
+(SWA KV, compressed KV + indexer K in 256-token blocks, the C4A / C128A compressor states in 4- and
+8-token blocks) get the runner's own block-table widths; its chunk ends cut C4A windows, so the
+compressor state carried across steps is pinned by the model e2e's writer checks.
 
 Every step passes the model e2e's float64 checks (the same bounds), with one exception by design:
 after a V4.1 prefix hit, the first window - 1 replayed rows attend only to window KV at or above
@@ -57,11 +60,16 @@ def report_v41(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def report_v4(tmp_path_factory):
+    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v4")
+
+
+@pytest.fixture(scope="module")
 def report_v32(tmp_path_factory):
     return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v32")
 
 
-@pytest.fixture(params=["v41", "v32"])
+@pytest.fixture(params=["v41", "v4", "v32"])
 def report(request):
     return request.getfixturevalue(f"report_{request.param}")
 
@@ -90,7 +98,8 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
         assert h["replay_start"] % br["hash_block_size"] == br["hash_block_size"] - br["replay_window"], (h, br)
         assert any(s["replay_padded"] > 0 for s in steps)
     else:
-        assert hits[0]["computed"] % br["hash_block_size"] == 0 and hits[0]["computed"] > 0, hits
+        # whole scheduler blocks (V4: 256 tokens; its 4-token hash blocks are finer)
+        assert hits[0]["computed"] % br["scheduler_block_size"] == 0 and hits[0]["computed"] > 0, hits
     # a preemption by the small pool, and the preempted request back with its generated tokens
     preempted = [r for s in steps for r in s["preempted"]]
     assert preempted, "no preemption"
@@ -105,17 +114,18 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
     assert sampled == report["max_tokens"], (sampled, report["max_tokens"])
 
 
-def test_every_step_passed_the_oracle_v41(report_v41):
-    report = report_v41
+def _every_step_passed_the_oracle(report):
+    """The model e2e's float64 checks, every layer of every step (test_e2e.py's bounds)."""
+    model = report["model"]
     names = {s["step"] for s in _steps(report)}
     checks = report["checks"]
-    n_layers = v4_e2e.LAYERS["v41"]["n"]
+    n_layers = v4_e2e.LAYERS[model]["n"]
     for step in names:
         rows = [c for c in checks if c["step"] == step]
         assert sum(c["kind"].startswith("attn") for c in rows) == n_layers, (step, rows)
         assert sum(c["kind"] == "moe" for c in rows) == n_layers, (step, rows)
         assert sum(c["kind"] == "logits" for c in rows) == 1 and sum(c["kind"] == "mhc_first" for c in rows) == 1
-        assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS["v41"]["indexer"]), step
+        assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS[model]["indexer"]), step
     for c in checks:
         if c["kind"].startswith("attn"):
             assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, c
@@ -127,14 +137,42 @@ def test_every_step_passed_the_oracle_v41(report_v41):
             assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
         else:
             assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+    # the indexer's long path ran (more compressed entries than top-k) and was checked
+    assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
+
+
+def test_every_step_passed_the_oracle_v41(report_v41):
+    report = report_v41
+    _every_step_passed_the_oracle(report)
     # left out of the attention comparison: only each replay's first window - 1 rows, whose window
     # vLLM clips at replay_start by design (sched_driver.without_truncated_windows)
     W = report["bridge"]["replay_window"]
     clipped = sum(1 for s in _steps(report) for rid, n in s["schedule"] if rid in s["replay_starts"]
                   for p in range(s["starts"][rid], s["starts"][rid] + n) if p < s["replay_starts"][rid] + W - 1)
     assert 0 < report["replay_rows_not_compared"] == clipped
-    # the indexer's long path ran (more compressed entries than top-k) and was checked
-    assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
+
+
+def test_every_step_passed_the_oracle_v4(report_v4):
+    """V4 has no SWA bounded replay: every row of every layer is compared, each within its
+    rounding-model bound, and every compressed-KV / indexer-K entry a step closes (C4A windows cut
+    by chunk ends, C128A windows over three chunks) is the float64 one from the layer inputs of
+    the request's earlier steps (writer_checks.py, as the model e2e)."""
+    report = report_v4
+    _every_step_passed_the_oracle(report)
+    assert report["bridge"]["replay_window"] == 0 and report["replay_rows_not_compared"] == 0
+    rows = [c for c in report["checks"] if c["kind"].startswith("attn")]
+    for c in rows:
+        assert c["bound_ratio"] <= 1.0, c
+        assert c["comp_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, c
+    comp, index = v4_e2e.WRITERS["v4"]
+    assert {c["layer"] for c in rows if c["comp_written"]} == comp, rows
+    assert {c["layer"] for c in rows if c["index_written"]} == index, rows
+    # an entry is left unchecked only where its (overlapping C4A) window reaches below a prefix
+    # hit into tokens another request computed: in the steps that start a hit
+    hit_steps = {s["step"] for s in _steps(report) if s["hits"]}
+    unseen = [c for c in rows if c["writer_unseen"]]
+    assert all(c["step"] in hit_steps for c in unseen), unseen
+    assert sum(c["comp_written"] for c in rows) > 10 * sum(c["writer_unseen"] for c in rows), rows
 
 
 CONTEXT_TIE_BOUNDS = (0.995, 0.12)  # (cos min, rel max): rows after a routing near-tie (below)
