@@ -232,7 +232,7 @@ class Bridge:
             req_idx=np.array([st.index for st in rows], dtype=np.int32),
             schedule=[(rid, int(so.num_scheduled_tokens[rid])) for rid in order],
             starts={rid: st.computed for rid, st in zip(order, rows)}, replay_padded=padded,
-            replay_starts={rid: rs for rid, rs in zip(order, replay) if rs},
+            replay_starts={rid: rs for rid, rs in zip(order, replay) if rs}, replay_window=self.window,
         )
         out["query_start_loc_gpu"] = out["query_start_loc_cpu"].to(dev)
         if self.window or getattr(self.b.model, "decoder_replay_layers", None) is not None:

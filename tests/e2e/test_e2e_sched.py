@@ -150,6 +150,17 @@ def test_every_step_passed_the_oracle_v41(report_v41):
     clipped = sum(1 for s in _steps(report) for rid, n in s["schedule"] if rid in s["replay_starts"]
                   for p in range(s["starts"][rid], s["starts"][rid] + n) if p < s["replay_starts"][rid] + W - 1)
     assert 0 < report["replay_rows_not_compared"] == clipped
+    # every compressed-KV / indexer-K entry a step writes is the float64 one (the model e2e's writer
+    # checks: they catch compressor-state errors the attention comparison reads back unchanged); a
+    # prefix hit's recomputed window writes none (its slots padded: the prefix owner's entries stay)
+    rows = [c for c in report["checks"] if c["kind"].startswith("attn")]
+    for c in rows:
+        assert c["comp_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, c
+        assert c["writer_unseen"] == 0, c
+    assert sum(c["writer_padded"] for c in rows) > 0   # the hit's window happened and was set aside
+    comp, index = v4_e2e.WRITERS["v41"]
+    assert {c["layer"] for c in rows if c["comp_written"]} == comp, rows
+    assert {c["layer"] for c in rows if c["index_written"]} == index, rows
 
 
 def test_every_step_passed_the_oracle_v4(report_v4):

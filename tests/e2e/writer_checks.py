@@ -93,7 +93,11 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
     for t, p in enumerate(pos):
         hist[(rids[req[t]], p)] = x[t]
     comp = getattr(attn, "compressor", None)
-    out = dict(comp_writer_err=0.0, comp_written=0, index_writer_err=0.0, index_written=0, writer_unseen=0)
+    out = dict(comp_writer_err=0.0, comp_written=0, index_writer_err=0.0, index_written=0, writer_unseen=0,
+               writer_padded=0)
+    # a prefix hit's recomputed window (V4.1's SWA bounded replay): the runner pads those rows' slots
+    # in the prefix-cacheable groups, so their entries are the prefix owner's, not this request's
+    rs_, W_ = step.batch.get("replay_starts") or {}, step.batch.get("replay_window") or 0
     if comp is None or rec.comp_block_table is None:
         return out
     m = comp.compress_ratio
@@ -106,6 +110,9 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
         if (p + 1) % m:
             continue
         r, w = req[t], p // m
+        if rids[r] in rs_ and rs_[rids[r]] <= p < rs_[rids[r]] + W_:
+            out["writer_padded"] += 1
+            continue
         first = max(0, (w - 1) * m) if (getattr(comp, "overlap", False) or getattr(icomp, "overlap", False)) else w * m
         keys = [(rids[r], j) for j in range(first, p + 1)]
         if any(k not in hist for k in keys):
