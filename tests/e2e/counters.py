@@ -61,7 +61,7 @@ NEXT_N_OPS = ("paged_mqa_logits",)
 
 def _count(name: str, args) -> None:
     OPS[name] += 1
-    if name in NEXT_N_OPS and args and getattr(args[0], "dim", lambda: 0)() >= 2:
+    if name in NEXT_N_OPS and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
         OPS[f"{name}[next_n={int(args[0].shape[1])}]"] += 1
 
 

@@ -97,7 +97,7 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
                writer_padded=0)
     # a prefix hit's recomputed window (V4.1's SWA bounded replay): the runner pads those rows' slots
     # in the prefix-cacheable groups, so their entries are the prefix owner's, not this request's
-    rs_, W_ = step.batch.get("replay_starts") or {}, step.batch.get("replay_window") or 0
+    replay_starts, window = step.batch.get("replay_starts") or {}, step.batch.get("replay_window") or 0
     if comp is None or rec.comp_block_table is None:
         return out
     m = comp.compress_ratio
@@ -110,7 +110,7 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
         if (p + 1) % m:
             continue
         r, w = req[t], p // m
-        if rids[r] in rs_ and rs_[rids[r]] <= p < rs_[rids[r]] + W_:
+        if rids[r] in replay_starts and replay_starts[rids[r]] <= p < replay_starts[rids[r]] + window:
             out["writer_padded"] += 1
             continue
         first = max(0, (w - 1) * m) if (getattr(comp, "overlap", False) or getattr(icomp, "overlap", False)) else w * m

@@ -139,11 +139,12 @@ def test_a_speculative_run_must_reach_the_indexer_decode_with_next_n_k_plus_1(tm
     (the verify steps), as counters.install_ops records them."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/e2e
     import counters
+    import torch
 
     rng, ref, gaps = _runs(6)
     k = rng.randrange(1, 6)
     counters.OPS.clear()
-    q = __import__("torch").zeros(3, k + 1, 2, 4)
+    q = torch.zeros(3, k + 1, 2, 4)
     counters._count("paged_mqa_logits", (q,))
     assert counters.OPS == {"paged_mqa_logits": 1, f"paged_mqa_logits[next_n={k + 1}]": 1}
     wa = dict(pid=1, ops_called=dict(counters.OPS))
