@@ -42,14 +42,15 @@ SERVED = 1
 
 
 def top2(out) -> list:
-    """Per generated position, the top-2 [(token, logprob)] vLLM returned (logprobs=2): how far
+    """Per generated position, the top-2 [(token, raw logit)] vLLM returned (logprobs=2 with
+    logprobs_mode="raw_logits"): how far
     two runs' logprobs drift apart on the positions where their tokens still agree."""
     return [sorted(((int(t), round(x.logprob, 4)) for t, x in (lp or {}).items()), key=lambda y: -y[1])[:2]
             for lp in out.outputs[0].logprobs or []]
 
 
 def margins(out) -> list:
-    """Per generated position, the gap between the top-2 logprobs vLLM returned (logprobs=2):
+    """Per generated position, the gap between the top-2 raw logits vLLM returned (logprobs=2):
     where two runs' greedy tokens part, this says whether the first one stood on a near-tie."""
     res = []
     for lp in out.outputs[0].logprobs or []:
@@ -61,7 +62,10 @@ def margins(out) -> list:
 def engine_kwargs(a) -> dict:
     kw = dict(model=a.ckpt, tokenizer=a.ckpt, dtype="bfloat16", seed=0, max_model_len=2048,
               gpu_memory_utilization=a.gpu_mem, max_num_seqs=16, max_num_batched_tokens=a.batched_tokens,
-              enforce_eager=a.mode == "eager", enable_prefix_caching=True)
+              enforce_eager=a.mode == "eager", enable_prefix_caching=True,
+              # logprobs=2 then returns the bf16 logits themselves: a top-2 gap is read in bf16
+              # spacings of the top logit (summary.parting's near-tie bound)
+              logprobs_mode="raw_logits")
     if a.mode == "graphs" and a.no_jit_warmup:
         # vLLM's JIT warmup off (ours runs through it, so ours is off too): a fallback where the
         # warmup cannot run; by default it runs, the TileLang mHC registrations dropped by the

@@ -27,7 +27,7 @@ def test_parting_names_the_first_differing_position_and_its_gap():
     i, j = rng.randrange(4), rng.randrange(8)
     other[i][j] = (other[i][j] + 1) % 500
     other[i][-1] = (other[i][-1] + 7) % 500          # later differences follow from the first
-    assert summary.parting(ref, gaps, other) == [(i, j, gaps[i][j])]
+    assert summary.parting(ref, gaps, other) == [(i, j, gaps[i][j], summary.TIE)]
 
 
 def test_only_near_ties_are_excused():
@@ -40,6 +40,22 @@ def test_only_near_ties_are_excused():
     assert not summary.near_ties_only(summary.parting(ref, gaps, wide))
     assert not summary.near_ties_only(summary.parting(ref, None, tie))   # no gap recorded: not excused
     assert not summary.near_ties_only([])
+
+
+def test_with_raw_logits_a_near_tie_is_a_few_bf16_spacings_of_the_top_logit():
+    rng, ref, gaps = _runs(7)
+    top = rng.choice([-1, 1]) * rng.uniform(4.0, 7.99)            # bf16 spacing there: 1/32
+    logits = [[[(t, top), (t + 1, top - g)] for t, g in zip(p, gp)] for p, gp in zip(ref, gaps)]
+    assert summary.bf16_ulp(top) == 2.0 ** -5 and summary.bf16_ulp(-0.75) == 2.0 ** -8
+    gaps[0][3], gaps[1][5] = summary.TIE_ULPS / 32, (summary.TIE_ULPS + 1) / 32
+    tie, wide = [list(t) for t in ref], [list(t) for t in ref]
+    tie[0][3] += 1
+    wide[1][5] += 1
+    pt = summary.parting(ref, gaps, tie, logits)
+    assert pt == [(0, 3, gaps[0][3], summary.TIE_ULPS / 32)] and summary.near_ties_only(pt)
+    assert not summary.near_ties_only(summary.parting(ref, gaps, wide, logits))
+    assert summary.logits_of(dict(top2=logits)) is None                  # logprobs, not logits
+    assert summary.logits_of(dict(top2=logits, engine_kwargs=dict(logprobs_mode="raw_logits"))) is logits
 
 
 def test_first_token_check_counts_clear_selection_free_prompts_only():
@@ -106,7 +122,7 @@ def test_drift_is_the_largest_shared_token_logprob_move_before_the_parting():
     b[2][4] = [(b[2][4][0][0] + 1, -0.5), b[2][4][1]]               # the parting
     other = [[x[0][0] for x in p] for p in b]
     pt = summary.parting(ref, gaps, other)
-    assert pt == [(2, 4, gaps[2][4])]
+    assert pt == [(2, 4, gaps[2][4], summary.TIE)]
     assert summary.drift(a, b, pt) == [0.2]
     assert summary.drift(None, b, pt) == [None]
 
