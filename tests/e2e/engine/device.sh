@@ -11,7 +11,7 @@
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
 #   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
-#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2, E2E_RUNS3, E2E_EXTRA2, E2E_LANE2_DELAY: more lanes (below)
+#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2..E2E_RUNS4, E2E_EXTRA2, E2E_LANE2_DELAY: more lanes (below)
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -74,9 +74,11 @@ lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs f
 # same reason (reported as measured).
 X2='{"kv_cache_memory_bytes": 4294967296}'; X2=${E2E_EXTRA2:-$X2}
 LANES=()
-if [ -n "${E2E_RUNS2:-}" ]; then ( sleep "${E2E_LANE2_DELAY:-40}"; lane "$E2E_RUNS2" "$X2" ) & LANES+=($!); fi
-# a third lane likewise (E2E_RUNS3), started twice the delay later
-if [ -n "${E2E_RUNS3:-}" ]; then ( sleep $(( 2 * ${E2E_LANE2_DELAY:-40} )); lane "$E2E_RUNS3" "$X2" ) & LANES+=($!); fi
+# lanes 3 and 4 likewise (E2E_RUNS3, E2E_RUNS4), started two and three delays later
+for n in 2 3 4; do
+  v="E2E_RUNS$n"
+  if [ -n "${!v:-}" ]; then ( sleep $(( (n - 1) * ${E2E_LANE2_DELAY:-40} )); lane "${!v}" "$X2" ) & LANES+=($!); fi
+done
 lane "${E2E_RUNS:-v41e=v41:eager}" ""
 for p in "${LANES[@]}"; do wait "$p"; done
 cp "$B/first_token.json" "$R/" 2>/dev/null   # check (b)'s float64 first tokens (prepare_carry.sh)

@@ -200,6 +200,15 @@ def main(argv=None) -> int:
         comp = llm.llm_engine.vllm_config.compilation_config
         report["cudagraph_mode"] = str(comp.cudagraph_mode)
         report["cudagraph_capture_sizes"] = comp.cudagraph_capture_sizes
+        if a.spec_method:
+            # vLLM's own choice for this platform: verify steps reach the indexer decode as next_n =
+            # k + 1 rows a request, or flattened to one row a token (sm_8x: native for next_n <= 2)
+            try:
+                from vllm.v1.attention.backends.mla.indexer import _use_flattening
+
+                report["indexer_flattened"] = bool(_use_flattening(llm.llm_engine.vllm_config))
+            except Exception as exc:  # noqa: BLE001 (recorded; the summary fails the run without it)
+                report["indexer_flattened_error"] = f"{type(exc).__name__}: {exc}"[:300]
         from dsv4_e2e_a100.models import profile_start, profile_stop, reset_peak, worker_report
 
         report["worker_before"] = llm.collective_rpc(worker_report)

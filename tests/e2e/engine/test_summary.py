@@ -166,9 +166,62 @@ def test_a_speculative_run_must_reach_the_indexer_decode_with_next_n_k_plus_1(tm
     wa = dict(pid=1, ops_called=dict(counters.OPS))
     counters.OPS.clear()
     _write(tmp_path, "v4e", model="v4", tokens=ref, margins=gaps)
-    _write(tmp_path, "v4m", model="v4", spec=f"mtp:{k}", tokens=ref, margins=gaps, worker_after=[wa])
+    spec = dict(model="v4", spec=f"mtp:{k}", tokens=ref, margins=gaps, indexer_flattened=False)
+    _write(tmp_path, "v4m", worker_after=[wa], **spec)
     assert summary.main(str(tmp_path)) == 0
-    wa["ops_called"] = {"paged_mqa_logits": 1, "paged_mqa_logits[next_n=1]": 1}   # the drafts never reached it
-    _write(tmp_path, "v4m", model="v4", spec=f"mtp:{k}", tokens=ref, margins=gaps, worker_after=[wa])
+    flat = {"paged_mqa_logits": 1, "paged_mqa_logits[next_n=1]": 1}   # one row a token
+    _write(tmp_path, "v4m", worker_after=[dict(wa, ops_called=flat)], **spec)
     assert summary.main(str(tmp_path)) == 1
     assert f"next_n = {k + 1}" in capsys.readouterr().out
+    # where vLLM flattens the verify rows (sm_8x: next_n > 2), one row a token is what must arrive
+    _write(tmp_path, "v4m", worker_after=[dict(wa, ops_called=flat)], **dict(spec, indexer_flattened=True))
+    assert summary.main(str(tmp_path)) == 0
+    _write(tmp_path, "v4m", worker_after=[wa], **dict(spec, indexer_flattened=True))
+    assert summary.main(str(tmp_path)) == 1
+    _write(tmp_path, "v4m", worker_after=[wa], **dict(spec, indexer_flattened=None))   # not recorded: fails
+    assert summary.main(str(tmp_path)) == 1
+
+
+def _logit_runs(seed, top=3.0):
+    """A plain eager run with raw logits near ``top`` (bf16 spacing 1/64 in [2, 4))."""
+    rng, ref, gaps = _runs(seed)
+    gaps = [[round(rng.uniform(0.3, 1.0), 4) for _ in p] for p in ref]          # no near-ties
+    top2 = [[[(t, top), (t + 1, top - g)] for t, g in zip(p, gp)] for p, gp in zip(ref, gaps)]
+    return rng, ref, gaps, top2
+
+
+def test_the_near_tie_bound_is_the_plain_runs_own_control_noise(tmp_path, capsys):
+    """A spec run parting at a gap of 6 bf16 spacings passes only where the plain run's own reruns
+    (prefix-cache pass, solo pass) moved a shared logit by at least that much."""
+    rng, ref, gaps, top2 = _logit_runs(8)
+    ulp = summary.bf16_ulp(3.0)
+    gaps[2][5] = round(6 * ulp, 6)
+    top2[2][5] = [(ref[2][5], 3.0), (ref[2][5] + 1, 3.0 - gaps[2][5])]
+    base = dict(model="v41", tokens=ref, margins=gaps, top2=top2, engine_kwargs=dict(logprobs_mode="raw_logits"),
+                solo_tokens=list(ref[summary.SERVED]), solo_top2=top2[summary.SERVED],
+                prefix_pass_tokens=ref[-3:], prefix_pass_top2=[list(p) for p in top2[-3:]])
+    other = [list(p) for p in ref]
+    other[2][5] += 7
+    _write(tmp_path, "v41e", **base)
+    _write(tmp_path, "v41g", model="v41", mode="graphs", tokens=other)
+    assert summary.main(str(tmp_path)) == 1                        # noise 0: the bound is TIE_ULPS = 4
+    moved = [list(p) for p in top2[-3:]]
+    moved[0][1] = [(moved[0][1][0][0], 3.0 + 7 * ulp), moved[0][1][1]]   # a rerun moved a logit 7 spacings
+    _write(tmp_path, "v41e", **dict(base, prefix_pass_top2=moved))
+    assert summary.main(str(tmp_path)) == 0
+    assert "control noise" in capsys.readouterr().out and summary.noise_ulps(top2[-3:], moved) == 7.0
+    moved[0][1] = [(moved[0][1][0][0], 3.0 + (summary.NOISE_CAP_ULPS + 1) * ulp), moved[0][1][1]]
+    _write(tmp_path, "v41e", **dict(base, prefix_pass_top2=moved))
+    assert summary.main(str(tmp_path)) == 1                        # reruns of one configuration too far apart
+
+
+def test_late_compiles_fail_for_ours_with_the_warmup_on_only(tmp_path):
+    _, ref, gaps = _runs(9)
+    _write(tmp_path, "v41e", model="v41", tokens=ref, margins=gaps)
+    wb = dict(pid=1, triton_compiles=["a[x]"], triton_compiles_ours=[])
+    for warm, ours, rc in ((True, [], 0), (True, ["_dsv4_decode_v3_kernel[w]"], 1), (False, ["_dsv4_decode_v3_kernel[w]"], 0)):
+        wa = dict(pid=1, triton_compiles=["a[x]", "fused_moe_kernel[y]"] + ours, triton_compiles_ours=ours)
+        kw = {} if warm else dict(kernel_config=dict(enable_jit_warmup=False))
+        _write(tmp_path, "v41g", model="v41", mode="graphs", tokens=ref, engine_kwargs=kw,
+               worker_before=[wb], worker_after=[wa])
+        assert summary.main(str(tmp_path)) == rc, (warm, ours)
