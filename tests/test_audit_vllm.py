@@ -384,6 +384,41 @@ def test_warmup_coverage_comes_from_the_patch_table():
     assert warmup.replaced_by("vllm.models.deepseek_v4.common.ops.cache_utils", "_NO_SUCH_KERNEL_X") is None
 
 
+def test_a_kernel_registered_through_a_local_is_registered_not_used():
+    """`k = A if c else B; k.register_warmup()` registers A and B without using them (V4's
+    indexer registers its CuTeDSL q-quant kernels so); any other use of k uses both."""
+    import ast
+
+    from dsv4_ops.vllm.serve_graph import _source
+
+    src = """
+from m import A, B
+class C:
+    def __init__(self, c):
+        k = A if c else B
+        k.register_warmup(n=1)
+    def run(self, c, x):
+        k = A if c else B
+        return k(x)
+"""
+    idx = _source.ModuleIndex("t", "t.py")
+    _source._Visitor(idx, False, {}).visit(ast.parse(src))
+    assert sorted((r.func, r.kernel, r.kernel_module) for r in idx.registrations) == [
+        ("C.__init__", "A", "m"), ("C.__init__", "B", "m")]
+    assert not {"A", "B"} & idx.funcs["C.__init__"].idents
+    assert {"A", "B"} <= idx.funcs["C.run"].idents
+
+
+def test_v4_indexer_cutedsl_q_quant_warmup_is_covered_by_the_q_quant_patch():
+    # registered in DeepseekV4Indexer.__init__ (jit warmup on, CuTeDSL present, as a CUDA install of
+    # vLLM has it); launched only from fused_indexer_q_rope_quant, which the plugin replaces. Were it
+    # not covered, its e4m3 cvt would fail the sm_80 compile and vLLM's JIT warmup would abort startup.
+    mod = "vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl"
+    for name in ("_INDEXER_Q_FP8_KERNEL", "_INDEXER_Q_MXFP4_KERNEL"):
+        row = warmup.replaced_by(mod, name)
+        assert row and row.endswith("fused_indexer_q_rope_quant"), (name, row)
+
+
 # ------------------------------------------------------------------ evidence helpers (no vLLM run)
 
 def test_class_graph_resolves_names_per_module(tmp_path):

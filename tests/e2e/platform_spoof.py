@@ -164,11 +164,20 @@ class _StubMeta(type):
     def __getitem__(cls, item):
         return _StubMeta("stub", (), {})
 
+    def __iter__(cls):   # a stub list is empty (e.g. CuTeDSL's runtime libraries to preload)
+        return iter(())
+
 
 def _stub_attr(attr):
     if attr.startswith("__"):
         raise AttributeError(attr)
     return _StubMeta(attr, (), {})
+
+
+def _no_cutedsl_compile(*args, **kwargs):
+    """``cute.compile`` of the stand-in: a CuTeDSL kernel compiles for nothing here, as one
+    with e4m3 cvt does not for sm_80, so vLLM's JIT warmup of it fails unless the plugin drops it."""
+    raise RuntimeError("CuTeDSL is not installed on this image (import stand-in): no kernel compiles")
 
 
 def gpu_import_standins() -> None:
@@ -192,6 +201,8 @@ def gpu_import_standins() -> None:
             mod = types.ModuleType(spec.name)
             mod.__path__ = []
             mod.__getattr__ = _stub_attr
+            if spec.name == "cutlass.cute":
+                mod.compile = _no_cutedsl_compile
             return mod
 
         def exec_module(self, module):

@@ -135,6 +135,10 @@ class _Visitor(ast.NodeVisitor):
         self.func: Optional[Func] = None
         self.guards: List[Tuple[ast.expr, bool]] = []
         self.local_defs: Dict[str, str] = {}
+        # `k = A if c else B` (or `k = A`) in a function whose only use of k is
+        # `k.register_warmup(...)`: a warmup registration of A / B, not a use of them
+        self.kernel_locals: Dict[str, ast.expr] = {}
+        self.register_only: Set[str] = set()
         self.early: Set[int] = set()  # tests of `if <test>: return` guards (the rest of the block)
 
     # imports (anywhere: vLLM imports many kernels inside functions)
@@ -169,6 +173,8 @@ class _Visitor(ast.NodeVisitor):
         own = self.func is None
         if own:
             self.local_defs = {}
+            self.kernel_locals = {}
+            self.register_only = _register_only_locals(node)
             qual = ".".join(self.stack + [node.name])
             self.func = self.idx.funcs.setdefault(qual, Func(self.idx.name, qual, node.lineno))
         self.stack.append(node.name)
@@ -184,6 +190,14 @@ class _Visitor(ast.NodeVisitor):
     def visit_Assign(self, node):
         if self.func is not None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             self.local_defs[node.targets[0].id] = ast.unparse(node.value)
+            v = node.value
+            if node.targets[0].id in self.register_only and (
+                    isinstance(v, ast.Name) or (isinstance(v, ast.IfExp) and isinstance(v.body, ast.Name)
+                                                and isinstance(v.orelse, ast.Name))):
+                if isinstance(v, ast.IfExp):
+                    self.visit(v.test)
+                self.kernel_locals[node.targets[0].id] = v   # registered below, never used
+                return
         if not self.stack:
             for t in node.targets:
                 if isinstance(t, ast.Name):
@@ -272,7 +286,10 @@ class _Visitor(ast.NodeVisitor):
             if isinstance(kw.get("op_name"), ast.Constant) and isinstance(kw.get("op_func"), ast.Name):
                 self.idx.custom_ops[kw["op_name"].value] = kw["op_func"].id
         if isinstance(f, ast.Attribute) and f.attr == "register_warmup" and self.func is not None:
-            targets = [f.value.body, f.value.orelse] if isinstance(f.value, ast.IfExp) else [f.value]
+            v = f.value
+            if isinstance(v, ast.Name) and v.id in self.kernel_locals:
+                v = self.kernel_locals[v.id]
+            targets = [v.body, v.orelse] if isinstance(v, ast.IfExp) else [v]
             for t in targets:
                 if isinstance(t, ast.Name):
                     mod, name = self.idx.aliases.get(t.id, (self.idx.name, t.id))
@@ -339,6 +356,19 @@ class _Visitor(ast.NodeVisitor):
 CPP = "C++ _C"  # torch.ops._C.<op> / vllm._custom_ops.<op>: a kernel in vLLM's own extension
 _LIB_MODULE_PREFIXES = ("vllm.third_party.deep_gemm", "deep_gemm", "vllm.third_party.flashmla", "flash_mla",
                         "vllm.v1.attention.ops.flashmla")
+
+
+def _register_only_locals(func: ast.AST) -> Set[str]:
+    """Names in ``func`` whose every load is the receiver of a ``.register_warmup(...)`` call."""
+    loads: Dict[str, int] = {}
+    receivers: Dict[str, int] = {}
+    for n in ast.walk(func):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            loads[n.id] = loads.get(n.id, 0) + 1
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "register_warmup"
+                and isinstance(n.func.value, ast.Name)):
+            receivers[n.func.value.id] = receivers.get(n.func.value.id, 0) + 1
+    return {k for k, c in receivers.items() if loads.get(k) == c}
 
 
 def _lib_for_module(mod: str, name: str):

@@ -6,7 +6,7 @@
 # tests/e2e/engine/prepare_carry.sh): the repo (worktree copy) with bundle/ (vllm_py.tar.xz,
 # whl/*.whl, audit.json, audit_v32.json: tests/e2e/make_bundle.sh; manifest.json:
 # tests/e2e/engine/checkpoints.py), from which the checkpoints are rewritten here (E2E_MODELS).
-#   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve|:serveonly][:mutate][:nojit], e.g.
+#   E2E_RUNS: space-separated NAME=MODEL:MODE[:SPEC_METHOD:K][:serve|:serveonly][:mutate][:nojit][:fixedkv], e.g.
 #     "v41e=v41:eager v41g=v41:graphs v41m=v41:eager:mutate v4e=v4:eager v4m1=v4:eager:mtp:1
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
@@ -43,22 +43,23 @@ print('platform_plugins', sorted(x.value for x in e(group='vllm.platform_plugins
 print('general_plugins', sorted(x.value for x in e(group='vllm.general_plugins')))" | tee -a "$OUT/setup.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/setup.txt" 2>&1
 lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs for this lane's runs
-  local run name model mode a3 a4 a5 x t left lim extra
+  local run name model mode a3 a4 a5 x t left lim extra fixed
   for run in $1; do
     name=${run%%=*}; IFS=: read -r model mode a3 a4 a5 <<< "${run#*=}"
     args=(--ckpt "$CK/$model" --model "$model" --mode "$mode" --out "$R/$name.json")
-    envs=()
+    envs=(); fixed=0
     for x in "${a3:-}" "${a4:-}" "${a5:-}"; do
       case "$x" in
         serve) args+=(--serve);;
         serveonly) args+=(--serve --serve-only);;   # no LLM.generate first: compared with the eager run
         nojit) args+=(--no-jit-warmup);;
         mutate) envs+=(DSV4_E2E_MUTATE=topk_off_by_one);;
+        fixedkv) fixed=1;;   # the second lanes' fixed KV size for this run (a profile beside other lanes can fail)
         dspark|mtp|deepseek_mtp) args+=(--spec-method "$x");;
         [0-9]*) args+=(--spec-k "$x");;
       esac
     done
-    extra=$(python3 -c "import json, sys; d = json.loads(sys.argv[1] or '{}'); d.update(json.loads(sys.argv[2] or '{}')); print(json.dumps(d) if d else '')" "${E2E_EXTRA:-}" "$2")
+    extra=$(python3 -c "import json, sys; d = json.loads(sys.argv[1] or '{}'); d.update(json.loads(sys.argv[2] or '{}')); print(json.dumps(d) if d else '')" "${E2E_EXTRA:-}" "$( [ "$fixed" = 1 ] && echo "$X2" || echo "$2" )")
     [ -n "$extra" ] && args+=(--extra "$extra")
     t=$(date +%s); left=$(( ${E2E_TOTAL:-480} - 25 - (t - T0) )); lim=${E2E_RUN_TIMEOUT:-150}
     [ "$left" -lt 30 ] && { echo "$name skipped: ${left} s left of E2E_TOTAL" | tee -a "$OUT/setup.txt"; continue; }
