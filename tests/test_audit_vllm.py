@@ -419,6 +419,27 @@ def test_v4_indexer_cutedsl_q_quant_warmup_is_covered_by_the_q_quant_patch():
         assert row and row.endswith("fused_indexer_q_rope_quant"), (name, row)
 
 
+def test_warmup_coverage_is_the_same_once_the_patches_are_applied():
+    """In a served process the rows are applied (module attributes are the replacements); the
+    filter must still find vLLM's originals, or a kernel used only inside a replaced function of
+    another module (V4's q-quant kernels, in fused_indexer_q) is not dropped and aborts startup."""
+    from dsv4_ops.vllm import plugin
+
+    cases = [("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl", "_INDEXER_Q_FP8_KERNEL"),
+             ("vllm.models.deepseek_v4.common.ops.fused_indexer_q", "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL"),
+             ("vllm.models.deepseek_v4.common.ops.cache_utils", "_DEQUANTIZE_AND_GATHER_K_CACHE_KERNEL")]
+    warmup._call_graph.cache_clear()
+    before = [warmup.replaced_by(m, n) for m, n in cases]
+    assert all(before), before
+    plugin.apply_patches()
+    try:
+        warmup._call_graph.cache_clear()
+        assert [warmup.replaced_by(m, n) for m, n in cases] == before
+    finally:
+        plugin.unpatch()
+        warmup._call_graph.cache_clear()
+
+
 # ------------------------------------------------------------------ evidence helpers (no vLLM run)
 
 def test_class_graph_resolves_names_per_module(tmp_path):

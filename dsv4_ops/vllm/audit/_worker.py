@@ -111,7 +111,6 @@ class Audit(ServeGraph):
                 obj = importlib.import_module(p.module)
                 for part in p.symbol.split("."):
                     obj = getattr(obj, part)
-                obj = getattr(obj, "_dsv4_original", obj)
                 if getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):
                     out.add(f"{obj.__module__}:{obj.__qualname__}")
             except Exception:  # noqa: BLE001 - a row register() would reject anyway

@@ -109,6 +109,7 @@ class ServeGraph:
     # ------------------------------------------------------------------ coverage
     def patched(self):
         """(bindings, replaced function keys, patch-row name for each)."""
+        from dsv4_ops.vllm.plugin import STATE   # late: the plugin imports the warmup filter
         from dsv4_ops.vllm.table import patches
 
         bind: Dict[Tuple[str, str], str] = {}
@@ -121,8 +122,10 @@ class ServeGraph:
             if p.kind == "patch" and not path:
                 bind[(p.module, p.symbol)] = name
                 try:
-                    obj = getattr(importlib.import_module(p.module), p.symbol)
-                    obj = getattr(obj, "_dsv4_original", obj)
+                    # vLLM's function, also in a served process where the row is applied (there
+                    # the module attribute is the replacement, the original is in STATE.originals)
+                    applied = STATE.originals.get((p.module, p.symbol))
+                    obj = applied[2] if applied else getattr(importlib.import_module(p.module), p.symbol)
                     mod = getattr(obj, "__module__", None) or type(obj).__module__
                     qual = getattr(obj, "__qualname__", None)
                     if mod and qual and not isinstance(obj, type):

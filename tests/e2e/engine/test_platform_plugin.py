@@ -82,3 +82,44 @@ print(json.dumps(dict(archs=archs, cls=type(cp).__name__, mro=[c.__name__ for c 
     # dsv4_ops' own INFO line is not asserted: vLLM 0.33 configures its logging lazily
     # (configure_logging_if_needed), after the general plugins ran in this process, so the line
     # goes to Python's last-resort handler (WARNING and up only)
+
+
+def _fp8_kernel_src(x_ptr):
+    import triton.language as tl
+
+    tl.store(x_ptr, tl.load(x_ptr).to(tl.float8e4nv))
+
+
+def _bf16_kernel_src(x_ptr):
+    import triton.language as tl
+
+    tl.store(x_ptr, tl.load(x_ptr).to(tl.bfloat16))
+
+
+def test_warmup_evidence_counts_an_fp8_triton_kernel_as_failing_as_on_sm80(monkeypatch):
+    """On the H200 the JIT-warmup filter's compile of an fp8 Triton kernel succeeds; the harness
+    makes it fail as Triton does on sm_80, so replaced kernels are dropped as on an A100."""
+    import triton
+
+    sys.path.insert(0, E2E)
+    sys.path.insert(0, DIST)
+    from dsv4_e2e_a100 import plugin as e2e_plugin
+
+    from dsv4_ops.vllm import warmup
+
+    class Owner:
+        def __init__(self, fn):
+            self.kernel = triton.heuristics({})(triton.jit(fn))   # a wrapper, as vLLM's may be
+
+        def get_warmup_keys(self):
+            return []
+
+    monkeypatch.setattr(warmup, "compile_fails", warmup.compile_fails)
+    warmup._COMPILED.clear()
+    e2e_plugin._warmup_evidence_as_sm80()
+    e2e_plugin._warmup_evidence_as_sm80()                      # idempotent: wrapped once
+    assert warmup.compile_fails._dsv4_e2e_sm80
+    fails, error = warmup.compile_fails(Owner(_fp8_kernel_src), (), {})
+    assert fails and "_fp8_kernel_src names an fp8 type" in error
+    assert warmup.compile_fails(Owner(_bf16_kernel_src), (), {}) == (False, "")
+    warmup._COMPILED.clear()

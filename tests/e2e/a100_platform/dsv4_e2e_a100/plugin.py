@@ -89,4 +89,41 @@ def general() -> None:
         return None
 
     knobs.runtime.jit_post_compile_hook = on_compile
+    _warmup_evidence_as_sm80()
     _log("general: stand-ins installed, e2e model classes registered")
+
+
+def _fp8_triton_fn(kernel):
+    """The Python function of a vLLM Triton warmup owner's kernel (``kernel.kernel``, through
+    autotune / heuristics / JIT wrappers, each holding the next as ``fn``) when its source names
+    an fp8 type, else None."""
+    import types
+
+    import tripwire
+
+    fn, hops = getattr(kernel, "kernel", None), 0
+    while fn is not None and not isinstance(fn, types.FunctionType) and hops < 5:
+        fn, hops = getattr(fn, "fn", None), hops + 1
+    return fn if isinstance(fn, types.FunctionType) and tripwire._src_has_fp8(fn) else None
+
+
+def _warmup_evidence_as_sm80() -> None:
+    """dsv4_ops' JIT-warmup filter decides by compiling each registration for this GPU. The H200
+    compiles fp8 Triton kernels that Triton refuses on sm_80 ("type fp8e4nv not supported in this
+    architecture", the audit's evidence), so here such a compile counts as failing, as on an A100:
+    replaced ones are then dropped, others reach vLLM's warmup and the tripwire."""
+    from dsv4_ops.vllm import warmup
+
+    orig = warmup.compile_fails
+    if getattr(orig, "_dsv4_e2e_sm80", False):
+        return
+
+    def compile_fails(kernel, args, kwargs):
+        fails, error = orig(kernel, args, kwargs)
+        fn = None if fails else _fp8_triton_fn(kernel)
+        if fn is not None:
+            return True, f"Triton kernel {fn.__module__}.{fn.__name__} names an fp8 type (refused on sm_80)"
+        return fails, error
+
+    compile_fails._dsv4_e2e_sm80 = True
+    warmup.compile_fails = compile_fails
