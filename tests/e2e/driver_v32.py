@@ -17,6 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # layers) is at most this may pick another expert in bf16: its logits are left out (V4's e2e: the
 # choice must match where the margin > 0.02). The scheduled run passes its own (``route_margin``).
 ROUTE_MARGIN = 0.02
+# With the fp8_ds_mla cache the attention output the router sees carries the E4M3 rounding the
+# oracle models in float64 and the engine's bf16 path rounds again: tokens of margin 0.0207 and
+# 0.0210 (GLM-5, seeds 516939264 and 1265783017) and 0.0221 (seed 3193048433) routed differently.
+ROUTE_MARGIN_FP8 = 0.03
 
 
 def cfg_topk(ckpt: str) -> int:
@@ -90,7 +94,8 @@ def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
     import v32_checkpoint
 
     report, row = ctx["report"], 0
-    cut = ctx.get("route_margin", ROUTE_MARGIN)
+    fp8 = report.get("resolved", {}).get("cache_dtype") == "fp8_ds_mla"
+    cut = ctx.get("route_margin", ROUTE_MARGIN_FP8 if fp8 else ROUTE_MARGIN)
     for rid, tokens, start, n in rows:
         ref, margin = v32_checkpoint.oracle_logits(ctx["oracle"], tokens)
         # near-ties among the earlier tokens of the request: one that routed differently changed
