@@ -108,15 +108,23 @@ def expected_next_n(r: dict):
     return None if f is None else 1 if f else spec_k(r) + 1
 
 
+def _shared_moves(a, b, ulps: bool = False) -> list:
+    """One prompt's per-position top-2 records of two runs: the |move| of the shared greedy
+    token's value (logprob, or raw logit where recorded so) at each position before their greedy
+    tokens part; with ``ulps``, in bf16 spacings of that value."""
+    out = []
+    for x, y in zip(a or [], b or []):
+        if not x or not y or x[0][0] != y[0][0]:
+            break
+        d = abs(x[0][1] - y[0][1])
+        out.append(d / bf16_ulp(x[0][1]) if ulps else d)
+    return out
+
+
 def noise_ulps(ref_top2, top2) -> float | None:
     """The largest move of a shared greedy token's raw logit between two runs, over every prompt's
     positions before the runs part, in bf16 spacings of that logit (None: nothing shared)."""
-    moves = []
-    for a, b in zip(ref_top2 or [], top2 or []):
-        for x, y in zip(a or [], b or []):
-            if not x or not y or x[0][0] != y[0][0]:
-                break
-            moves.append(abs(x[0][1] - y[0][1]) / bf16_ulp(x[0][1]))
+    moves = [m for a, b in zip(ref_top2 or [], top2 or []) for m in _shared_moves(a, b, ulps=True)]
     return round(max(moves), 2) if moves else None
 
 
@@ -125,17 +133,14 @@ def near_ties_only(parts) -> bool:
 
 
 def drift(ref_top2, top2, parts) -> list:
-    """For each parting (prompt, position, gap, bound): the largest |difference| of the shared
-    greedy token's logprob (raw logit where recorded so) over the positions before it where both runs still agree (None without top-2
-    records): how far the two runs' numbers had already moved apart when they parted."""
+    """For each parting (prompt, position, gap, bound): the largest move of the shared greedy
+    token's value over the positions before it (None without top-2 records): how far the two
+    runs' numbers had already moved apart when they parted."""
     out = []
     for i, j, *_ in parts:
-        a = (ref_top2 or [])[i] if ref_top2 and i < len(ref_top2) else None
-        b = (top2 or [])[i] if top2 and i < len(top2) else None
-        if not a or not b:
-            out.append(None)
-            continue
-        d = [abs(x[0][1] - y[0][1]) for x, y in zip(a[:j], b[:j]) if x and y and x[0][0] == y[0][0]]
+        a = ref_top2[i] if ref_top2 and i < len(ref_top2) else None
+        b = top2[i] if top2 and i < len(top2) else None
+        d = _shared_moves(a[:j], b[:j]) if a and b else []
         out.append(round(max(d), 4) if d else None)
     return out
 
