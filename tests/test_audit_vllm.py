@@ -333,13 +333,14 @@ def test_guard_through_a_local_name_is_evaluated(fake_result):
 # ------------------------------------------------------------------ the JIT-warmup filter
 
 class _Kernel:
-    """A warmup owner: ``compile`` raises ``error`` (or not), and records its keys."""
+    """A warmup owner: ``compile`` raises ``error`` (or not), and records its keys. Its keys exist
+    only once ``ready`` (as a kernel whose keys need the allocated KV cache)."""
 
-    def __init__(self, error=None):
-        self.error, self.compiled = error, []
+    def __init__(self, error=None, ready=True):
+        self.error, self.compiled, self.ready = error, [], ready
 
     def get_warmup_keys(self, **kwargs):
-        return [("key", tuple(sorted(kwargs.items())))]
+        return [("key", tuple(sorted(kwargs.items())))] if self.ready else []
 
     def compile(self, key):
         self.compiled.append(key)
@@ -347,34 +348,73 @@ class _Kernel:
             raise self.error
 
 
+_FP8_ERROR = "type fp8e4nv not supported in this architecture"
+
+
 @pytest.fixture
-def registry(monkeypatch):
+def filtered(monkeypatch):
+    """(registry, run): kernels registered through vLLM's own register; run() is vLLM's warmup
+    wrapped by the plugin, with vLLM's compile loop recording what it would compile."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
-    seen = []
     reg = JitWarmupRegistry(vllm_config=None)
-    monkeypatch.setattr(reg, "_add", lambda kernel, args, kwargs: seen.append(kernel))
-    register = warmup.register_filtered(JitWarmupRegistry.__dict__["register"])
-    warmup._COMPILED.clear()
-    return reg, (lambda k, **kw: register.__get__(None, JitWarmupRegistry)(k, **kw)), seen
-
-
-def test_warmup_drops_only_failing_and_replaced_kernels(registry, monkeypatch, caplog):
-    reg, register, seen = registry
-    good = _Kernel()
-    bad_replaced = _Kernel(RuntimeError("type fp8e4nv not supported in this architecture"))
-    bad_open = _Kernel(RuntimeError("type fp8e4nv not supported in this architecture"))
-    covered = {id(bad_replaced): "vllm.models.deepseek_v4.nvidia.flashmla.dequantize_and_gather_k_cache"}
+    warmed = []
+    monkeypatch.setattr(warmup, "_COMPILED", {})
     monkeypatch.setattr(warmup, "kernel_name", lambda k: ("fake", str(id(k))))
+    monkeypatch.setattr(warmup, "warmup_enabled", lambda: False)
+
+    def original(self):
+        warmed.extend(k for k, regs in self._registrations.items() for _ in regs)
+
+    return reg, (lambda: warmup.warmup_filtered(original)(reg)), warmed
+
+
+def test_warmup_drops_only_failing_and_replaced_kernels(filtered, monkeypatch, caplog):
+    reg, run, warmed = filtered
+    good = _Kernel()
+    bad_replaced = _Kernel(RuntimeError(_FP8_ERROR))
+    bad_open = _Kernel(RuntimeError(_FP8_ERROR))
+    covered = {id(bad_replaced): "vllm.models.deepseek_v4.nvidia.flashmla.dequantize_and_gather_k_cache"}
     monkeypatch.setattr(warmup, "replaced_by", lambda module, name: covered.get(int(name)))
-    with caplog.at_level(logging.INFO, logger=warmup.logger.name), reg.activate():
+    with reg.activate():
         for k in (good, bad_replaced, bad_open):
-            register(k, dtype="fp8")
-    assert seen == [good, bad_open]
+            type(reg).register(k, dtype="fp8")   # as a kernel's register_warmup does
+    with caplog.at_level(logging.INFO, logger=warmup.logger.name):
+        run()
+    assert warmed == [good, bad_open]
     assert good.compiled and bad_replaced.compiled and bad_open.compiled  # decided by compiling
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and str(id(bad_open)) in errors[0].getMessage()
     assert "NOT replaced" in errors[0].getMessage()
+
+
+def test_warmup_decides_on_the_keys_that_exist_when_the_warmup_runs(filtered, monkeypatch):
+    """V4's C128 compressor store registers before the KV cache exists, when its keys are empty;
+    decided then, it would pass, stay registered, and abort vLLM's warmup on sm_80."""
+    reg, run, warmed = filtered
+    late = _Kernel(RuntimeError(_FP8_ERROR), ready=False)
+    monkeypatch.setattr(warmup, "replaced_by", lambda module, name: "some.patch.row")
+    with reg.activate():
+        type(reg).register(late, compress_ratio=128)
+    late.ready = True          # the KV cache is allocated, the block size set: the keys exist now
+    run()
+    assert late.compiled and warmed == []
+
+
+def test_warmup_passes_the_registry_config_to_a_bare_registration(filtered, monkeypatch):
+    reg, run, warmed = filtered
+    reg.vllm_config = object()
+
+    class Bare(_Kernel):
+        def get_warmup_keys(self, vllm_config):
+            return [("cfg", id(vllm_config))]
+
+    bare = Bare(RuntimeError(_FP8_ERROR))
+    monkeypatch.setattr(warmup, "replaced_by", lambda module, name: "some.patch.row")
+    with reg.activate():
+        type(reg).register(bare)
+    run()
+    assert bare.compiled == [("cfg", id(reg.vllm_config))] and warmed == []
 
 
 def test_warmup_coverage_comes_from_the_patch_table():

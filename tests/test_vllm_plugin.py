@@ -228,21 +228,23 @@ def test_missing_symbol_and_register_refuses(monkeypatch):
     assert vp.STATE.patched == [] and not vp.STATE.registered
 
 
-def test_jit_warmup_registration_is_wrapped_on_sm8x_only(monkeypatch):
+def test_jit_warmup_is_wrapped_on_sm8x_only(monkeypatch):
     """The filter's decisions are tested in tests/test_audit_vllm.py; here: it is installed on
-    sm_8x, the wrapped register is vLLM's own on sm_90."""
+    sm_8x, the warmup is vLLM's own on sm_90, and registration is vLLM's own everywhere."""
     from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 
-    original = JitWarmupRegistry.__dict__["register"]
+    original = JitWarmupRegistry.__dict__["warmup"]
+    register = JitWarmupRegistry.__dict__["register"]
     spoof(monkeypatch, (9, 0))
     vp.register()
-    assert JitWarmupRegistry.__dict__["register"] is original
+    assert JitWarmupRegistry.__dict__["warmup"] is original
     vp.reset()
     spoof(monkeypatch, (8, 0))
     vp.register()
-    assert JitWarmupRegistry.__dict__["register"] is not original
+    assert JitWarmupRegistry.__dict__["warmup"] is not original
+    assert JitWarmupRegistry.__dict__["register"] is register
     vp.unpatch()
-    assert JitWarmupRegistry.__dict__["register"] is original
+    assert JitWarmupRegistry.__dict__["warmup"] is original
 
 
 # ------------------------------------------------------------------ startup choices (sm_8x only)

@@ -427,7 +427,7 @@ def test_vllm_jit_warmup_compiles_the_warm_set(monkeypatch):
     compiled = []
     monkeypatch.setattr(warm_keys, "compile_many_jit", lambda keys, threads=1: compiled.extend(keys))
     registry = jit_warmup.JitWarmupRegistry(cfg)
-    warmup.warmup_with_warm_set(jit_warmup.JitWarmupRegistry.warmup)(registry)
+    warmup.warmup_filtered(jit_warmup.JitWarmupRegistry.warmup)(registry)
     expected = ws.build(ws.v4_flash(tp=8), 128, sms=108, mode="auto").keys
     assert set(compiled) == expected and len(compiled) == len(expected)
 
@@ -436,9 +436,9 @@ def test_vllm_jit_warmup_compiles_the_warm_set(monkeypatch):
 
     monkeypatch.setattr(warm_keys, "compile_many_jit", boom)
     with pytest.raises(RuntimeError, match="deliberately broken"):
-        warmup.warmup_with_warm_set(jit_warmup.JitWarmupRegistry.warmup)(jit_warmup.JitWarmupRegistry(cfg))
+        warmup.warmup_filtered(jit_warmup.JitWarmupRegistry.warmup)(jit_warmup.JitWarmupRegistry(cfg))
     monkeypatch.setenv(warmup.WARMUP_ENV, "0")
-    warmup.warmup_with_warm_set(jit_warmup.JitWarmupRegistry.warmup)(jit_warmup.JitWarmupRegistry(cfg))
+    warmup.warmup_filtered(jit_warmup.JitWarmupRegistry.warmup)(jit_warmup.JitWarmupRegistry(cfg))
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -1,30 +1,33 @@
 """vLLM's JIT warmup on sm_8x, filtered by evidence instead of a hand list.
 
 vLLM aborts startup when a kernel registered with ``JitWarmupRegistry`` fails to compile.
-``register_filtered`` wraps ``JitWarmupRegistry.register``; for each registration it
+``warmup_filtered`` wraps ``JitWarmupRegistry.warmup``. Before vLLM expands its registrations,
+``filter_registrations`` decides each one:
 
-1. compiles the kernel's warmup keys for this GPU (vLLM's own ``get_warmup_keys`` +
-   ``compile``, i.e. the same compile the warmup would run; cached per kernel and
-   registration, and Triton's cache makes the later warmup of a good kernel free), and
-2. if that fails, asks the serve-path call graph (``dsv4_ops.vllm.serve_graph``) whether every
+1. it compiles the registration's warmup keys for this GPU (vLLM's own ``get_warmup_keys`` +
+   ``compile``, the same compile the warmup would run; a kernel that compiles is cached by
+   Triton or by the kernel's own compile cache, so vLLM's warmup of it costs nothing more), and
+2. if that fails, it asks the serve-path call graph (``dsv4_ops.vllm.serve_graph``) whether every
    use of the kernel on the serve path goes through a row of the patch table.
 
-Failed and replaced: dropped from the warmup (logged at info). Failed and NOT replaced:
-registered anyway and logged as an error naming the kernel, so vLLM's warmup fails loudly
-instead of a later request. Compiles: registered unchanged.
+Failed and replaced: removed from the warmup (logged at info). Failed and NOT replaced: kept and
+logged as an error naming the kernel, so vLLM's warmup fails loudly instead of a later request.
+Compiles: kept. The decision is made at warmup time, not at registration: a registration's keys
+may depend on state that exists only after the model is built (V4's C128 compressor store takes
+its keys from the allocated KV cache and the final block size), so at registration they can be
+empty and prove nothing.
 
-``warmup_with_warm_set`` wraps ``JitWarmupRegistry.warmup``: before vLLM expands its
-registrations, it adds this library's own kernels, one ``VllmJitKernel`` whose compile keys
-are the warm set (``dsv4_ops.vllm.warm_set.build``: every Triton specialization the dispatch
-can pick for the served model, its per-rank heads, the KV-cache block sizes and every batch
-class up to ``max_num_batched_tokens``). So they compile during vLLM's "JIT kernel warmup"
-(its log line reports the seconds), in parallel (``VLLM_TRITON_JIT_WARMUP_NUM_THREADS``),
-and a compile failure aborts startup. Each key is compiled by replaying its launch through
-Triton's own ``JITFunction.warmup`` (``dsv4_ops.warm_keys.compile_jit``), so it lands under the
-key the real launch looks up. The enumerated set itself is kept on disk per sources and
-arguments (``warm_set.cached_build``, ``DSV4_AMPERE_WARM_SET_CACHE``; 0 = off), so a restart
-skips the enumeration as Triton's cache skips the compiles. ``DSV4_AMPERE_WARMUP=0`` skips it
-(kernels then compile at their first launch); vLLM's ``enable_jit_warmup=False`` skips every
+Then it adds this library's own kernels, one ``VllmJitKernel`` whose compile keys are the warm
+set (``dsv4_ops.vllm.warm_set.build``: every Triton specialization the dispatch can pick for the
+served model, its per-rank heads, the KV-cache block sizes and every batch class up to
+``max_num_batched_tokens``). So they compile during vLLM's "JIT kernel warmup" (its log line
+reports the seconds), in parallel (``VLLM_TRITON_JIT_WARMUP_NUM_THREADS``), and a compile failure
+aborts startup. Each key is compiled by replaying its launch through Triton's own
+``JITFunction.warmup`` (``dsv4_ops.warm_keys.compile_jit``), so it lands under the key the real
+launch looks up. The enumerated set itself is kept on disk per sources and arguments
+(``warm_set.cached_build``, ``DSV4_AMPERE_WARM_SET_CACHE``; 0 = off), so a restart skips the
+enumeration as Triton's cache skips the compiles. ``DSV4_AMPERE_WARMUP=0`` skips the warm set
+(our kernels then compile at their first launch); vLLM's ``enable_jit_warmup=False`` skips every
 JIT warmup, ours too.
 """
 
@@ -72,7 +75,8 @@ _COMPILED: Dict[Tuple, Tuple[bool, str]] = {}
 
 
 def compile_fails(kernel: Any, args: tuple, kwargs: dict) -> Tuple[bool, str]:
-    """(fails, error) of compiling every warmup key of this registration for the current GPU."""
+    """(fails, error) of compiling every warmup key of this registration for the current GPU
+    (``args`` / ``kwargs`` as ``get_warmup_keys`` takes them; see ``warmup_call_kwargs``)."""
     try:
         cache_key = (id(kernel), repr(args), repr(sorted(kwargs.items())))
     except Exception:  # noqa: BLE001 - an unrepresentable argument: do not cache
@@ -80,15 +84,7 @@ def compile_fails(kernel: Any, args: tuple, kwargs: dict) -> Tuple[bool, str]:
     if cache_key in _COMPILED:
         return _COMPILED[cache_key]
     try:
-        call_kwargs = dict(kwargs)
-        if not args and not kwargs:
-            vllm_config = _active_vllm_config()
-            if vllm_config is not None:
-                import inspect
-
-                if "vllm_config" in inspect.signature(kernel.get_warmup_keys).parameters:
-                    call_kwargs["vllm_config"] = vllm_config
-        for key in kernel.get_warmup_keys(*args, **call_kwargs):
+        for key in kernel.get_warmup_keys(*args, **kwargs):
             kernel.compile(key)
         result = (False, "")
     except Exception as exc:  # noqa: BLE001 - any compile error is the evidence
@@ -99,14 +95,15 @@ def compile_fails(kernel: Any, args: tuple, kwargs: dict) -> Tuple[bool, str]:
     return result
 
 
-def _active_vllm_config():
-    try:
-        from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+def warmup_call_kwargs(kernel: Any, args: tuple, kwargs: dict, vllm_config: Any) -> dict:
+    """The kwargs vLLM's warmup passes to ``get_warmup_keys`` for this registration: a bare
+    registration of a kernel whose ``get_warmup_keys`` takes ``vllm_config`` gets the registry's."""
+    if not args and not kwargs and vllm_config is not None:
+        import inspect
 
-        reg = JitWarmupRegistry._active.get()
-        return getattr(reg, "vllm_config", None)
-    except Exception:  # noqa: BLE001
-        return None
+        if "vllm_config" in inspect.signature(kernel.get_warmup_keys).parameters:
+            return {"vllm_config": vllm_config}
+    return dict(kwargs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,24 +133,31 @@ def decide(kernel: Any, args: tuple, kwargs: dict) -> Verdict:
     return Verdict(f"{module}.{name}", fails, error, replaced)
 
 
-def register_filtered(original):
-    """Builder: ``JitWarmupRegistry.register`` minus kernels that fail here and are replaced."""
-    func = original.__func__
-
-    def register(cls, kernel, *args, **kwargs):
-        """dsv4_ops: vLLM's warmup registration, filtered by compile evidence and the patch table."""
-        verdict = decide(kernel, args, kwargs)
-        if verdict.drop:
-            logger.info("dsv4_ops: JIT warmup of %s dropped: it fails to compile on this GPU (%s) and is "
-                        "replaced by %s", verdict.kernel, verdict.error, verdict.replaced_by)
-            return None
-        if verdict.fails:
-            logger.error("dsv4_ops: %s fails to compile on this GPU (%s) and is NOT replaced by dsv4_ops; "
-                         "vLLM's JIT warmup will abort startup on it (run `dsv4-ops audit-vllm`)",
-                         verdict.kernel, verdict.error)
-        return func(cls, kernel, *args, **kwargs)
-
-    return classmethod(register)
+def filter_registrations(registry: Any) -> None:
+    """Remove from ``registry`` (a ``JitWarmupRegistry`` about to warm up) every registration that
+    fails to compile on this GPU and is replaced; log an error for one that fails and is not."""
+    regs = getattr(registry, "_registrations", None)
+    if not isinstance(regs, dict):
+        raise RuntimeError("dsv4_ops: vLLM's JitWarmupRegistry has no `_registrations` dict (a vLLM other "
+                           "than 0.33.0?); the sm_8x JIT-warmup filter cannot run")
+    config = getattr(registry, "vllm_config", None)
+    for kernel in list(regs):
+        kept = []
+        for args, kwargs in regs[kernel]:
+            verdict = decide(kernel, args, warmup_call_kwargs(kernel, args, kwargs, config))
+            if verdict.drop:
+                logger.info("dsv4_ops: JIT warmup of %s dropped: it fails to compile on this GPU (%s) and is "
+                            "replaced by %s", verdict.kernel, verdict.error, verdict.replaced_by)
+                continue
+            if verdict.fails:
+                logger.error("dsv4_ops: %s fails to compile on this GPU (%s) and is NOT replaced by dsv4_ops; "
+                             "vLLM's JIT warmup will abort startup on it (run `dsv4-ops audit-vllm`)",
+                             verdict.kernel, verdict.error)
+            kept.append((args, kwargs))
+        if kept:
+            regs[kernel] = kept
+        else:
+            del regs[kernel]
 
 
 WARMUP_ENV = envs.WARMUP
@@ -220,11 +224,14 @@ def build_warm_set(vllm_config):
     return ws
 
 
-def warmup_with_warm_set(original):
-    """Builder: ``JitWarmupRegistry.warmup`` that first registers the dsv4_ops warm set."""
+def warmup_filtered(original):
+    """Builder: ``JitWarmupRegistry.warmup`` minus the failing, replaced registrations, plus the
+    warm set of dsv4_ops' own kernels."""
 
     def warmup(self):
-        """dsv4_ops: vLLM's JIT warmup, plus every dsv4_ops Triton specialization of this model."""
+        """dsv4_ops: vLLM's JIT warmup, filtered for this GPU, plus every dsv4_ops Triton
+        specialization of this model."""
+        filter_registrations(self)
         if warmup_enabled() and _served_model_is_dsv4(getattr(self, "vllm_config", None)):
             self._add(_warm_set_kernel(), (), {})
         return original(self)
@@ -244,13 +251,11 @@ def _warm_set_kernel():
 
 
 PATCHES = (
-    Patch("vllm.model_executor.warmup.jit_warmup", "JitWarmupRegistry.register", ("kernel", "args", "kwargs"),
-          "JIT warmup compiles every registered kernel for this GPU and aborts startup on the first failure; "
-          "replaced kernels that fail on sm_8x are dropped (decided by compiling them), others fail loudly",
-          register_filtered, wraps=True),
     Patch("vllm.model_executor.warmup.jit_warmup", "JitWarmupRegistry.warmup", (),
-          "dsv4_ops' own Triton kernels are unknown to vLLM's JIT warmup (each specialization would compile "
-          "at its first batch class, mid-serving) -> the warm set (every specialization the dispatch can pick "
-          "for this model, TP and max_num_batched_tokens) is registered first, so it compiles at startup",
-          warmup_with_warm_set, wraps=True),
+          "JIT warmup compiles every registered kernel for this GPU and aborts startup on the first failure "
+          "-> replaced kernels that fail on sm_8x are dropped (decided by compiling them when the warmup "
+          "runs), others fail loudly; and dsv4_ops' own Triton kernels, unknown to vLLM's warmup (each "
+          "specialization would compile at its first batch class, mid-serving), are added as the warm set "
+          "(every specialization the dispatch can pick for this model, TP and max_num_batched_tokens)",
+          warmup_filtered, wraps=True),
 )

@@ -74,7 +74,6 @@ _COMMON_OFF = {
     "vllm.model_executor.layers.quantization.fp8.Fp8LinearMethod.process_weights_after_loading": "bf16 weights",
     "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod.process_weights_after_loading":
         "bf16 weights",
-    "vllm.model_executor.warmup.jit_warmup.JitWarmupRegistry.register": "enforce_eager turns JIT warmup off",
     "vllm.model_executor.warmup.jit_warmup.JitWarmupRegistry.warmup": "enforce_eager turns JIT warmup off",
     "vllm.model_executor.layers.sparse_attn_indexer.pack_seq_triton": "ragged spec-decode path (no MTP)",
     # the quant-layout guard runs at model build of an FP8 checkpoint (tests/test_vllm_plugin.py
