@@ -110,8 +110,10 @@ def test_warmup_evidence_counts_an_fp8_triton_kernel_as_failing_as_on_sm80(monke
     class Owner:
         def __init__(self, fn):
             self.kernel = triton.heuristics({})(triton.jit(fn))   # a wrapper, as vLLM's may be
+            self.asked = 0
 
         def get_warmup_keys(self):
+            self.asked += 1
             return []
 
     monkeypatch.setattr(warmup, "compile_fails", warmup.compile_fails)
@@ -119,7 +121,9 @@ def test_warmup_evidence_counts_an_fp8_triton_kernel_as_failing_as_on_sm80(monke
     e2e_plugin._warmup_evidence_as_sm80()
     e2e_plugin._warmup_evidence_as_sm80()                      # idempotent: wrapped once
     assert warmup.compile_fails._dsv4_e2e_sm80
-    fails, error = warmup.compile_fails(Owner(_fp8_kernel_src), (), {})
+    fp8, bf16 = Owner(_fp8_kernel_src), Owner(_bf16_kernel_src)
+    fails, error = warmup.compile_fails(fp8, (), {})
     assert fails and "_fp8_kernel_src names an fp8 type" in error
-    assert warmup.compile_fails(Owner(_bf16_kernel_src), (), {}) == (False, "")
+    assert fp8.asked == 0    # not compiled: the worker's tripwire would count a probe as a launch
+    assert warmup.compile_fails(bf16, (), {}) == (False, "") and bf16.asked == 1
     warmup._COMPILED.clear()

@@ -110,8 +110,10 @@ def _fp8_triton_fn(kernel):
 def _warmup_evidence_as_sm80() -> None:
     """dsv4_ops' JIT-warmup filter decides by compiling each registration for this GPU. The H200
     compiles fp8 Triton kernels that Triton refuses on sm_80 ("type fp8e4nv not supported in this
-    architecture", the audit's evidence), so here such a compile counts as failing, as on an A100:
-    replaced ones are then dropped, others reach vLLM's warmup and the tripwire."""
+    architecture", the audit's evidence), so here such a kernel fails without being compiled, as
+    on an A100: replaced ones are then dropped, others reach vLLM's warmup and the tripwire. Not
+    compiling it matters: the filter runs when vLLM's warmup runs, after the worker armed the
+    tripwire, and a probe compile would count as a launch there (engine call 12)."""
     from dsv4_ops.vllm import warmup
 
     orig = warmup.compile_fails
@@ -119,11 +121,10 @@ def _warmup_evidence_as_sm80() -> None:
         return
 
     def compile_fails(kernel, args, kwargs):
-        fails, error = orig(kernel, args, kwargs)
-        fn = None if fails else _fp8_triton_fn(kernel)
+        fn = _fp8_triton_fn(kernel)
         if fn is not None:
             return True, f"Triton kernel {fn.__module__}.{fn.__name__} names an fp8 type (refused on sm_80)"
-        return fails, error
+        return orig(kernel, args, kwargs)
 
     compile_fails._dsv4_e2e_sm80 = True
     warmup.compile_fails = compile_fails
