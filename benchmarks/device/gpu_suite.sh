@@ -2,9 +2,10 @@
 # The whole GPU suite (pytest -m "gpu and not slow") in two device calls: a stable split by file.
 #   usage: bash benchmarks/device/gpu_suite.sh 1|2        (one call each, at most 8 min on an H200)
 # Part 1: the paged and heads decode files listed below (~340 cases, the heaviest). Part 2: every other
-# test file that holds a GPU test (the complement, so a new file is never left out). Measured at
-# 9b602f1 (H200, 16 workers): part 1 with test_decode_paged_chunk64 and the adversarial-order test
-# (2 x 123 s, now tests/test_decode_paged_order.py) ran 390 of 396 in 480 s; part 2, 531 in 161 s.
+# test file that holds a GPU test (the complement, so a new file is never left out). Each part needs
+# most of a call: at 50df002 (H200, 16 workers) part 1 ran 384 tests in 477 s, part 2 601 in 422 s
+# (benchmarks/results/gpu_suite.md), so neither shares a call with other work. Pass SUITE_COMMIT
+# (the summary's label; the device copy's git metadata may be older than its files).
 # Each part writes $OUT/suite_part<N>.txt:
 # passed / failed / skipped / not reached (collected but given no result before the time cap),
 # with the node ids of every test that did not pass, and $OUT/suite_part<N>.log (pytest's output).
