@@ -113,7 +113,7 @@ def _warmup_evidence_as_sm80() -> None:
     architecture", the audit's evidence), so here such a kernel fails without being compiled, as
     on an A100: replaced ones are then dropped, others reach vLLM's warmup and the tripwire. Not
     compiling it matters: the filter runs when vLLM's warmup runs, after the worker armed the
-    tripwire, and a probe compile would count as a launch there (engine call 12)."""
+    tripwire, and a probe compile would count as a launch there."""
     from dsv4_ops.vllm import warmup
 
     orig = warmup.compile_fails
