@@ -43,12 +43,14 @@ def main():
         if nodeid:
             outcomes.append((nodeid, outcome))
     groups = summarize(collected, outcomes)
-    commit = os.environ.get("SUITE_COMMIT", "")  # the device copy's git metadata may be stale
+    # the device copy's git metadata may be older than its files, so git's HEAD is only a hint
+    commit = os.environ.get("SUITE_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+            head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
         except Exception:  # noqa: BLE001
-            commit = "?"
+            head = "?"
+        commit = f"unknown: SUITE_COMMIT not set; git HEAD here {head}, possibly stale"
     print(f"GPU suite part {a.part} (commit {commit}; {a.torch})")
     print(f"files: {a.files}")
     print(f"collected {len(collected)}: " + ", ".join(f"{k} {len(groups.get(k, []))}"
