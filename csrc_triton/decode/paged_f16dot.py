@@ -533,7 +533,7 @@ V4_CANDIDATES = {
     for key, pre in ((True, "k"), (False, "g"))
     for bh, bn, w, st in ((16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 8, 2),
                           (32, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2), (16, 64, 8, 2),
-                          (32, 64, 8, 2), (32, 16, 4, 2), (16, 32, 4, 1))}
+                          (32, 64, 8, 2), (32, 16, 4, 2), (16, 32, 4, 1), (16, 128, 8, 2))}
 # Register-capped forms (suffix r<N>: ptxas maxnreg N) for more co-resident programs an SM
 # (registers, not shared memory, bind at 255): AOT sm_80 spills: kh16n16w4r168 8 B (3 an SM),
 # kh16n32w4r168 328 B (3), kh16n32w8r128 44 B (2 x 8 warps), kh16n16w4r128 256 B (4).
@@ -546,7 +546,8 @@ for _name, _base, _reg in (("kh16n16w4r168", "kh16n16w4", 168), ("kh16n32w4r168"
 # A100's 163 KB); 64 heads a program spills at every block shape and warp count tried (sh64n16w8:
 # 13 KB, sh64n32w8: 16 KB, sh64n16w4: 19 KB; without STREAM kh64n32w8 10 KB, kh64n32w16 11 KB):
 # benchmark candidates only (benchmarks/results/decode_sms_heads.md).
-for _bh, _bn, _w in ((32, 32, 4), (32, 32, 8), (32, 16, 4), (64, 16, 8), (64, 32, 8)):
+for _bh, _bn, _w in ((32, 32, 4), (32, 32, 8), (32, 16, 4), (64, 16, 8), (64, 32, 8), (16, 64, 8), (16, 64, 4),
+                     (16, 128, 8)):
     V4_CANDIDATES[f"sh{_bh}n{_bn}w{_w}"] = {"BLOCK_H": _bh, "BLOCK_N": _bn, "num_warps": _w, "num_stages": 2,
                                             "PV_KEY": True, "STREAM": True}
 # Wide P @ V (prefix w: STREAM with every P @ V dot 128 columns wide, the RoPE and the last NoPE group
