@@ -48,19 +48,25 @@ def codes(shape):
     return torch.where((c & 0x7F) == 0x7F, c - 1, c).to(torch.uint8)
 
 
+def decode_inputs(B: int, H: int):
+    """The decode case's inputs (B requests of CTX compressed tokens in shuffled 64-row pages, next_n 1)
+    as (q, cache, weights, context_lens, block_table) and its (bytes, flops)."""
+    pages = CTX // BS
+    nb = B * pages
+    cache = codes((nb, BS * 132))
+    cache.view(nb, -1)[:, BS * D:].view(torch.float32).fill_(1.0 / 64)  # valid fp32 scales
+    bt = torch.randperm(nb, device="cuda", dtype=torch.int64).view(B, pages).to(torch.int32)
+    q = codes((B, 1, H, D))
+    w = torch.randn(B, H, device="cuda")
+    ctx = torch.full((B, 1), CTX, dtype=torch.int32, device="cuda")
+    nbytes = B * CTX * (132 + 4) + q.numel() + w.numel() * 4
+    return (q, cache, w, ctx, bt), (nbytes, 2.0 * B * H * D * CTX)
+
+
 def bench_decode(rows, variants, copy_gbs, quick):
     for H in (64, 32):
         for B in ((1, 64) if quick else (1, 8, 64)):
-            pages = CTX // BS
-            nb = B * pages
-            cache = codes((nb, BS * 132))
-            cache.view(nb, -1)[:, BS * D:].view(torch.float32).fill_(1.0 / 64)  # valid fp32 scales
-            bt = torch.randperm(nb, device="cuda", dtype=torch.int64).view(B, pages).to(torch.int32)
-            q = codes((B, 1, H, D))
-            w = torch.randn(B, H, device="cuda")
-            ctx = torch.full((B, 1), CTX, dtype=torch.int32, device="cuda")
-            nbytes = B * CTX * (132 + 4) + q.numel() + w.numel() * 4
-            flops = 2.0 * B * H * D * CTX
+            (q, cache, w, ctx, bt), (nbytes, flops) = decode_inputs(B, H)
             rate = gemm_rate_tflops(flops)
             floor = max(nbytes / copy_gbs / 1e3, flops / rate / 1e6)
             for v in variants:

@@ -1,0 +1,88 @@
+"""The indexer's decode logits (``paged_mqa_logits``, next_n 1, 32K compressed tokens a request) at an
+A100's SM counts: 132, 112 and 104 SMs of the H200 through driver green contexts, DSV4_AMPERE_SMS = the
+granted count (the logits plan their tiles a program for it), every call in-graph on the green stream.
+
+Columns (us): ours (20 calls a graph, median), floor = max(bytes, MMA, launch):
+  bytes_us  B x CTX x (132 B of K row + 4 B of logits) + q + weights at the copy rate measured in the same
+            green context (bench_decode_sms.copy_gbs);
+  mma_us    2 x B x H x 128 x CTX flops at MMA_TFLOPS_132 x SMs / 132 (mma.sync under DISABLE_MMA_V3=1,
+            bench_decode_sms's rate);
+  launch_us one launch (0.9 us);
+and the logits checked against the op's PyTorch reference on a slice (every B row, the first 4 pages).
+Usage: python benchmarks/bench_indexer_sms.py --out DIR [--sms 132,112,104] [--shapes B:H,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_sms import LAUNCH_US, MMA_TFLOPS_132, _Ctx, copy_gbs  # noqa: E402
+from bench_indexer import CTX, BS, decode_inputs  # noqa: E402
+from common import write_results  # noqa: E402
+
+from dsv4_ops import _host_plan, indexer, reference  # noqa: E402
+from dsv4_ops.tools.timing import graph_us  # noqa: E402
+
+SHAPES = ((64, 64), (8, 64), (64, 32), (1, 64))
+CHECK_PAGES = 4
+
+
+def check(q, cache, w, bt):
+    """Max |ours - reference| / max |reference| over every row's first CHECK_PAGES pages."""
+    n = CHECK_PAGES * BS
+    ctx = torch.full((q.shape[0], 1), n, dtype=torch.int32, device=q.device)
+    got = indexer.paged_mqa_logits(q, cache, w, ctx, bt[:, :CHECK_PAGES].contiguous(), n, block_size=BS)
+    want = reference.ref_paged_mqa_logits(q, cache, w, ctx, bt[:, :CHECK_PAGES].contiguous(), n, block_size=BS)
+    got, want = got[..., :n].double(), want[..., :n].double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="indexer_sms")
+    ap.add_argument("--sms", default="132,112,104")
+    ap.add_argument("--shapes", default="")
+    ns = ap.parse_args()
+    os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
+    shapes = [tuple(int(x) for x in s.split(":")) for s in ns.shapes.split(",")] if ns.shapes else SHAPES
+    ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
+    gbs = {}
+    for c in ctxs:
+        with c.reentered():
+            gbs[c.sms] = copy_gbs()
+    print("copy GB/s by SMs:", {k: round(v) for k, v in gbs.items()}, flush=True)
+    rows = []
+    for B, H in shapes:
+        (q, cache, w, ctx, bt), (nbytes, flops) = decode_inputs(B, H)
+        for c in ctxs:
+            row = {"B": B, "H": H, "ctx": CTX, "SMs": c.sms}
+            try:
+                with c.reentered():
+                    _host_plan.clear()
+                    row["rel_err"] = "%.2g" % check(q, cache, w, bt)
+                    row["ours_us"] = graph_us(lambda: indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS))
+            except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
+                row["error"] = repr(exc)[:200]
+            row["bytes_us"] = nbytes / (gbs[c.sms] * 1e3)
+            row["mma_us"] = flops / (MMA_TFLOPS_132 * c.sms / 132 * 1e6)
+            row["launch_us"] = LAUNCH_US
+            row["floor_us"] = max(row["bytes_us"], row["mma_us"], row["launch_us"])
+            if "ours_us" in row:
+                row["ours/floor"] = row["ours_us"] / row["floor_us"]
+            print(row, flush=True)
+            rows.append(row)
+        write_results(ns.name, ns.out, rows, ["B", "H", "ctx", "SMs", "ours_us", "floor_us", "ours/floor", "bytes_us",
+                                              "mma_us", "launch_us", "rel_err", "error"],
+                      notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
+                             f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; copy GB/s by SMs "
+                             f"{({k: round(v) for k, v in gbs.items()})}; 20 calls a graph, median; floors: module doc."))
+
+
+if __name__ == "__main__":
+    main()
