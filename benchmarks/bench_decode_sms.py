@@ -271,6 +271,10 @@ class _Ctx:
             def __enter__(self):
                 self._saved = os.environ.get(dsv4_ops.envs.SMS)
                 os.environ[dsv4_ops.envs.SMS] = str(outer.sms)
+                # inputs made on the caller's stream (outside the context) are complete before the green
+                # stream reads them: without this wait the first count's check could read a cache whose
+                # scales were not yet written
+                gs.stream.wait_stream(torch.cuda.current_stream())
                 self._s = torch.cuda.stream(gs.stream)
                 self._s.__enter__()
 

@@ -392,19 +392,23 @@ def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel)
 
 def test_paged_tiles_per_program_one_wave():
     """PROGRAMS_PER_SM: the grid (rows x cdiv(tiles, tpp)) fits one wave of sms x PROGRAMS_PER_SM
-    programs whenever the rows alone do and the tile cap allows; every tile is covered."""
+    programs whenever the rows alone do (MAX_TILES_PER_PROGRAM does not cap it: a cap made B = 64,
+    32K keys two waves on 104-112 SMs), with the fewest tiles a program that does; every tile is
+    covered."""
     import triton
 
-    for sms, pps in ((108, 5), (132, 5), (108, 2)):
+    for sms, pps in ((108, 5), (132, 5), (108, 2), (104, 2), (112, 2), (132, 2)):
         cfg = {"BLOCK_N": 64, "TARGET_PROGRAMS": 864, "MAX_TILES_PER_PROGRAM": 64, "PROGRAMS_PER_SM": pps}
         for rows in (1, 3, 8, 16, 64, 200, 600):
-            for ctx in (64, 1000, 8192, 32768, 65536):
+            for ctx in (64, 1000, 8192, 32768, 65536, 1 << 20):
                 tiles = triton.cdiv(ctx, 64)
                 tpp = dispatch.indexer.paged_tiles_per_program(rows, ctx, cfg, sms)
-                assert 1 <= tpp <= min(tiles, 64)
+                assert 1 <= tpp <= tiles
                 programs = rows * triton.cdiv(tiles, tpp)
-                if rows <= sms * pps and triton.cdiv(tiles, 64) <= sms * pps // rows:
+                if rows <= sms * pps:
                     assert programs <= sms * pps, (sms, pps, rows, ctx, tpp)
+                    if tpp > 1:  # one tile fewer a program would not fit the wave
+                        assert rows * triton.cdiv(tiles, tpp - 1) > sms * pps, (sms, pps, rows, ctx, tpp)
         # without the SM count (warm-set key expansion, CPU): the TARGET_PROGRAMS rule
         assert dispatch.indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
 

@@ -114,7 +114,8 @@ def green_stream(n_sms: int, device: int = 0):
 class GreenStream:
     """Context manager: a green-context stream of ``n_sms`` SMs made current, with
     DSV4_AMPERE_SMS (dsv4_ops.envs.SMS) overridden to the granted count for this process
-    (envs.override) so the library plans for it; both restored on exit (the stream synchronised first). ``n_sms`` = the device's count: the
+    (envs.override) so the library plans for it; the stream waits for the caller's current stream on entry
+    (inputs made before are complete); both restored on exit (the stream synchronised first). ``n_sms`` = the device's count: the
     ordinary primary-context stream, DSV4_AMPERE_SMS set all the same."""
 
     def __init__(self, n_sms: int, device: int = 0):
@@ -132,6 +133,8 @@ class GreenStream:
         self._override.__enter__()
         if envs.get(envs.SMS) != self.sms:
             raise GreenContextError(f"{envs.SMS} reads {envs.get(envs.SMS)}, expected {self.sms}")
+        # work queued on the caller's stream (its inputs) completes before the new stream runs
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._stream_ctx = torch.cuda.stream(self.stream)
         self._stream_ctx.__enter__()
         return self
