@@ -313,9 +313,13 @@ def test_indexer_plan_over_rows_context_config_sms():
         tiles = cdiv(ctx, cfg["BLOCK_N"])
         tpp = di.paged_tiles_per_program(rows, ctx, cfg, sms)
         where = (cfg["KERNEL"], rows, ctx, sms, tpp)
-        assert 1 <= tpp <= min(cfg["MAX_TILES_PER_PROGRAM"], tiles), where
-        if sms and "PROGRAMS_PER_SM" in cfg and tpp < min(cfg["MAX_TILES_PER_PROGRAM"], tiles):
-            assert rows * cdiv(tiles, tpp) <= max(sms * cfg["PROGRAMS_PER_SM"], rows), where  # one resident wave
+        assert 1 <= tpp <= tiles, where
+        if sms and "PROGRAMS_PER_SM" in cfg:  # one resident wave, uncapped, with the fewest tiles a program
+            slots = max(sms * cfg["PROGRAMS_PER_SM"], rows)
+            assert rows * cdiv(tiles, tpp) <= slots, where
+            assert tpp == 1 or rows * cdiv(tiles, tpp - 1) > slots, where
+        else:
+            assert tpp <= cfg["MAX_TILES_PER_PROGRAM"], where
 
 
 # ---- every dispatched paged config against the reference, both block sizes (interpreter) ----
