@@ -35,10 +35,10 @@ CHECK_PAGES = 4
 def check(q, cache, w, bt):
     """Max |ours - reference| / max |reference| over every row's first CHECK_PAGES pages."""
     n = CHECK_PAGES * BS
-    ctx = torch.full((q.shape[0], 1), n, dtype=torch.int32, device=q.device)
-    got = indexer.paged_mqa_logits(q, cache, w, ctx, bt[:, :CHECK_PAGES].contiguous(), n, block_size=BS)
-    want = reference.ref_paged_mqa_logits(q, cache, w, ctx, bt[:, :CHECK_PAGES].contiguous(), n, block_size=BS)
-    got, want = got[..., :n].double(), want[..., :n].double()
+    args = (q, cache, w, torch.full((q.shape[0], 1), n, dtype=torch.int32, device=q.device),
+            bt[:, :CHECK_PAGES].contiguous(), n)
+    got = indexer.paged_mqa_logits(*args, block_size=BS).double()
+    want = reference.ref_paged_mqa_logits(*args, block_size=BS).double()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 

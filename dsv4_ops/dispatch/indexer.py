@@ -42,5 +42,5 @@ def paged_tiles_per_program(rows: int, max_context_len: int, config: Optional[di
     tiles = triton.cdiv(max_context_len, cfg["BLOCK_N"])
     if sms and "PROGRAMS_PER_SM" in cfg:  # rows * cdiv(tiles, tpp) <= sms * PROGRAMS_PER_SM
         cols = max(1, sms * cfg["PROGRAMS_PER_SM"] // max(rows, 1))
-        return max(1, min(triton.cdiv(tiles, cols), tiles))
+        return max(1, triton.cdiv(tiles, cols))  # cols >= 1: never more than tiles
     return max(1, min(cfg["MAX_TILES_PER_PROGRAM"], rows * tiles // cfg["TARGET_PROGRAMS"], tiles))
