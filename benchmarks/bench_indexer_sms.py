@@ -8,8 +8,13 @@ Columns (us): ours (20 calls a graph, median), floor = max(bytes, MMA, launch):
   mma_us    2 x B x H x 128 x CTX flops at MMA_TFLOPS_132 x SMs / 132 (mma.sync under DISABLE_MMA_V3=1,
             bench_decode_sms's rate);
   launch_us one launch (0.9 us);
-and the logits checked against the op's PyTorch reference on a slice (every B row, the first 4 pages).
-Usage: python benchmarks/bench_indexer_sms.py --out DIR [--sms 132,112,104] [--shapes B:H,...]
+per_sm: the compiled kernel's programs an SM (the driver's occupancy, what the plan takes), programs: the
+grid the plan launched; base_us: the shipped config without PROGRAMS_PER_SM (the plan with no SM count:
+~TARGET_PROGRAMS programs, capped tiles a program), same run; and the logits checked against the op's
+PyTorch reference on a slice (every B row, the first 4 pages).
+--sweep N,...: the same calls with the plan's programs an SM forced to each N (a check that the driver's
+residency is where one wave is fastest), rows named sweep_<N>_us.
+Usage: python benchmarks/bench_indexer_sms.py --out DIR [--sms 132,112,104] [--shapes B:H,...] [--sweep 4,...]
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from bench_decode_sms import LAUNCH_US, MMA_TFLOPS_132, _Ctx, copy_gbs  # noqa: 
 from bench_indexer import CTX, BS, decode_inputs  # noqa: E402
 from common import write_results  # noqa: E402
 
-from dsv4_ops import _host_plan, indexer, reference  # noqa: E402
+from dsv4_ops import _host_plan, dispatch, indexer, reference  # noqa: E402
 from dsv4_ops.tools.timing import graph_us  # noqa: E402
 
 SHAPES = ((64, 64), (8, 64), (64, 32), (1, 64))
@@ -48,7 +53,9 @@ def main():
     ap.add_argument("--name", default="indexer_sms")
     ap.add_argument("--sms", default="132,112,104")
     ap.add_argument("--shapes", default="")
+    ap.add_argument("--sweep", default="")
     ns = ap.parse_args()
+    sweep = [int(x) for x in ns.sweep.split(",") if x]
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     shapes = [tuple(int(x) for x in s.split(":")) for s in ns.shapes.split(",")] if ns.shapes else SHAPES
     ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
@@ -67,6 +74,24 @@ def main():
                     _host_plan.clear()
                     row["rel_err"] = "%.2g" % check(q, cache, w, bt)
                     row["ours_us"] = graph_us(lambda: indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS))
+                    cfg = dispatch.indexer.paged_config(H)
+                    row["per_sm"] = [v for k, v in indexer._RESIDENT.items()
+                                     if dict(k[2]).get("BLOCK_N") == cfg["BLOCK_N"] and
+                                     dict(k[2]).get("H_BLOCK") == max(16, 1 << (H - 1).bit_length())][-1]
+                    tpp = dispatch.indexer.paged_tiles_per_program(B, CTX, cfg, c.sms, row["per_sm"])
+                    row["programs"] = B * -(-(-(-CTX // cfg["BLOCK_N"])) // tpp)
+                    base = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
+                    row["base_us"] = graph_us(lambda: indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS,
+                                                                               config=base))
+                    real = indexer._resident
+                    try:
+                        for n in sweep:
+                            indexer._resident = lambda *a, n=n: n
+                            _host_plan.clear()
+                            row[f"sweep_{n}_us"] = graph_us(
+                                lambda: indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS))
+                    finally:
+                        indexer._resident = real
             except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
                 row["error"] = repr(exc)[:200]
             row["bytes_us"] = nbytes / (gbs[c.sms] * 1e3)
@@ -77,8 +102,9 @@ def main():
                 row["ours/floor"] = row["ours_us"] / row["floor_us"]
             print(row, flush=True)
             rows.append(row)
-        write_results(ns.name, ns.out, rows, ["B", "H", "ctx", "SMs", "ours_us", "floor_us", "ours/floor", "bytes_us",
-                                              "mma_us", "launch_us", "rel_err", "error"],
+        write_results(ns.name, ns.out, rows, ["B", "H", "ctx", "SMs", "ours_us", "floor_us", "ours/floor", "per_sm",
+                                              "programs", "base_us", "bytes_us", "mma_us", "launch_us", "rel_err"]
+                      + [f"sweep_{n}_us" for n in sweep] + ["error"],
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; copy GB/s by SMs "
                              f"{({k: round(v) for k, v in gbs.items()})}; 20 calls a graph, median; floors: module doc."))

@@ -314,9 +314,6 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     variant = variant or variant_for(qc)
     cfg = config or _di.paged_config(H)
     q3 = qc.reshape(rows, H, D)
-    sms = logits_sms(qc.device, cfg)
-    tpp = _di.paged_tiles_per_program(rows, max_context_len, cfg, sms)
-    grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
     kernel = cfg.get("KERNEL", 1)
     kern = {1: _k._paged_mqa_logits_kernel, 2: _k._paged_mqa_logits_v2_kernel,
             3: _k._paged_mqa_logits_v3_kernel}[kernel]
@@ -324,14 +321,40 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     if kernel == 3:
         extra["CODES_AHEAD"] = bool(cfg.get("CODES_AHEAD", False))
         extra["PAIRS"] = bool(cfg.get("PAIRS", False))
-    kern[grid](
-        q3, weights, flat, context_lens.contiguous(), block_table, out,
-        next_n, H, max_context_len, flat.shape[0], block_table.shape[1], block_size, flat.stride(0),
-        q3.stride(0), q3.stride(1), weights.stride(0), weights.stride(1), block_table.stride(0), out.stride(0),
-        tpp, CTX_PER_ROW=context_lens.dim() == 2, NATIVE=variant == "native", **extra,
-        H_BLOCK=max(16, triton.next_power_of_2(H)), BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (q3, weights, flat, context_lens.contiguous(), block_table, out,
+            next_n, H, max_context_len, flat.shape[0], block_table.shape[1], block_size, flat.stride(0),
+            q3.stride(0), q3.stride(1), weights.stride(0), weights.stride(1), block_table.stride(0), out.stride(0))
+    consts = dict(CTX_PER_ROW=context_lens.dim() == 2, NATIVE=variant == "native", **extra,
+                  H_BLOCK=max(16, triton.next_power_of_2(H)), BLOCK_N=cfg["BLOCK_N"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sms = logits_sms(qc.device, cfg)
+    per_sm = _resident(kern, args, consts) if sms else None
+    tpp = _di.paged_tiles_per_program(rows, max_context_len, cfg, sms, per_sm)
+    grid = (rows, triton.cdiv(triton.cdiv(max_context_len, cfg["BLOCK_N"]), tpp))
+    kern[grid](*args, tpp, **consts)
     return out
+
+
+_RESIDENT: dict = {}  # (kernel, device, constexprs and options) -> programs an SM or None
+
+
+def _resident(kern, args: tuple, consts: dict) -> Optional[int]:
+    """Programs of the compiled paged kernel resident an SM (``dispatch.device.resident_programs``),
+    cached per kernel, device and constexprs (``tiles_per_prog`` is not specialised, so the plan's
+    compile is this one); None under the interpreter or where the driver cannot be asked."""
+    key = (kern, torch.cuda.current_device(), tuple(sorted(consts.items())))
+    got = _RESIDENT.get(key, False)
+    if got is False:
+        if not hasattr(kern, "warmup") or _interpreting():
+            got = None
+        else:
+            ck = kern.warmup(*args, 2, grid=(1,), **consts)  # compiles (or finds) it, launches nothing
+            if ck is None:  # warm_keys.recording(): nothing compiled, ask again at the next call
+                return None
+            ck.run  # loads the module: its registers and CUfunction handle
+            got = _device.resident_programs(ck.function, ck.metadata.num_warps, ck.metadata.shared)
+        _RESIDENT[key] = got
+    return got
 
 
 # ---------------------------------------------------------------------------------------

@@ -132,7 +132,24 @@ def test_the_indexer_logits_plan_for_the_sms_env(monkeypatch):
         tiles[sms] = tpp
     assert tiles[104] > tiles[132]
     assert indexer.logits_sms(torch.device("cpu"), cfg) is None
-    assert indexer.logits_sms(dev, _ik.PAGED_CONFIG) is None
+    assert indexer.logits_sms(dev, _ik.PAGED_CONFIG) == 104  # both shipped configs plan one wave
+    assert indexer.logits_sms(dev, {k: v for k, v in _ik.PAGED_CONFIG.items() if k != "PROGRAMS_PER_SM"}) is None
+
+
+def test_the_indexer_plan_takes_the_compiled_kernels_residency():
+    """per_sm (the compiled kernel's programs an SM, from the driver) replaces the config's
+    PROGRAMS_PER_SM in the one-wave rule: sm_80's compile of PAGED_CONFIG (5 an SM) and the
+    H200's (8) give different tiles a program at the same SM count, each one wave of its own
+    residency with the fewest tiles a program (B = 64, 32K keys, 104 SMs)."""
+    cfg, rows, ctx, sms = _ik.PAGED_CONFIG, 64, 32768, 104
+    tiles = -(-ctx // cfg["BLOCK_N"])
+    got = {}
+    for per_sm in (None, 5, 8):
+        tpp = dispatch.indexer.paged_tiles_per_program(rows, ctx, cfg, sms, per_sm)
+        slots = sms * (per_sm or cfg["PROGRAMS_PER_SM"])
+        assert rows * -(-tiles // tpp) <= slots < rows * -(-tiles // (tpp - 1)), (per_sm, tpp)
+        got[per_sm] = tpp
+    assert got[None] == got[5] > got[8]
 
 
 def test_the_sm_config_compares_configs_at_the_composite_splits():

@@ -570,6 +570,47 @@ def test_gpu_paged_matches_reference_and_topk(variant, H, next_n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 32])
+def test_gpu_paged_plan_uses_the_compiled_kernels_residency(variant, H, monkeypatch):
+    """The decode logits plan one wave of the compiled kernel's programs an SM: the driver's
+    occupancy (dispatch.device.resident_programs) equals the arch's limits worked out from the
+    kernel's registers, warps and shared memory, and the launched grid is the one-wave plan for
+    that residency at DSV4_AMPERE_SMS = 104 (an A100 stand-in)."""
+    from dsv4_ops.csrc_triton import indexer as K
+
+    monkeypatch.setenv(dispatch.device.SMS_ENV, "104")
+    indexer._RESIDENT.clear()
+    q, view, w, ctx, bt = _gpu_paged(8, 1, H, 4096, seed=50 + H)
+    cfg = dispatch.indexer.paged_config(H)
+    kern = {2: K._paged_mqa_logits_v2_kernel, 3: K._paged_mqa_logits_v3_kernel}[cfg["KERNEL"]]
+    grids = []
+    real_run = type(kern).run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        ck = real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if self is kern and not warmup:
+            grids.append((tuple(grid), ck))  # the compiled kernel launched
+        return ck
+
+    monkeypatch.setattr(type(kern), "run", spy)
+    max_len = 4096 + 128
+    got = indexer.paged_mqa_logits(q, view, w, ctx, bt, max_len, variant=variant)
+    assert_logits_close(got, ref_paged_mqa_logits(q, view, w, ctx, bt, max_len))
+    (key, per_sm), = [(k, v) for k, v in indexer._RESIDENT.items() if k[0] is kern]
+    (grid, ck), = grids
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    warps = ck.metadata.num_warps
+    by_regs = props.regs_per_multiprocessor // (-(-ck.n_regs * 32 // 256) * 256) // warps
+    by_threads = props.max_threads_per_multi_processor // (warps * 32)
+    by_smem = props.shared_memory_per_multiprocessor // (ck.metadata.shared + 1024)
+    cap = 16 if (props.major, props.minor) in ((8, 6), (8, 7), (8, 9)) else 32
+    assert per_sm == min(by_regs, by_threads, by_smem, cap), (per_sm, ck.n_regs, ck.metadata.shared, warps)
+    tpp = dispatch.indexer.paged_tiles_per_program(8, max_len, cfg, 104, per_sm)
+    assert grid == (8, -(-(-(-max_len // cfg["BLOCK_N"])) // tpp))
+    assert 8 * grid[1] <= 104 * per_sm
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("compressed", [False, True], ids=["full", "compressed"])
 def test_gpu_mqa_matches_reference(variant, compressed):
     M, H, N = 1024, 64, 512

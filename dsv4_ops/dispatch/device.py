@@ -72,3 +72,35 @@ def smem_per_block(device_index: int = -1) -> int:
         props = torch.cuda.get_device_properties(device_index)
         got = _SMEM[device_index] = int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SMEM_BYTES)
     return got
+
+
+_CUDA_DRIVER: list = []  # [the libcuda handle or None], loaded once
+
+
+def resident_programs(function: int, num_warps: int, dyn_smem: int) -> "int | None":
+    """Programs of one compiled kernel (a CUfunction handle, e.g. a Triton ``CompiledKernel.function``)
+    resident at once on one SM of the current device, from the driver's occupancy calculator
+    (``cuOccupancyMaxActiveBlocksPerMultiprocessor``: its registers a thread, shared memory and
+    warps against the arch's limits: 5 programs of 185 registers x 2 warps on sm_80, 8 of <= 128).
+    A host query (no sync, legal under capture). None where no CUDA driver answers (ROCm, no
+    libcuda): the caller keeps its config's constant."""
+    if not _CUDA_DRIVER:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
+            fn.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _CUDA_DRIVER.append(fn)
+    fn = _CUDA_DRIVER[0]
+    if fn is None or not function:
+        return None
+    import ctypes
+
+    got = ctypes.c_int(0)
+    if fn(ctypes.byref(got), ctypes.c_void_p(function), int(num_warps) * 32, int(dyn_smem)) != 0:
+        return None
+    return got.value if got.value > 0 else None

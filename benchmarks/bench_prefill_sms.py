@@ -1,0 +1,129 @@
+"""Sparse MLA prefill (``sparse_mla_prefill``, what the plugin's prefill runs) at an A100's SM counts: ours and
+P2 (when a local copy is present) on 132 and 104 SMs of the H200 through driver green contexts,
+DSV4_AMPERE_SMS = the granted count, same inputs, every call in a CUDA graph on the green stream.
+
+    python benchmarks/bench_prefill_sms.py --out DIR [--sms 132,104] [--heads 8,16,64,128] [--sq 4096] [--p2 DIR]
+
+Inputs: q bf16 [s_q, H, 512], the gathered workspace kv bf16 [N = 65536, 512] (beyond the L2), indices int32
+[s_q, K = 640] random rows of kv, sink [H], sm_scale 512^-0.5; P2 = ``direct_sparse_attention`` of
+Qeeweew/deepseek-v4-a100-sglang (Apache-2.0, read from --p2 DIR/attention.py, never committed) on the same
+tensors, autotuned before capture.
+Columns (us; 5 calls a graph, median of the replays): ours_us, p2_us, p2/ours (>= 1.25 is the issue's goal);
+flop_floor_us = 4 s_q H K 512 flops at MMA_TFLOPS_132 x SMs / 132 (mma.sync; bench_decode_sms's guide rate);
+err / p2_err: max |out - float64| / max |float64| over the first CHECK_ROWS tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_sms import MMA_TFLOPS_132, _Ctx  # noqa: E402
+from common import write_results  # noqa: E402
+
+import dsv4_ops  # noqa: E402,F401
+from dsv4_ops import sparse_prefill  # noqa: E402
+from dsv4_ops.tools.timing import graph_us  # noqa: E402
+
+D = 512
+SM_SCALE = D ** -0.5
+N_KV = 65536
+K = 640
+CHECK_ROWS = 32
+
+
+def load_p2(path: str):
+    """P2's direct_sparse_attention from a local copy, or None (absent: P2 is skipped)."""
+    import importlib.util
+
+    f = os.path.join(path, "attention.py") if path else ""
+    if not f or not os.path.exists(f):
+        return None
+    spec = importlib.util.spec_from_file_location("p2_attention", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.direct_sparse_attention
+
+
+def ref_rows(q, kv, idx, sink, rows):
+    """float64 attention with sink for the first ``rows`` tokens: [rows, H, 512]."""
+    qd, kd = q[:rows].double(), kv[idx[:rows].long()].double()  # [r, H, D], [r, K, D]
+    s = torch.einsum("thd,tkd->thk", qd, kd) * SM_SCALE
+    m = torch.maximum(s.amax(-1), sink.double()[None, :])
+    p = torch.exp(s - m[..., None])
+    den = p.sum(-1) + torch.exp(sink.double()[None, :] - m)
+    return torch.einsum("thk,tkd->thd", p, kd) / den[..., None]
+
+
+def rel(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="prefill_sms")
+    ap.add_argument("--sms", default="132,104")
+    ap.add_argument("--heads", default="8,16,64,128")
+    ap.add_argument("--sq", type=int, default=4096)
+    ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
+    ns = ap.parse_args()
+    os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
+    p2 = load_p2(ns.p2)
+    print("P2:", "present" if p2 else "absent (skipped)", flush=True)
+    ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    kv = torch.randn(N_KV, D, device="cuda", generator=g).to(torch.bfloat16)
+    rows = []
+    for H in (int(h) for h in ns.heads.split(",")):
+        q = torch.randn(ns.sq, H, D, device="cuda", generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, N_KV, (ns.sq, K), device="cuda", generator=g, dtype=torch.int32)
+        sink = torch.randn(H, device="cuda", generator=g)
+        lengths = torch.full((ns.sq,), K, dtype=torch.int32, device="cuda")
+        want = ref_rows(q, kv, idx, sink, CHECK_ROWS)
+        flops = 4.0 * ns.sq * H * K * D
+        for c in ctxs:
+            row = {"s_q": ns.sq, "H": H, "K": K, "SMs": c.sms}
+            with c.reentered():
+                try:
+                    out = torch.empty(ns.sq, H, D, dtype=torch.bfloat16, device="cuda")
+                    def ours():
+                        return sparse_prefill.sparse_mla_prefill(q, kv, idx, None, sink, SM_SCALE, out=out)
+                    row["ours_us"] = graph_us(ours, replays=10, inner=5)
+                    ours()
+                    row["err"] = "%.2g" % rel(out[:CHECK_ROWS], want)
+                except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
+                    row["error"] = repr(exc)[:200]
+                if p2 is not None:
+                    try:
+                        p_out = torch.empty(ns.sq, H, D, dtype=torch.bfloat16, device="cuda")
+                        p_lse = torch.empty(ns.sq, H, dtype=torch.float32, device="cuda")
+                        def theirs():
+                            return p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=p_out, lse=p_lse)
+                        theirs()  # autotunes outside the capture
+                        torch.cuda.current_stream().synchronize()
+                        row["p2_us"] = graph_us(theirs, replays=10, inner=5)
+                        theirs()
+                        row["p2_err"] = "%.2g" % rel(p_out[:CHECK_ROWS], want)
+                    except Exception as exc:  # noqa: BLE001
+                        row["p2_error"] = repr(exc)[:200]
+            row["flop_floor_us"] = flops / (MMA_TFLOPS_132 * c.sms / 132 * 1e6)
+            if "ours_us" in row:
+                row["ours/floor"] = row["ours_us"] / row["flop_floor_us"]
+                if "p2_us" in row:
+                    row["p2/ours"] = row["p2_us"] / row["ours_us"]
+            print(row, flush=True)
+            rows.append(row)
+        write_results(ns.name, ns.out, rows, ["s_q", "H", "K", "SMs", "ours_us", "p2_us", "p2/ours", "flop_floor_us",
+                                              "ours/floor", "err", "p2_err", "error", "p2_error"],
+                      notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
+                             f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; kv [{N_KV}, 512] bf16, random "
+                             f"int32 indices, sink; 5 calls a graph, median of 10 replays; floors: module doc."))
+
+
+if __name__ == "__main__":
+    main()
