@@ -81,7 +81,8 @@ def resident_programs(function: int, num_warps: int, dyn_smem: int) -> "int | No
     """Programs of one compiled kernel (a CUfunction handle, e.g. a Triton ``CompiledKernel.function``)
     resident at once on one SM of the current device, from the driver's occupancy calculator
     (``cuOccupancyMaxActiveBlocksPerMultiprocessor``: its registers a thread, shared memory and
-    warps against the arch's limits: 5 programs of 185 registers x 2 warps on sm_80, 8 of <= 128).
+    warps against the arch's limits: 5 programs of 185 registers x 2 warps on sm_80, 8 of <= 128
+    registers x 2 warps).
     A host query (no sync, legal under capture). None where no CUDA driver answers (ROCm, no
     libcuda): the caller keeps its config's constant."""
     if not _CUDA_DRIVER:
