@@ -32,6 +32,12 @@ pytest.importorskip("transformers")
 # with the fp8 cache, E4M3 codes of the bf16 latent flip against the float64 one near rounding
 # boundaries (one code step is up to 6.25% of that element)
 LOGITS_BOUNDS = {"auto": (0.9995, 0.03), "fp8_ds_mla": (0.998, 0.08)}
+# Rows that attend to an earlier token whose expert choice was a routing near-tie (it may have picked
+# another expert in bf16, changing its KV) carry that difference too: (cos min, rel max) for them
+# (measured: cos 0.9971, rel 0.061 on a one-token decode after 17 near-ties in its prompt,
+# DSV4_E2E_SEED=3143005890; cos 0.99794 on a decode after 8, a clean-clone CI). Still far from a
+# broken attention (cos 0.02) or a flipped expert of the row itself (0.93).
+CONTEXT_TIE_BOUNDS = (0.995, 0.12)
 MQA_COS, MQA_REL = 0.99999, 0.01
 
 
@@ -80,9 +86,12 @@ def test_logits_match_transformers(report):
     # leaves 56% at seed 347163480 with the fp8 cut)
     compared = sum(c["tokens"] - c["near_ties"] for c in checks)
     assert compared >= 0.4 * sum(c["tokens"] for c in checks), checks
+    strict = [c for c in checks if not c.get("skipped") and not c["context_ties"]]
+    assert strict, checks  # the prefill rows have no earlier tokens
     for c in checks:
         if not c.get("skipped"):
-            assert c["cos"] >= cos_min and c["rel_max"] <= rel_max, c
+            lo, hi = (cos_min, rel_max) if not c["context_ties"] else CONTEXT_TIE_BOUNDS
+            assert c["cos"] >= lo and c["rel_max"] <= hi, c
 
 
 def test_every_sparse_mla_call_matches_float64_over_the_cache_bytes(report):
