@@ -87,15 +87,16 @@ def make_caches(with_bf16: bool):
     return out
 
 
-def load_p2(path: str):
-    """P2's direct_dual_sparse_attention from a local copy, or None (absent: skipped)."""
+def load_p2(path: str, name: str = "direct_dual_sparse_attention"):
+    """P2's ``name`` (direct_dual_sparse_attention, direct_sparse_attention) from a local copy, or None
+    (absent: skipped)."""
     f = os.path.join(path, "attention.py") if path else ""
     if not f or not os.path.exists(f):
         return None
     spec = importlib.util.spec_from_file_location("p2_attention", f)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.direct_dual_sparse_attention
+    return getattr(mod, name)
 
 
 def ref_bf16(q, buf0, idx0, buf1, idx1, sink):

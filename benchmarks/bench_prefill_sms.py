@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_sms import MMA_TFLOPS_132, _Ctx  # noqa: E402
+from bench_decode_sms import MMA_TFLOPS_132, _Ctx, load_p2  # noqa: E402
 from common import write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
@@ -34,19 +34,6 @@ SM_SCALE = D ** -0.5
 N_KV = 65536
 K = 640
 CHECK_ROWS = 32
-
-
-def load_p2(path: str):
-    """P2's direct_sparse_attention from a local copy, or None (absent: P2 is skipped)."""
-    import importlib.util
-
-    f = os.path.join(path, "attention.py") if path else ""
-    if not f or not os.path.exists(f):
-        return None
-    spec = importlib.util.spec_from_file_location("p2_attention", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.direct_sparse_attention
 
 
 def ref_rows(q, kv, idx, sink, rows):
@@ -73,7 +60,7 @@ def main():
     ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
     ns = ap.parse_args()
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
-    p2 = load_p2(ns.p2)
+    p2 = load_p2(ns.p2, "direct_sparse_attention")
     print("P2:", "present" if p2 else "absent (skipped)", flush=True)
     ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
