@@ -116,7 +116,7 @@ def test_the_sms_env_steers_the_v3_plan(monkeypatch):
 
 def test_the_indexer_logits_plan_for_the_sms_env(monkeypatch):
     """dsv4_ops.indexer.logits_sms reads device.num_sms (DSV4_AMPERE_SMS) for a CUDA device, and
-    the tiles a program follow it (one resident wave: rows x programs a row <= SMs x PROGRAMS_PER_SM)."""
+    the tiles a program follow it (the wave plan over SMs x PROGRAMS_PER_SM resident programs)."""
     cfg = _ik.PAGED_CONFIG_WIDE
     monkeypatch.setattr(dispatch.device, "_device_sms", lambda i: 132)
     dev = torch.device("cuda", 0)
@@ -127,26 +127,26 @@ def test_the_indexer_logits_plan_for_the_sms_env(monkeypatch):
         monkeypatch.setenv(dispatch.device.SMS_ENV, str(sms))
         assert indexer.logits_sms(dev, cfg) == sms
         tpp = dispatch.indexer.paged_tiles_per_program(16, 32768, cfg, indexer.logits_sms(dev, cfg))
-        n_tiles = -(-32768 // cfg["BLOCK_N"])
-        assert 16 * -(-n_tiles // tpp) <= sms * cfg["PROGRAMS_PER_SM"] < 16 * -(-n_tiles // (tpp - 1))
+        assert tpp == dispatch.indexer.wave_plan(16, -(-32768 // cfg["BLOCK_N"]), sms * cfg["PROGRAMS_PER_SM"])
         tiles[sms] = tpp
     assert tiles[104] > tiles[132]
     assert indexer.logits_sms(torch.device("cpu"), cfg) is None
-    assert indexer.logits_sms(dev, _ik.PAGED_CONFIG) == 104  # both shipped configs plan one wave
+    assert indexer.logits_sms(dev, _ik.PAGED_CONFIG) == 104  # both shipped configs plan for the SM count
     assert indexer.logits_sms(dev, {k: v for k, v in _ik.PAGED_CONFIG.items() if k != "PROGRAMS_PER_SM"}) is None
 
 
 def test_the_indexer_plan_takes_the_compiled_kernels_residency():
     """per_sm (the compiled kernel's programs an SM, from the driver) replaces the config's
-    PROGRAMS_PER_SM in the one-wave rule: sm_80's compile of PAGED_CONFIG (5 an SM) and the
-    H200's (8) give different tiles a program at the same SM count, each one wave of its own
-    residency with the fewest tiles a program (B = 64, 32K keys, 104 SMs)."""
+    PROGRAMS_PER_SM in the wave plan: sm_80's compile of PAGED_CONFIG (5 an SM) and the
+    H200's (8) give different tiles a program at the same SM count, each the plan of its own
+    residency (B = 64, 32K keys, 104 SMs: one wave of each)."""
     cfg, rows, ctx, sms = _ik.PAGED_CONFIG, 64, 32768, 104
     tiles = -(-ctx // cfg["BLOCK_N"])
     got = {}
     for per_sm in (None, 5, 8):
         tpp = dispatch.indexer.paged_tiles_per_program(rows, ctx, cfg, sms, per_sm)
         slots = sms * (per_sm or cfg["PROGRAMS_PER_SM"])
+        assert tpp == dispatch.indexer.wave_plan(rows, tiles, slots)
         assert rows * -(-tiles // tpp) <= slots < rows * -(-tiles // (tpp - 1)), (per_sm, tpp)
         got[per_sm] = tpp
     assert got[None] == got[5] > got[8]

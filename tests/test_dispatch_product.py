@@ -314,10 +314,11 @@ def test_indexer_plan_over_rows_context_config_sms():
         tpp = di.paged_tiles_per_program(rows, ctx, cfg, sms)
         where = (cfg["KERNEL"], rows, ctx, sms, tpp)
         assert 1 <= tpp <= tiles, where
-        if sms and "PROGRAMS_PER_SM" in cfg:  # one resident wave, uncapped, with the fewest tiles a program
-            slots = max(sms * cfg["PROGRAMS_PER_SM"], rows)
-            assert rows * cdiv(tiles, tpp) <= slots, where
-            assert tpp == 1 or rows * cdiv(tiles, tpp - 1) > slots, where
+        if sms and "PROGRAMS_PER_SM" in cfg:  # the wave model's optimum, uncapped, ties to fewer programs
+            slots = sms * cfg["PROGRAMS_PER_SM"]
+            every = {cdiv(tiles, c) for c in range(1, tiles + 1)}
+            best = min((di.wave_cost(rows, tiles, slots, t), rows * cdiv(tiles, t)) for t in every)
+            assert (di.wave_cost(rows, tiles, slots, tpp), rows * cdiv(tiles, tpp)) == best, where
         else:
             assert tpp <= cfg["MAX_TILES_PER_PROGRAM"], where
 

@@ -390,27 +390,41 @@ def test_kernel_paged_mqa_logits_v2(interpret, next_n, per_row, block_n, kernel)
     assert_logits_close(got, ref)
 
 
-def test_paged_tiles_per_program_one_wave():
-    """PROGRAMS_PER_SM: the grid (rows x cdiv(tiles, tpp)) fits one wave of sms x PROGRAMS_PER_SM
-    programs whenever the rows alone do (MAX_TILES_PER_PROGRAM does not cap it: a cap made B = 64,
-    32K keys two waves on 104-112 SMs), with the fewest tiles a program that does; every tile is
-    covered."""
+def test_paged_tiles_per_program_is_the_wave_models_optimum():
+    """PROGRAMS_PER_SM: the tiles a program minimise the wave model (waves of sms x per_sm resident
+    programs x (tiles a program + PROGRAM_TILES)) over every tiles-a-program count, ties to fewer
+    programs (brute force over all of them); every tile is covered; no MAX_TILES_PER_PROGRAM cap."""
     import triton
 
-    for sms, pps in ((108, 5), (132, 5), (108, 2), (104, 2), (112, 2), (132, 2)):
+    di = dispatch.indexer
+    for sms, pps in ((108, 5), (132, 5), (104, 2), (112, 2), (132, 2), (104, 8)):
         cfg = {"BLOCK_N": 64, "TARGET_PROGRAMS": 864, "MAX_TILES_PER_PROGRAM": 64, "PROGRAMS_PER_SM": pps}
-        for rows in (1, 3, 8, 16, 64, 200, 600):
+        slots = sms * pps
+        for rows in (1, 3, 8, 16, 64, 200, 600, 3000):
             for ctx in (64, 1000, 8192, 32768, 65536, 1 << 20):
                 tiles = triton.cdiv(ctx, 64)
-                tpp = dispatch.indexer.paged_tiles_per_program(rows, ctx, cfg, sms)
+                tpp = di.paged_tiles_per_program(rows, ctx, cfg, sms)
                 assert 1 <= tpp <= tiles
-                programs = rows * triton.cdiv(tiles, tpp)
-                if rows <= sms * pps:
-                    assert programs <= sms * pps, (sms, pps, rows, ctx, tpp)
-                    if tpp > 1:  # one tile fewer a program would not fit the wave
-                        assert rows * triton.cdiv(tiles, tpp - 1) > sms * pps, (sms, pps, rows, ctx, tpp)
+                every = {triton.cdiv(tiles, c) for c in range(1, tiles + 1)}
+                best = min((di.wave_cost(rows, tiles, slots, t), rows * triton.cdiv(tiles, t)) for t in every)
+                got = (di.wave_cost(rows, tiles, slots, tpp), rows * triton.cdiv(tiles, tpp))
+                assert got == best, (sms, pps, rows, ctx, tpp, got, best)
         # without the SM count (warm-set key expansion, CPU): the TARGET_PROGRAMS rule
-        assert dispatch.indexer.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
+        assert di.paged_tiles_per_program(64, 32768, cfg) == min(64, 64 * 512 // 864)
+
+
+def test_the_wave_plan_at_the_measured_shapes():
+    """B = 64, 32K keys (benchmarks/results/indexer_sms_summary.md): PAGED_CONFIG_WIDE (2 an SM) runs one
+    wave on 132 SMs, two on 112 and four on 104 (each measured faster than one wave there: 249 vs 287 us,
+    267 vs 287); PAGED_CONFIG at the H200's 8 an SM runs one wave at every count (the sweep's best)."""
+    from dsv4_ops.csrc_triton import indexer as _ik
+
+    di = dispatch.indexer
+    wide = {sms: di.paged_tiles_per_program(64, 32768, _ik.PAGED_CONFIG_WIDE, sms, 2) for sms in (132, 112, 104)}
+    assert wide == {132: 64, 112: 37, 104: 20}
+    for sms in (132, 112, 104):
+        tpp = di.paged_tiles_per_program(64, 32768, _ik.PAGED_CONFIG, sms, 8)
+        assert 64 * -(-512 // tpp) <= sms * 8 < 64 * -(-512 // (tpp - 1))
 
 
 def test_kernel_k_insert_of_fp32_rows(interpret):
@@ -605,9 +619,10 @@ def test_gpu_paged_plan_uses_the_compiled_kernels_residency(variant, H, monkeypa
     by_smem = props.shared_memory_per_multiprocessor // (ck.metadata.shared + 1024)
     cap = 16 if (props.major, props.minor) in ((8, 6), (8, 7), (8, 9)) else 32
     assert per_sm == min(by_regs, by_threads, by_smem, cap), (per_sm, ck.n_regs, ck.metadata.shared, warps)
+    tiles = -(-max_len // cfg["BLOCK_N"])
     tpp = dispatch.indexer.paged_tiles_per_program(8, max_len, cfg, 104, per_sm)
-    assert grid == (8, -(-(-(-max_len // cfg["BLOCK_N"])) // tpp))
-    assert 8 * grid[1] <= 104 * per_sm
+    assert tpp == dispatch.indexer.wave_plan(8, tiles, 104 * per_sm)
+    assert grid == (8, -(-tiles // tpp))
 
 
 @pytest.mark.gpu
