@@ -9,11 +9,12 @@ Columns (us): ours (20 calls a graph, median), floor = max(bytes, MMA, launch):
             bench_decode_sms's rate);
   launch_us one launch (0.9 us);
 per_sm: the compiled kernel's programs an SM (the driver's occupancy, what the plan takes), programs: the
-grid the plan launched; base_us: the shipped config without PROGRAMS_PER_SM (the plan with no SM count:
+grid the plan launched (dispatch.indexer.wave_plan), waves: programs over per_sm x SMs; base_us: the
+shipped config without PROGRAMS_PER_SM (the plan with no SM count:
 ~TARGET_PROGRAMS programs, capped tiles a program), same run; and the logits checked against the op's
 PyTorch reference on a slice (every B row, the first 4 pages).
---sweep N,...: the same calls with the plan's programs an SM forced to each N (a check that the driver's
-residency is where one wave is fastest), rows named sweep_<N>_us.
+--sweep N,...: the same calls with the plan's programs an SM forced to each N (the plan for a residency
+the kernel does not have: fewer programs, or more waves of them), rows named sweep_<N>_us.
 Usage: python benchmarks/bench_indexer_sms.py --out DIR [--sms 132,112,104] [--shapes B:H,...] [--sweep 4,...]
 """
 
@@ -80,6 +81,7 @@ def main():
                                      dict(k[2]).get("H_BLOCK") == max(16, 1 << (H - 1).bit_length())][-1]
                     tpp = dispatch.indexer.paged_tiles_per_program(B, CTX, cfg, c.sms, row["per_sm"])
                     row["programs"] = B * -(-(-(-CTX // cfg["BLOCK_N"])) // tpp)
+                    row["waves"] = -(-row["programs"] // (row["per_sm"] * c.sms))
                     base = {k: v for k, v in cfg.items() if k != "PROGRAMS_PER_SM"}
                     row["base_us"] = graph_us(lambda: indexer.paged_mqa_logits(q, cache, w, ctx, bt, CTX, block_size=BS,
                                                                                config=base))
@@ -103,7 +105,7 @@ def main():
             print(row, flush=True)
             rows.append(row)
         write_results(ns.name, ns.out, rows, ["B", "H", "ctx", "SMs", "ours_us", "floor_us", "ours/floor", "per_sm",
-                                              "programs", "base_us", "bytes_us", "mma_us", "launch_us", "rel_err"]
+                                              "programs", "waves", "base_us", "bytes_us", "mma_us", "launch_us", "rel_err"]
                       + [f"sweep_{n}_us" for n in sweep] + ["error"],
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; copy GB/s by SMs "

@@ -718,8 +718,9 @@ MQA_CONFIG = {"KERNEL": 2, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_s
 MQA_COMPRESSED_CONFIG = {"KERNEL": 3, "BLOCK_M": 32, "BLOCK_N": 64, "DOT_N": 128, "num_warps": 4, "num_stages": 2}
 # decode, H_BLOCK <= 32 (V4.1's 32 heads): v2, 64 keys x 2 warps (the v3 candidates were
 # 0.99-1.19x its time at B = 8 / 64 there)
-# One resident wave (PROGRAMS_PER_SM: the plan asks the driver for the compiled kernel's programs
-# an SM, 8 on the H200's compile; 5 is sm_80's, 185 registers x 2 warps, where it cannot ask).
+# Planned in waves of resident programs (PROGRAMS_PER_SM: the plan asks the driver for the compiled
+# kernel's programs an SM, 8 on the H200's compile; 5 is sm_80's, 185 registers x 2 warps, where it
+# cannot ask; dispatch.indexer.wave_plan).
 PAGED_CONFIG = {"KERNEL": 2, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2,
                 "TARGET_PROGRAMS": 864,  # without an SM count (the interpreter): ~8 programs an SM on 108 SMs
                 "MAX_TILES_PER_PROGRAM": 64, "PROGRAMS_PER_SM": 5}
@@ -754,12 +755,12 @@ PAGED_CANDIDATES = [dict(PAGED_CONFIG), dict(PAGED_CONFIG_WIDE)] + [
     # (64 keys x 4 warps spills 24 B on sm_86: not a candidate)
     for n, w, st, tp in ((64, 2, 2, 864), (128, 4, 2, 864), (128, 4, 2, 432), (128, 4, 3, 432), (128, 8, 2, 432),
                          (128, 8, 3, 864), (256, 8, 2, 432), (64, 2, 3, 1728))
-] + [  # v3 (page ids two tiles ahead) and one resident wave (the compiled kernel's programs an SM x the SM
+] + [  # v3 (page ids two tiles ahead) and the wave plan (the compiled kernel's programs an SM x the SM
     # count; PROGRAMS_PER_SM where the driver cannot be asked)
     # (CODES_AHEAD, the next tile's codes in flight too, spills at H = 64: sm_80 108 B, sm_86 72-112 B)
     {"KERNEL": k, "BLOCK_N": n, "num_warps": w, "num_stages": 2, "TARGET_PROGRAMS": tp, "MAX_TILES_PER_PROGRAM": 64,
      **({"PROGRAMS_PER_SM": pps} if pps else {})}
-    # (v2, 64 x 2 warps, one wave: PAGED_CONFIG itself)
+    # (v2, 64 x 2 warps, the wave plan: PAGED_CONFIG itself)
     for k, n, w, tp, pps in ((3, 64, 2, 864, 0), (3, 64, 2, 864, 5), (3, 128, 4, 432, 2))
 ]
 NEW_PAGED_CANDIDATES = PAGED_CANDIDATES[-3:]  # timed beside the v2 PAGED_CONFIG by benchmarks/bench_indexer.py

@@ -128,7 +128,7 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
         form = "v3" if aligned and _dd.fused_form(T, H, K, smem) == "v3" else "v1"
         S = _dd.composite_splits(T, H, K, sms, smem, form, block_sizes)
         if not S:
-            S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes)).splits
+            S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes), smem).splits
                  if form == "v3" else _dd.fused_plan(T, H, K, sms).splits)
         return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 if S > 1 else 0)
     m = _dd.mode()

@@ -88,10 +88,11 @@ def make_paged_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots:
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
     maxnreg = None
     if form == "v3":
-        name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else _device.smem_per_block(dev), config,
+        smem = _device.smem_per_block(dev)
+        name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else smem, config,
                                     (compressed_block_size, swa_block_size), sms)
         cfg = _dd.v3_config(name)
-        plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name)
+        plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name, smem)
         if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
             scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
                        scalars[3], swa_block_size.bit_length() - 1, scalars[5])

@@ -9,6 +9,8 @@ v3 needs 16-byte aligned caches (vLLM's pages are multiples of 576 B): the cache
 16-byte aligned pages, and one test checks that an unaligned cache falls back to v1.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -274,6 +276,17 @@ def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
         assert {r.arch for r in results if r.label.startswith(f"v4-{name}[")} == {80}
 
 
+def test_the_cost_models_shared_bytes_are_the_compiles(aot_results):
+    """dispatch.decode.V3_SHARED_BYTES (what v3_resident counts blocks an SM with) is the largest
+    shared memory of each dispatched v3-form config's specializations on sm_80 / sm_86."""
+    got = {}
+    for r in aot_results:
+        if r.variant == "portable" and r.label.startswith(("v3-", "v4-")):
+            name = r.label.split("[")[0][3:]
+            got[name] = max(got.get(name, 0), r.shared_bytes)
+    assert got == dispatch.decode.V3_SHARED_BYTES
+
+
 def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
     """AUTO_V3_SMEM_WINDOWS: kh32n64w8 (108 KB) runs where the device's blocks hold it (an A100,
     an H200), never on sm_86 (99 KB), where the shape keeps its other choice; the composite
@@ -376,6 +389,45 @@ def test_gpu_v3_every_dispatched_config(variant, config):
     """(bench_decode_paged.py checks every config it times against the float64 reference too.)"""
     run_and_check(gpu_case(6, 40, seed=3), 1, "cuda", config)
     run_and_check(gpu_case(6, 40, seed=4), 3, "cuda", config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(dispatch.decode.V3_COST))
+def test_gpu_the_cost_models_programs_an_sm_are_the_drivers(variant, config, monkeypatch):
+    """The driver's occupancy of the kernel the launch compiled (dispatch.device.resident_programs)
+    is the arch's limits worked out from its registers, warps and shared memory (device.blocks_by_smem's
+    rule), and, where the dots are mma.sync (sm_8x, or DISABLE_MMA_V3=1 on a newer GPU: sm_80's code
+    shape), dispatch.decode.v3_resident (V3_COST's count by registers, fewer where the device's shared
+    memory holds fewer blocks)."""
+    from dsv4_ops import _launch
+
+    smem = dispatch.device.smem_per_block(torch.cuda.current_device())
+    if not dispatch.decode.config_fits(config, smem):
+        pytest.skip(f"{config} needs more shared memory a block than this device's {smem} B")
+    kern = _v4k._dsv4_decode_v4_kernel if config in _v4k.V4_CANDIDATES else _vk._dsv4_decode_v3_kernel
+    monkeypatch.setattr(_launch.fast(kern), "cache", {})  # the launch goes through Triton's run
+    compiled = []
+    real_run = type(kern).run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        ck = real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if self is kern and not warmup:
+            compiled.append(ck)
+        return ck
+
+    monkeypatch.setattr(type(kern), "run", spy)
+    run_and_check(gpu_case(6, 40, seed=5), 1, "cuda", config)
+    ck = compiled[-1]
+    warps, shared = ck.metadata.num_warps, ck.metadata.shared
+    got = dispatch.device.resident_programs(ck.function, warps, shared)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    by_regs = props.regs_per_multiprocessor // (-(-ck.n_regs * 32 // 256) * 256) // warps
+    by_threads = props.max_threads_per_multi_processor // (warps * 32)
+    assert props.shared_memory_per_multiprocessor == smem + 1024  # what blocks_by_smem assumes
+    by_smem = dispatch.device.blocks_by_smem(shared, smem)
+    assert got == min(by_regs, by_threads, by_smem), (got, ck.n_regs, shared, warps)
+    if props.major == 8 or os.environ.get("DISABLE_MMA_V3") == "1":
+        assert got == dispatch.decode.v3_resident(config, smem), (got, ck.n_regs, shared)
 
 
 @pytest.mark.gpu

@@ -18,12 +18,12 @@ SM_COUNTS = tuple(range(16, 133, 8)) + (108, 132)
 
 def _choice(T, H, K, sms, smem=A100):
     name = dd.v3_launch_config(T, H, K, smem, sms=sms)
-    return name, dd.v3_plan(T, H, K, sms, 0, name)
+    return name, dd.v3_plan(T, H, K, sms, 0, name, smem)
 
 
 def _modelled(T, H, K, sms, smem=A100):
     name, p = _choice(T, H, K, sms, smem)
-    return dd.v3_cost_us(T, H, K, sms, name, p.splits)
+    return dd.v3_cost_us(T, H, K, sms, name, p.splits, smem)
 
 
 def test_every_dispatched_config_is_modelled():
@@ -32,18 +32,38 @@ def test_every_dispatched_config_is_modelled():
         assert resident >= 1 and program_us > 0 and block_us > 0
 
 
+@pytest.mark.parametrize("smem", [A100, SM86], ids=["a100", "sm86"])
 @pytest.mark.parametrize("K", [640, 256])
-def test_the_split_count_minimises_the_model_at_every_sm_count(K):
+def test_the_split_count_minimises_the_model_at_every_sm_count(K, smem):
     for sms in SM_COUNTS:
         for T in TS:
             for H in HS:
-                name, p = _choice(T, H, K, sms)
+                name, p = _choice(T, H, K, sms, smem)
                 nb = -(-K // p.block_n)
                 counts = dd.balanced_splits(nb)
                 assert p.splits in counts and p.direct == (p.splits == 1)
-                best = min(dd.v3_cost_us(T, H, K, sms, name, s) for s in counts)
-                assert dd.v3_cost_us(T, H, K, sms, name, p.splits) == best
-                assert _choice(T, H, K, sms) == (name, p)  # static: the same every call
+                best = min(dd.v3_cost_us(T, H, K, sms, name, s, smem) for s in counts)
+                assert dd.v3_cost_us(T, H, K, sms, name, p.splits, smem) == best
+                assert _choice(T, H, K, sms, smem) == (name, p)  # static: the same every call
+
+
+def test_programs_an_sm_follow_the_devices_shared_memory():
+    """v3_resident: V3_COST's count (registers) where the shared memory holds it (an A100's 164 KB
+    an SM, an H200's 228 KB), one program of the 54 / 83 KB 4-warp configs on sm_86 (100 KB an
+    SM), so the modelled waves there double for them."""
+    h200 = 227 * 1024
+    for name, (resident, _, _) in dd.V3_COST.items():
+        assert dd.v3_resident(name, A100) == dd.v3_resident(name, h200) == resident, name
+        by_smem = (SM86 + 1024) // (dd.V3_SHARED_BYTES[name] + 1024)
+        assert dd.v3_resident(name, SM86) == max(1, min(resident, by_smem)), name
+    assert dd.v3_resident("kh16n32w4", SM86) == dd.v3_resident("h16n32w4", SM86) == 1
+    assert dd.v3_resident("h16n16w4", SM86) == 2
+    # T = 256, H = 8, one split on 104 SMs: 256 programs are 2 waves of 208 on an A100, 3 of 104 on sm_86
+    a100 = dd.v3_cost_us(256, 8, 640, 104, "kh16n32w4", 1, A100)
+    sm86 = dd.v3_cost_us(256, 8, 640, 104, "kh16n32w4", 1, SM86)
+    assert sm86 == pytest.approx(a100 * 3 / 2)
+    # without a device (this machine) the plan is an A100's
+    assert dd.v3_cost_us(256, 8, 640, 104, "kh16n32w4", 1) == a100
 
 
 @pytest.mark.parametrize("K", [640, 256])

@@ -435,12 +435,25 @@ def v3_launch_config(T: int, H: int, K: int, smem: int = -1, config: str = "",
 # made the 132-SM counts fall off a cliff at 104; the per-program and merge terms keep the count
 # from running to 20 splits of one block (the busiest-SM count alone picked S = 20 at T = 128, H = 8
 # on 104 SMs: 129 us against 75 at 112).
-V3_COST = {  # config: (programs resident an SM, us a program, us a key block)
+# config: (programs resident an SM by registers (v3_resident: fewer where shared memory binds), us a program,
+# us a key block)
+V3_COST = {
     "h16n16w4": (2, 2.04, 2.67),
     "h16n32w4": (2, 2.35, 3.83),
     "kh16n32w4": (2, 2.65, 3.51),
     "kh16n64w8": (1, 1.93, 5.30),
     "kh32n64w8": (1, 1.56, 6.57),
+}
+# Shared memory a block of each V3_COST config takes, bytes: the largest of its compiled
+# specializations on sm_80 / sm_86 (the AOT table; tests/test_decode_paged.py holds it to the
+# compile). Where the device's shared memory holds fewer blocks than V3_COST counts (sm_86's 100
+# KB an SM: one kh16n32w4 or h16n32w4, not two), the model plans with that many (v3_resident).
+V3_SHARED_BYTES = {
+    "h16n16w4": 49536,
+    "h16n32w4": 82688,
+    "kh16n32w4": 54272,
+    "kh16n64w8": 92160,
+    "kh32n64w8": 108544,
 }
 V3_MERGE_US = 2.25
 V3_MERGE_US_PER_MB = 0.41
@@ -449,10 +462,20 @@ V3_MERGE_US_PER_MB = 0.41
 V3_CONFIG_MARGIN = 1.15
 
 
-def v3_cost_us(T: int, H: int, K: int, sms: int, config: str, splits: int) -> float:
+def v3_resident(config: str, smem: int = -1) -> int:
+    """Programs of a V3_COST config resident an SM on a device of ``smem`` bytes of shared memory a
+    block (-1: the current device's, smem_per_block): V3_COST's count (registers: the same on sm_80,
+    sm_86 and sm_90) or fewer where the shared memory holds fewer blocks (device.blocks_by_smem)."""
+    smem = smem if smem >= 0 else _device.smem_per_block(-1)
+    return max(1, min(V3_COST[config][0], _device.blocks_by_smem(V3_SHARED_BYTES[config], smem)))
+
+
+def v3_cost_us(T: int, H: int, K: int, sms: int, config: str, splits: int, smem: int = -1) -> float:
     """The modelled microseconds of the v3 form with ``config`` (a V3_COST name) at ``splits`` splits
-    for T tokens, H heads, K keys on ``sms`` SMs (the model above)."""
-    resident, program_us, block_us = V3_COST[config]
+    for T tokens, H heads, K keys on ``sms`` SMs of ``smem`` bytes of shared memory a block (-1: the
+    current device's; the model above, its programs an SM from v3_resident)."""
+    _, program_us, block_us = V3_COST[config]
+    resident = v3_resident(config, smem)
     cfg = v3_config(config)
     nb = _cdiv(max(K, 1), cfg["BLOCK_N"])
     programs = max(T, 1) * _cdiv(H, cfg["BLOCK_H"]) * splits
@@ -462,15 +485,17 @@ def v3_cost_us(T: int, H: int, K: int, sms: int, config: str, splits: int) -> fl
     return t
 
 
-def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int, config: str = "") -> int:
-    """Split count of the v3 form on ``sms`` SMs. A V3_COST config: the balanced count of least
-    v3_cost_us (ties: fewer splits). Any other config (benchmark candidates): 64-key blocks at most
+def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int, config: str = "",
+              smem: int = -1) -> int:
+    """Split count of the v3 form on ``sms`` SMs (of ``smem`` bytes a block, -1: the current device's).
+    A V3_COST config: the balanced count of least v3_cost_us (ties: fewer splits). Any other config
+    (benchmark candidates): 64-key blocks at most
     one program an SM, snapped down; smaller blocks the balanced count minimising
     cdiv(programs * S, V3_RESIDENT_PER_SM * sms) * cdiv(nb, S)."""
     nb = _cdiv(max(K, 1), block_n)
     cands = [s for s in balanced_splits(nb) if s <= nb] or [1]
     if config in V3_COST:
-        return min(cands, key=lambda s: (v3_cost_us(T, H, K, sms, config, s), s))
+        return min(cands, key=lambda s: (v3_cost_us(T, H, K, sms, config, s, smem), s))
     programs = max(T, 1) * _cdiv(H, block_h)
     if block_n >= 64:
         want = max(1, min(nb, MAX_SPLITS, sms // programs))
@@ -479,12 +504,12 @@ def v3_splits(T: int, H: int, K: int, sms: int, block_h: int, block_n: int, conf
     return min(cands, key=lambda s: (_cdiv(programs * s, slots) * _cdiv(nb, s), s))
 
 
-def _v3_best_cost(T: int, H: int, K: int, sms: int, config: str) -> float:
+def _v3_best_cost(T: int, H: int, K: int, sms: int, config: str, smem: int) -> float:
     """The config's modelled time at its own split count, capped as the composite caps it
     (composite_split_cap: S = 1 once T x H >= 4096), so the config is chosen for the splits it runs."""
     cfg = v3_config(config)
-    s = v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], config)
-    return v3_cost_us(T, H, K, sms, config, min(s, composite_split_cap(T, H)))
+    s = v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], config, smem)
+    return v3_cost_us(T, H, K, sms, config, min(s, composite_split_cap(T, H)), smem)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -492,11 +517,12 @@ def _v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> T
     if window not in V3_COST:
         return window, ""
     cands = [n for n in V3_COST if config_fits(n, smem) and (v3_config(n)["BLOCK_H"] <= 16 or H > 16)]
-    best = min(cands, key=lambda n: (_v3_best_cost(T, H, K, sms, n), n))
-    keep = _v3_best_cost(T, H, K, sms, window)
-    if keep <= V3_CONFIG_MARGIN * _v3_best_cost(T, H, K, sms, best):
+    best = min(cands, key=lambda n: (_v3_best_cost(T, H, K, sms, n, smem), n))
+    keep = _v3_best_cost(T, H, K, sms, window, smem)
+    if keep <= V3_CONFIG_MARGIN * _v3_best_cost(T, H, K, sms, best, smem):
         return window, ""
-    return best, f"; on {sms} SMs V3_COST models {best} {keep / _v3_best_cost(T, H, K, sms, best):.2f}x faster"
+    return best, (f"; on {sms} SMs V3_COST models {best} "
+                  f"{keep / _v3_best_cost(T, H, K, sms, best, smem):.2f}x faster")
 
 
 def v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> Tuple[str, str]:
@@ -506,18 +532,18 @@ def v3_sm_config(T: int, H: int, K: int, sms: int, smem: int, window: str) -> Tu
     return _v3_sm_config(T, H, K, sms, smem if smem >= 0 else _device.smem_per_block(-1), window)
 
 
-def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "") -> DecodePlan:
-    """The plan of the v3 form (kernel 'v3') on ``sms`` SMs; config: a name to force one (benchmarks),
-    else resolve_v3_config's for ``sms`` (DSV4_AMPERE_DECODE_CONFIG, the decode table, then the windows
-    and v3_sm_config); splits 0 = the decode table's count where its entry names that config, else
-    v3_splits."""
-    name = config or v3_launch_config(T, H, K, sms=sms)
+def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "", smem: int = -1) -> DecodePlan:
+    """The plan of the v3 form (kernel 'v3') on ``sms`` SMs of ``smem`` bytes of shared memory a block
+    (-1: the current device's); config: a name to force one (benchmarks), else resolve_v3_config's for
+    ``sms`` (DSV4_AMPERE_DECODE_CONFIG, the decode table, then the windows and v3_sm_config); splits 0 =
+    the decode table's count where its entry names that config, else v3_splits."""
+    name = config or v3_launch_config(T, H, K, smem, sms=sms)
     cfg = v3_config(name)
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
     if not splits:  # the decode table's count where its entry names this config (dispatch.tables)
         entry = _tables.lookup(T, H, K, sms) if sms > 0 else None
         splits = entry.splits if entry is not None and entry.config == name else 0
-    s = splits or v3_splits(T, H, K, sms, bh, bn, name)
+    s = splits or v3_splits(T, H, K, sms, bh, bn, name, smem)
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1, name)
 
 
@@ -603,7 +629,7 @@ def composite_splits(T: int, H: int, K: int, sms: int, smem: int, form: str,
         return 0
     cap = composite_split_cap(T, H)
     if form == "v3":
-        planned = v3_plan(T, H, K, sms, 0, v3_launch_config(T, H, K, smem, "", block_sizes)).splits
+        planned = v3_plan(T, H, K, sms, 0, v3_launch_config(T, H, K, smem, "", block_sizes), smem).splits
     else:
         planned = fused_plan(T, H, K, sms).splits
     return 0 if planned <= cap else min(cap, MAX_SPLITS)

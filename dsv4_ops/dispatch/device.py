@@ -74,6 +74,14 @@ def smem_per_block(device_index: int = -1) -> int:
     return got
 
 
+def blocks_by_smem(block_bytes: int, smem: int) -> int:
+    """Blocks of ``block_bytes`` of shared memory one SM holds on a device whose blocks may opt into
+    ``smem`` bytes (smem_per_block): sm_80 / sm_86 / sm_90 have 1 KiB more an SM than a block may
+    take, and reserve 1 KiB a block (164 KB an SM on an A100 holds 3 blocks of 54 KB, sm_86's 100
+    KB holds 1)."""
+    return (smem + 1024) // (block_bytes + 1024)
+
+
 _CUDA_DRIVER: list = []  # [the libcuda handle or None], loaded once
 
 

@@ -90,7 +90,7 @@ def model_pick(T: int, H: int, K: int, sms: int, smem: int) -> Tuple[str, int]:
     bs = (BLOCK_SIZE, BLOCK_SIZE)
     name = dd.v3_launch_config(T, H, K, smem, "", bs, sms)
     capped = dd.composite_splits(T, H, K, sms, smem, "v3", bs)
-    return name, dd.v3_plan(T, H, K, sms, capped, name).splits
+    return name, dd.v3_plan(T, H, K, sms, capped, name, smem).splits
 
 
 def candidates(T: int, H: int, K: int, smem: int, configs: Sequence[str], max_splits: int = 0) -> List[Tuple[str, int]]:
