@@ -7,8 +7,10 @@ DSV4_AMPERE_SMS = the granted count, same inputs, every call in a CUDA graph on 
 Inputs: q bf16 [s_q, H, 512], the gathered workspace kv bf16 [N = 65536, 512] (beyond the L2), indices int32
 [s_q, K = 640] random rows of kv, sink [H], sm_scale 512^-0.5; P2 = ``direct_sparse_attention`` of
 Qeeweew/deepseek-v4-a100-sglang (Apache-2.0, read from --p2 DIR/attention.py, never committed) on the same
-tensors, autotuned before capture.
-Columns (us; 5 calls a graph, median of the replays): ours_us, p2_us, p2/ours (>= 1.25 is the issue's goal);
+tensors, autotuned before capture; P2 dual = its ``direct_dual_sparse_attention`` (the entry its decode uses, with
+its own autotune table) with the first TOPK index columns as one buffer's and the rest as the other's.
+Columns (us; 5 calls a graph, median of the replays): ours_us, p2_us, p2/ours (>= 1.25 is the issue's goal),
+p2dual_us, p2dual/ours;
 flop_floor_us = 4 s_q H K 512 flops at MMA_TFLOPS_132 x SMs / 132 (mma.sync; bench_decode_sms's guide rate);
 err / p2_err: max |out - float64| / max |float64| over the first CHECK_ROWS tokens.
 """
@@ -33,6 +35,7 @@ D = 512
 SM_SCALE = D ** -0.5
 N_KV = 65536
 K = 640
+TOPK = 512  # the top-k columns of the K (the rest: the window)
 CHECK_ROWS = 32
 
 
@@ -50,6 +53,21 @@ def rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+def time_p2(row: dict, name: str, call, q, want) -> None:
+    """Time one P2 entry ``call(output, lse)`` into row[name + '_us'] (autotuned outside the capture) and
+    check its output against ``want`` (float64, the first CHECK_ROWS tokens) into row[name + '_err']."""
+    try:
+        out = torch.empty(q.shape[0], q.shape[1], D, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device="cuda")
+        call(out, lse)  # autotunes outside the capture
+        torch.cuda.current_stream().synchronize()
+        row[f"{name}_us"] = graph_us(lambda: call(out, lse), replays=10, inner=5)
+        call(out, lse)
+        row[f"{name}_err"] = "%.2g" % rel(out[:CHECK_ROWS], want)
+    except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
+        row[f"{name}_error"] = repr(exc)[:200]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -61,6 +79,7 @@ def main():
     ns = ap.parse_args()
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     p2 = load_p2(ns.p2, "direct_sparse_attention")
+    p2_dual = load_p2(ns.p2, "direct_dual_sparse_attention")
     print("P2:", "present" if p2 else "absent (skipped)", flush=True)
     ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -86,27 +105,24 @@ def main():
                 except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
                     row["error"] = repr(exc)[:200]
                 if p2 is not None:
-                    try:
-                        p_out = torch.empty(ns.sq, H, D, dtype=torch.bfloat16, device="cuda")
-                        p_lse = torch.empty(ns.sq, H, dtype=torch.float32, device="cuda")
-                        def theirs():
-                            return p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=p_out, lse=p_lse)
-                        theirs()  # autotunes outside the capture
-                        torch.cuda.current_stream().synchronize()
-                        row["p2_us"] = graph_us(theirs, replays=10, inner=5)
-                        theirs()
-                        row["p2_err"] = "%.2g" % rel(p_out[:CHECK_ROWS], want)
-                    except Exception as exc:  # noqa: BLE001
-                        row["p2_error"] = repr(exc)[:200]
+                    time_p2(row, "p2", lambda o, l: p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=o, lse=l),
+                            q, want)
+                if p2_dual is not None:  # the top-k and window columns as P2's two buffers (both the workspace)
+                    k1 = torch.full_like(lengths, TOPK)
+                    k2 = torch.full_like(lengths, K - TOPK)
+                    time_p2(row, "p2dual", lambda o, l: p2_dual(q, kv, idx[:, :TOPK], k1, kv, idx[:, TOPK:], k2,
+                                                                SM_SCALE, attn_sink=sink, output=o, lse=l), q, want)
             row["flop_floor_us"] = flops / (MMA_TFLOPS_132 * c.sms / 132 * 1e6)
             if "ours_us" in row:
                 row["ours/floor"] = row["ours_us"] / row["flop_floor_us"]
-                if "p2_us" in row:
-                    row["p2/ours"] = row["p2_us"] / row["ours_us"]
+                for name in ("p2", "p2dual"):
+                    if f"{name}_us" in row:
+                        row[f"{name}/ours"] = row[f"{name}_us"] / row["ours_us"]
             print(row, flush=True)
             rows.append(row)
-        write_results(ns.name, ns.out, rows, ["s_q", "H", "K", "SMs", "ours_us", "p2_us", "p2/ours", "flop_floor_us",
-                                              "ours/floor", "err", "p2_err", "error", "p2_error"],
+        write_results(ns.name, ns.out, rows, ["s_q", "H", "K", "SMs", "ours_us", "p2_us", "p2/ours", "p2dual_us",
+                                              "p2dual/ours", "flop_floor_us", "ours/floor", "err", "p2_err",
+                                              "p2dual_err", "error", "p2_error", "p2dual_error"],
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; kv [{N_KV}, 512] bf16, random "
                              f"int32 indices, sink; 5 calls a graph, median of 10 replays; floors: module doc."))
