@@ -29,6 +29,7 @@ from common import write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import sparse_prefill  # noqa: E402
+from dsv4_ops.csrc_triton import sparse_prefill as pk  # noqa: E402
 from dsv4_ops.tools.timing import graph_us  # noqa: E402
 
 D = 512
@@ -76,12 +77,15 @@ def main():
     ap.add_argument("--heads", default="8,16,64,128")
     ap.add_argument("--sq", type=int, default=4096)
     ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
+    ap.add_argument("--configs", default="", help="candidate configs timed beside ours, bh:i,... "
+                    "(csrc_triton.sparse_prefill.CANDIDATES[bh][i]; heads > bh run as bh-row groups)")
     ns = ap.parse_args()
     os.environ.setdefault("DSV4_AMPERE_IMPL", "portable")
     p2 = load_p2(ns.p2, "direct_sparse_attention")
     p2_dual = load_p2(ns.p2, "direct_dual_sparse_attention")
     print("P2:", "present" if p2 else "absent (skipped)", flush=True)
     ctxs = [_Ctx(int(n)) for n in ns.sms.split(",")]
+    configs = [tuple(int(x) for x in c.split(":")) for c in ns.configs.split(",") if c]
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     kv = torch.randn(N_KV, D, device="cuda", generator=g).to(torch.bfloat16)
     rows = []
@@ -104,6 +108,18 @@ def main():
                     row["err"] = "%.2g" % rel(out[:CHECK_ROWS], want)
                 except Exception as exc:  # noqa: BLE001 - one failing case must not stop the rest
                     row["error"] = repr(exc)[:200]
+                for bh, i in configs:
+                    name = "cfg_" + pk.config_label(bh, pk.CANDIDATES[bh][i]).replace(" ", "_")
+                    try:
+                        c_out = torch.empty(ns.sq, H, D, dtype=torch.bfloat16, device="cuda")
+                        def cand():
+                            return sparse_prefill.sparse_mla_prefill(q, kv, idx, None, sink, SM_SCALE, out=c_out,
+                                                                     config=(bh, i))
+                        row[name + "_us"] = graph_us(cand, replays=10, inner=5)
+                        cand()
+                        row[name + "_err"] = "%.2g" % rel(c_out[:CHECK_ROWS], want)
+                    except Exception as exc:  # noqa: BLE001
+                        row[name + "_error"] = repr(exc)[:200]
                 if p2 is not None:
                     time_p2(row, "p2", lambda o, l: p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=o, lse=l),
                             q, want)
@@ -122,7 +138,8 @@ def main():
             rows.append(row)
         write_results(ns.name, ns.out, rows, ["s_q", "H", "K", "SMs", "ours_us", "p2_us", "p2/ours", "p2dual_us",
                                               "p2dual/ours", "flop_floor_us", "ours/floor", "err", "p2_err",
-                                              "p2dual_err", "error", "p2_error", "p2dual_error"],
+                                              "p2dual_err", "error", "p2_error", "p2dual_error"]
+                      + sorted({k for r in rows for k in r if k.startswith("cfg_")}),
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts, DSV4_AMPERE_SMS = SMs; kv [{N_KV}, 512] bf16, random "
                              f"int32 indices, sink; 5 calls a graph, median of 10 replays; floors: module doc."))
