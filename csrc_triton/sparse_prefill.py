@@ -41,7 +41,7 @@ def _sparse_mla_prefill_kernel(
     H, K, N, G, sm_scale,
     stride_q_t, stride_q_h, stride_kv_n, stride_indices_t, stride_o_t, stride_o_h,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, IDX_AHEAD: tl.constexpr,
-    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr, QK_CHAINS: tl.constexpr,
+    HAS_TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Grid (T * G,): program pid runs head group g = pid % G of query t = pid // G (the
     groups of one query are adjacent, so their key reads meet in L2). q [T, H, 512] and out
@@ -103,17 +103,10 @@ def _sparse_mla_prefill_kernel(
         b_k1 = tl.load(p_kv + C, mask=m_n[:, None], other=0.0)
         b_k2 = tl.load(p_kv + 2 * C, mask=m_n[:, None], other=0.0)
         b_k3 = tl.load(p_kv + 3 * C, mask=m_n[:, None], other=0.0)
-        if QK_CHAINS == 4:  # four independent dots: a quarter of the dependent MMA depth
-            b_s = ((tl.dot(b_q0, tl.trans(b_k0)) + tl.dot(b_q1, tl.trans(b_k1)))
-                   + (tl.dot(b_q2, tl.trans(b_k2)) + tl.dot(b_q3, tl.trans(b_k3))))
-        elif QK_CHAINS == 2:  # two independent accumulation chains of 256 dims (half the depth)
-            b_s = tl.dot(b_q1, tl.trans(b_k1), tl.dot(b_q0, tl.trans(b_k0)))
-            b_s += tl.dot(b_q3, tl.trans(b_k3), tl.dot(b_q2, tl.trans(b_k2)))
-        else:
-            b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
-            b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
-            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-            b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_s = tl.dot(b_q0, tl.trans(b_k0))  # [BLOCK_H, BLOCK_N] fp32
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
         b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no valid key yet: no NaN
@@ -269,9 +262,7 @@ def _sparse_mla_prefill_splitd_kernel(
 # replicate the score MMAs over 2-4 warps (warpsPerCTA [1, num_warps]); kept as the measured
 # baselines. Without the 16-byte alignment hints (multiple_of) every load was a 2-byte
 # ld.global and nothing but the indices was pipelined. The kernels hold no fp8: both variants
-# share these. "QK_CHAINS" (2-D kernel): the score dot of a key block as 1 accumulation chain over the 4
-# chunks (the default), 2 independent chains of 2, or 4 independent dots summed: the score MMAs are the
-# dependent chain of a block (bh32 bn32 w4: 255 registers, no spills and 67,712 B at each on sm_80 / sm_86).
+# share these.
 CANDIDATES = {
     16: ({"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
          {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "IDX_AHEAD": True},
@@ -283,9 +274,7 @@ CANDIDATES = {
          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
          {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True},
          {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 4},
-         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4},
-         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "QK_CHAINS": 2},
-         {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "QK_CHAINS": 4}),
+         {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4, "IDX_AHEAD": True, "SPLIT": 4}),
     64: ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True},
          {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3, "IDX_AHEAD": True, "SPLIT": 8}),
 }
@@ -324,5 +313,4 @@ def kernel_for(cfg):
 def config_label(block_h: int, cfg) -> str:
     """Short name of a config (benchmark tables, AOT labels): bh32 bn16 w4 s3 ia split4."""
     return (f"bh{block_h} bn{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            f"{' ia' if cfg.get('IDX_AHEAD') else ''}{' split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}"
-            f"{' qk' + str(cfg['QK_CHAINS']) if cfg.get('QK_CHAINS', 1) > 1 else ''}")
+            f"{' ia' if cfg.get('IDX_AHEAD') else ''}{' split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}")

@@ -112,8 +112,6 @@ def _launch(q, kv, indices, topk_length, sink, sm_scale, out, block_h, cfg) -> t
         kernel = _kernel
         if cfg.get("SPLIT"):
             kernel, consts = _splitd_kernel, consts + (cfg["SPLIT"],)
-        else:
-            consts = consts + (cfg.get("QK_CHAINS", 1),)
         kernel(
             (T * groups,),
             (q, kv, indices, topk_length, sink, out, lse,
@@ -188,16 +186,11 @@ def aot_specs():
                     if cfg.get("SPLIT"):
                         sig["SPLIT"] = "constexpr"
                         consts["SPLIT"] = cfg["SPLIT"]
-                    else:
-                        sig["QK_CHAINS"] = "constexpr"
-                        consts["QK_CHAINS"] = cfg.get("QK_CHAINS", 1)
                     optional_pointer(sig, consts, "topk_length_ptr", "*i32", has_len)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
                     label = (f"prefill[bh{bh},#{i},bn{cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}"
                              f"{',ia' if cfg.get('IDX_AHEAD') else ''}"
-                             f"{',split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''}"
-                             f"{',qk' + str(cfg['QK_CHAINS']) if cfg.get('QK_CHAINS', 1) > 1 else ''},"
-                             f"{'len' if has_len else 'nolen'},"
+                             f"{',split' + str(cfg['SPLIT']) if cfg.get('SPLIT') else ''},{'len' if has_len else 'nolen'},"
                              f"{'sink' if has_sink else 'nosink'}]")
                     specs.append(KernelSpec("sparse_mla_prefill", label, _pk.kernel_for(cfg), sig, consts,
                                             "portable", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
