@@ -58,6 +58,8 @@ def test_programs_an_sm_follow_the_devices_shared_memory():
         assert dd.v3_resident(name, SM86) == max(1, min(resident, by_smem)), name
     assert dd.v3_resident("kh16n32w4", SM86) == dd.v3_resident("h16n32w4", SM86) == 1
     assert dd.v3_resident("h16n16w4", SM86) == 2
+    # an A100 SM has 164 KiB and each block reserves 1 KiB: 3 blocks of 41,000 B, not 166,912 // 41,000 = 4
+    assert dispatch.device.blocks_by_smem(41000, A100) == 3
     # T = 256, H = 8, one split on 104 SMs: 256 programs are 2 waves of 208 on an A100, 3 of 104 on sm_86
     a100 = dd.v3_cost_us(256, 8, 640, 104, "kh16n32w4", 1, A100)
     sm86 = dd.v3_cost_us(256, 8, 640, 104, "kh16n32w4", 1, SM86)
