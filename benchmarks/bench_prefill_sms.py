@@ -54,9 +54,10 @@ def rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def time_p2(row: dict, name: str, call, q, want) -> None:
-    """Time one P2 entry ``call(output, lse)`` into row[name + '_us'] (autotuned outside the capture) and
-    check its output against ``want`` (float64, the first CHECK_ROWS tokens) into row[name + '_err']."""
+def time_into(row: dict, name: str, call, q, want) -> None:
+    """Time ``call(output, lse)`` (a P2 entry or a candidate config) into row[name + '_us'] (called once
+    outside the capture: P2 autotunes there) and check its output against ``want`` (float64, the first
+    CHECK_ROWS tokens) into row[name + '_err']."""
     try:
         out = torch.empty(q.shape[0], q.shape[1], D, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device="cuda")
@@ -110,24 +111,16 @@ def main():
                     row["error"] = repr(exc)[:200]
                 for bh, i in configs:
                     name = "cfg_" + pk.config_label(bh, pk.CANDIDATES[bh][i]).replace(" ", "_")
-                    try:
-                        c_out = torch.empty(ns.sq, H, D, dtype=torch.bfloat16, device="cuda")
-                        def cand():
-                            return sparse_prefill.sparse_mla_prefill(q, kv, idx, None, sink, SM_SCALE, out=c_out,
-                                                                     config=(bh, i))
-                        row[name + "_us"] = graph_us(cand, replays=10, inner=5)
-                        cand()
-                        row[name + "_err"] = "%.2g" % rel(c_out[:CHECK_ROWS], want)
-                    except Exception as exc:  # noqa: BLE001
-                        row[name + "_error"] = repr(exc)[:200]
+                    time_into(row, name, lambda o, l, cfg=(bh, i): sparse_prefill.sparse_mla_prefill(
+                        q, kv, idx, None, sink, SM_SCALE, out=o, config=cfg), q, want)
                 if p2 is not None:
-                    time_p2(row, "p2", lambda o, l: p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=o, lse=l),
-                            q, want)
+                    time_into(row, "p2", lambda o, l: p2(q, kv, idx, lengths, SM_SCALE, attn_sink=sink, output=o, lse=l),
+                              q, want)
                 if p2_dual is not None:  # the top-k and window columns as P2's two buffers (both the workspace)
                     k1 = torch.full_like(lengths, TOPK)
                     k2 = torch.full_like(lengths, K - TOPK)
-                    time_p2(row, "p2dual", lambda o, l: p2_dual(q, kv, idx[:, :TOPK], k1, kv, idx[:, TOPK:], k2,
-                                                                SM_SCALE, attn_sink=sink, output=o, lse=l), q, want)
+                    time_into(row, "p2dual", lambda o, l: p2_dual(q, kv, idx[:, :TOPK], k1, kv, idx[:, TOPK:], k2,
+                                                                  SM_SCALE, attn_sink=sink, output=o, lse=l), q, want)
             row["flop_floor_us"] = flops / (MMA_TFLOPS_132 * c.sms / 132 * 1e6)
             if "ours_us" in row:
                 row["ours/floor"] = row["ours_us"] / row["flop_floor_us"]
