@@ -177,3 +177,21 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
+
+
+# Most resident blocks an SM (CUDA's occupancy table): 16 on sm_86 / sm_87 / sm_89, 32 on sm_80 / sm_90.
+_MAX_BLOCKS_AN_SM = {(8, 6): 16, (8, 7): 16, (8, 9): 16}
+
+
+def arch_programs_an_sm(compiled, device: Optional[int] = None) -> int:
+    """Programs of a compiled Triton kernel (``CompiledKernel``: its ``n_regs`` a thread,
+    ``metadata.num_warps``, ``metadata.shared`` bytes) one SM of ``device`` holds by the arch's
+    limits worked out by hand, the independent check of the driver's occupancy calculator
+    (dispatch.device.resident_programs): registers (allocated 256 a warp at a time), threads,
+    shared memory (1 KiB reserved a block: dispatch.device.blocks_by_smem's rule) and blocks."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    warps, shared = compiled.metadata.num_warps, compiled.metadata.shared
+    by_regs = props.regs_per_multiprocessor // (-(-compiled.n_regs * 32 // 256) * 256) // warps
+    by_threads = props.max_threads_per_multi_processor // (warps * 32)
+    by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)
+    return min(by_regs, by_threads, by_smem, _MAX_BLOCKS_AN_SM.get((props.major, props.minor), 32))

@@ -18,7 +18,7 @@ import dsv4_ops  # noqa: F401
 from dsv4_ops import dispatch, dsv4_decode, paged_decode, paged_plan, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k
-from dsv4_ops.testing import assert_attention_close, capture_graph, poison_like, rng, short_id
+from dsv4_ops.testing import arch_programs_an_sm, assert_attention_close, capture_graph, poison_like, rng, short_id
 
 from test_decode_paged_chunk64 import case as _case
 from test_decode_paged_chunk64 import cpu
@@ -287,6 +287,39 @@ def test_the_cost_models_shared_bytes_are_the_compiles(aot_results):
     assert got == dispatch.decode.V3_SHARED_BYTES
 
 
+# An SM of each target as CUDA's occupancy table gives it: (registers, threads, shared memory an SM, a block's
+# opt-in shared memory): an A100 (sm_80) and an A10 / A40 / A6000 (sm_86).
+_TARGET_SMS = {80: (65536, 2048, 167936, 166912), 86: (65536, 1536, 102400, 101376)}
+
+
+def test_the_cost_models_programs_an_sm_are_the_compiles_on_sm80_and_sm86(aot_results, monkeypatch):
+    """v3_resident (V3_COST's count by registers, fewer where shared memory binds) equals the arch's limits
+    (testing.arch_programs_an_sm) of every sm_80 / sm_86 AOT specialization of each dispatched config (its
+    registers and shared bytes): the model's waves are the compiled kernels' on the targets no GPU here is
+    (the GPU test checks the same against the driver on the device it has)."""
+    import types
+
+    from dsv4_ops.testing import arch_programs_an_sm
+
+    checked = set()
+    for r in aot_results:
+        name = r.label.split("[")[0][3:]
+        if r.variant != "portable" or not r.label.startswith(("v3-", "v4-")) or name not in dispatch.decode.V3_COST:
+            continue
+        regs, threads, per_sm, per_block = _TARGET_SMS[r.arch]
+        props = types.SimpleNamespace(major=r.arch // 10, minor=r.arch % 10, regs_per_multiprocessor=regs,
+                                      max_threads_per_multi_processor=threads,
+                                      shared_memory_per_multiprocessor=per_sm)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
+        warps = dispatch.decode.v3_config(name)["num_warps"]
+        compiled = types.SimpleNamespace(n_regs=r.registers,
+                                         metadata=types.SimpleNamespace(num_warps=warps, shared=r.shared_bytes))
+        assert arch_programs_an_sm(compiled, 0) == dispatch.decode.v3_resident(name, per_block), (r.label, r.arch)
+        checked.add((name, r.arch))
+    assert {n for n, _ in checked} == set(dispatch.decode.V3_COST)
+    assert {a for _, a in checked} == {80, 86}
+
+
 def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
     """AUTO_V3_SMEM_WINDOWS: kh32n64w8 (108 KB) runs where the device's blocks hold it (an A100,
     an H200), never on sm_86 (99 KB), where the shape keeps its other choice; the composite
@@ -421,11 +454,8 @@ def test_gpu_the_cost_models_programs_an_sm_are_the_drivers(variant, config, mon
     warps, shared = ck.metadata.num_warps, ck.metadata.shared
     got = dispatch.device.resident_programs(ck.function, warps, shared)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    by_regs = props.regs_per_multiprocessor // (-(-ck.n_regs * 32 // 256) * 256) // warps
-    by_threads = props.max_threads_per_multi_processor // (warps * 32)
     assert props.shared_memory_per_multiprocessor == smem + 1024  # what blocks_by_smem assumes
-    by_smem = dispatch.device.blocks_by_smem(shared, smem)
-    assert got == min(by_regs, by_threads, by_smem), (got, ck.n_regs, shared, warps)
+    assert got == arch_programs_an_sm(ck), (got, ck.n_regs, shared, warps)
     if props.major == 8 or os.environ.get("DISABLE_MMA_V3") == "1":
         assert got == dispatch.decode.v3_resident(config, smem), (got, ck.n_regs, shared)
 

@@ -19,7 +19,7 @@ import torch
 from dsv4_ops import dispatch, indexer, layout
 from dsv4_ops.reference import (ref_e4m3_decode, ref_indexer_k_insert, ref_indexer_q_quant, ref_indexer_read_rows,
                                 ref_mqa_logits, ref_paged_mqa_logits, ref_ue8m0_exponent)
-from dsv4_ops.testing import HAS_GPU, poison_like, rng
+from dsv4_ops.testing import HAS_GPU, arch_programs_an_sm, poison_like, rng
 
 L = layout
 DEV = "cuda" if HAS_GPU else "cpu"
@@ -586,10 +586,11 @@ def test_gpu_paged_matches_reference_and_topk(variant, H, next_n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 32])
 def test_gpu_paged_plan_uses_the_compiled_kernels_residency(variant, H, monkeypatch):
-    """The decode logits plan one wave of the compiled kernel's programs an SM: the driver's
+    """The decode logits plan waves of the compiled kernel's programs an SM: the driver's
     occupancy (dispatch.device.resident_programs) equals the arch's limits worked out from the
-    kernel's registers, warps and shared memory, and the launched grid is the one-wave plan for
-    that residency at DSV4_AMPERE_SMS = 104 (an A100 stand-in)."""
+    kernel's registers, warps and shared memory (testing.arch_programs_an_sm), and the launched grid
+    is the wave plan (dispatch.indexer.wave_plan) for that residency at DSV4_AMPERE_SMS = 104 (an A100
+    stand-in)."""
     from dsv4_ops.csrc_triton import indexer as K
 
     monkeypatch.setenv(dispatch.device.SMS_ENV, "104")
@@ -612,13 +613,7 @@ def test_gpu_paged_plan_uses_the_compiled_kernels_residency(variant, H, monkeypa
     assert_logits_close(got, ref_paged_mqa_logits(q, view, w, ctx, bt, max_len))
     (key, per_sm), = [(k, v) for k, v in indexer._RESIDENT.items() if k[0] is kern]
     (grid, ck), = grids
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    warps = ck.metadata.num_warps
-    by_regs = props.regs_per_multiprocessor // (-(-ck.n_regs * 32 // 256) * 256) // warps
-    by_threads = props.max_threads_per_multi_processor // (warps * 32)
-    by_smem = props.shared_memory_per_multiprocessor // (ck.metadata.shared + 1024)
-    cap = 16 if (props.major, props.minor) in ((8, 6), (8, 7), (8, 9)) else 32
-    assert per_sm == min(by_regs, by_threads, by_smem, cap), (per_sm, ck.n_regs, ck.metadata.shared, warps)
+    assert per_sm == arch_programs_an_sm(ck), (per_sm, ck.n_regs, ck.metadata.shared, ck.metadata.num_warps)
     tiles = -(-max_len // cfg["BLOCK_N"])
     tpp = dispatch.indexer.paged_tiles_per_program(8, max_len, cfg, 104, per_sm)
     assert tpp == dispatch.indexer.wave_plan(8, tiles, 104 * per_sm)
