@@ -13,7 +13,7 @@ it attends. Per shape (T tokens, H heads) and SM count, three batches of the sam
 ours: dsv4_decode.dsv4_decode_attention under auto (the plugin's call; its plan sees shapes, never lengths),
 P2 (when a local copy is present, never committed): direct_dual_sparse_attention with the same lengths over
 bf16 buffers. ragged / even is the most a balanced plan could gain here. Every output is checked against
-float64 (reference.ref_dsv4_decode_fused with the lengths; P2's against the bf16 rows). 20 calls a CUDA
+float64 (reference.ref_dsv4_decode_fused with the lengths; P2's: bench_decode_sms.ref_bf16). 20 calls a CUDA
 graph on a driver green context's stream, median of the replays; DSV4_AMPERE_SMS = the SM count.
 """
 
@@ -27,7 +27,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_sms import BS, D, NBLK, SM_SCALE, _Ctx, load_p2, make_caches  # noqa: E402
+from bench_decode_sms import BS, D, NBLK, SM_SCALE, _Ctx, load_p2, make_caches, ref_bf16  # noqa: E402
 from common import write_results  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
@@ -53,19 +53,6 @@ def lengths(T: int, mix: str) -> torch.Tensor:
     return out
 
 
-def ref_bf16_lengths(q, buf0, idx0, len0, buf1, idx1, sink):
-    """float64 attention with sink over P2's bf16 rows, top-k entries j >= len0[t] left out: [T, H, 512]."""
-    kv = torch.cat([buf0[idx0.long()], buf1[idx1.long()]], dim=1).double()  # [T, K, D]
-    s = torch.einsum("thd,tkd->thk", q.double(), kv) * SM_SCALE
-    keep = torch.cat([torch.arange(idx0.shape[1], device=q.device)[None, :] < len0[:, None].long(),
-                      torch.ones_like(idx1, dtype=torch.bool)], dim=1)
-    s = s.masked_fill(~keep[:, None, :], float("-inf"))
-    m = torch.maximum(s.amax(-1), sink.double()[None, :])
-    p = torch.exp(s - m[..., None])
-    den = p.sum(-1) + torch.exp(sink.double()[None, :] - m)
-    return torch.einsum("thk,tkd->thd", p, kv) / den[..., None]
-
-
 def measure(T, H, caches, ctxs, p2, replays):
     (cc, bc), (cw, bw) = caches
     g = torch.Generator(device="cuda").manual_seed(T * 1000 + H)
@@ -80,7 +67,7 @@ def measure(T, H, caches, ctxs, p2, replays):
         tl_ = lengths(T, mix).cuda()
         want, want_lse = reference.ref_dsv4_decode_fused(q, cc, topk, tl_, BS, cw, swa, swa_len, BS, sink, SM_SCALE,
                                                          out_dtype=torch.float64)
-        p2_want = ref_bf16_lengths(q, bc, topk, tl_, bw, swa, sink) if p2 is not None else None
+        p2_want = ref_bf16(q, bc, topk, bw, swa, sink, tl_) if p2 is not None else None
         for gs in ctxs:
             row = {"T": T, "H": H, "mix": mix, "keys": round(float(tl_.float().mean()) + K2, 1), "SMs": gs.sms}
             try:

@@ -99,10 +99,15 @@ def load_p2(path: str, name: str = "direct_dual_sparse_attention"):
     return getattr(mod, name)
 
 
-def ref_bf16(q, buf0, idx0, buf1, idx1, sink):
-    """float64 attention with sink over bf16 buffers (P2's inputs): out [T, H, 512]."""
+def ref_bf16(q, buf0, idx0, buf1, idx1, sink, len0=None):
+    """float64 attention with sink over bf16 buffers (P2's inputs): out [T, H, 512]; len0 int [T] or
+    None: top-k entries j >= len0[t] left out."""
     kv = torch.cat([buf0[idx0.long()], buf1[idx1.long()]], dim=1).double()  # [T, K, D]
     s = torch.einsum("thd,tkd->thk", q.double(), kv) * SM_SCALE
+    if len0 is not None:
+        keep = torch.cat([torch.arange(idx0.shape[1], device=q.device)[None, :] < len0[:, None].long(),
+                          torch.ones_like(idx1, dtype=torch.bool)], dim=1)
+        s = s.masked_fill(~keep[:, None, :], float("-inf"))
     m = torch.maximum(s.amax(-1), sink.double()[None, :])
     p = torch.exp(s - m[..., None])
     den = p.sum(-1) + torch.exp(sink.double()[None, :] - m)
