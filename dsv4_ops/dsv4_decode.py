@@ -118,7 +118,7 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
     """(route, bytes) of what one dsv4_decode_attention call allocates on the device besides
     its inputs and the caller's ``out`` (vLLM's memory profile skips the attention call, so
     these are the bytes it never reserved), for the current mode: the paged op's lse fp32
-    [T, H] plus its split partials (fp32 [T, H, S, 513]) when it splits; the workspace step's
+    [T, H] plus its split partials (fp32 [T, H, S, 513], + the balanced plan's words) when it splits; the workspace step's
     bf16 workspace [T * K, 512], int32 indices [T, K], and its kernel's partials + lse.
     ``aligned``: the caches' page strides and addresses are multiples of 16 (vLLM's are)."""
     K = K1 + K2
@@ -130,7 +130,9 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
         if not S:
             S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes), smem).splits
                  if form == "v3" else _dd.fused_plan(T, H, K, sms).splits)
-        return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 if S > 1 else 0)
+        # + the balanced split's plan words (int32 [T * S + T]) when it may run (an upper bound)
+        words = (T * S + T) * 4 if S > 1 and envs.get(envs.DECODE_BALANCE) else 0
+        return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 + words if S > 1 else 0)
     m = _dd.mode()
     m = "auto" if m in ("fused", "v3") else m
     if m == "heads" or (m == "auto" and T >= _dd.AUTO_HEADS_MIN_T):  # int32 indices: heads
@@ -146,8 +148,8 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                           sm_scale: float, compressed_block_size: int, swa_block_size: int,
                           topk_length: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
                           num_splits: int = 0, swa_length: Optional[torch.Tensor] = None,
-                          out: Optional[torch.Tensor] = None, return_lse: bool = True
-                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          out: Optional[torch.Tensor] = None, return_lse: bool = True,
+                          step_plans: Optional[dict] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One DSv4 decode attention step.
 
     q bf16 [T, H, 512]; compressed_cache, swa_cache uint8 [num_blocks, page_bytes] (584-byte
@@ -157,14 +159,17 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     ignored); workspace bf16 [>= T*(K1+K2), 512] contiguous or None (allocated); num_splits
     0 = heuristic; out bf16 [T, H, 512] (dims unit-stride) to write in place, or None;
     return_lse False: the lse is not returned (None), so the eager paged path writes it into
-    scratch instead of allocating it.
+    scratch instead of allocating it. step_plans: a dict the caller keeps for one step and one layer
+    type (vLLM: per step metadata) or None: where the balanced split runs
+    (``DSV4_AMPERE_DECODE_BALANCE=1``), the eager paged step plans once a step and shape there
+    instead of once a call (paged_plan.launch_paged).
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H] (or None).
     Eager CUDA calls of the paged op (the common case) take ``_kept_step``: the layout's plan,
     made once and reused by every later call (every layer of a vLLM step), no allocation.
     """
     if workspace is None and _host_plan.ENABLED and _host_plan.direct_ok(q) and q.dtype is torch.bfloat16:
         r = _kept_step(q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, sm_scale, compressed_block_size,
-                       swa_block_size, topk_length, num_splits, swa_length, out, return_lse)
+                       swa_block_size, topk_length, num_splits, swa_length, out, return_lse, step_plans)
         if r is not None:
             return r
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.bfloat16):
@@ -312,7 +317,7 @@ def clear_kept() -> None:
 
 
 def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
-               return_lse):
+               return_lse, step_plans=None):
     """The eager paged step from its kept plan: out allocated when None, lse allocated only when
     returned, the partials (and a dropped lse) in paged_plan's per-stream scratch, except while the
     stream captures a graph (then allocated, as the op does). None: the general path runs."""
@@ -343,7 +348,7 @@ def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, nu
         if return_lse:
             lse = torch.empty((p.T, p.H), dtype=torch.float32, device=q.device)
     _pp.launch_paged(p, q, cc, topk, topk_length, cw, swa, swa_length, sink, sm_scale, out, lse, o_part, lse_part,
-                     compiled=aligned)
+                     compiled=aligned, step_plans=step_plans)
     _host_plan.STATS["kept"] += 1
     if _host_plan.DIRECT_OBSERVERS:
         args = (q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink, sm_scale, num_splits, out)

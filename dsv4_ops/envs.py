@@ -38,6 +38,7 @@ WARMUP = "DSV4_AMPERE_WARMUP"
 WARM_SET_CACHE = "DSV4_AMPERE_WARM_SET_CACHE"
 DECODE_TABLES = "DSV4_AMPERE_DECODE_TABLES"
 DECODE_TABLE_DIR = "DSV4_AMPERE_DECODE_TABLE_DIR"
+DECODE_BALANCE = "DSV4_AMPERE_DECODE_BALANCE"
 
 _OFF = ("0", "false", "off")
 _ON = ("1", "true", "on")
@@ -121,6 +122,11 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob(DECODE_TABLE_DIR, "", "a directory", "call", "kernels",
          "Per-device decode tables to use before the shipped ones (dsv4-ops tune --out writes them; "
          "dsv4_ops.dispatch.tables).", _dir),
+    Knob(DECODE_BALANCE, "0", "0, 1", "call", "kernels",
+         "1: a split paged decode with lengths spreads the step's key blocks over its partial slots by the "
+         "tokens' lengths (csrc_triton.decode.balance: one planning launch a call). Faster on ragged batches, "
+         "slower on equal ones (benchmarks/results/decode_balance.md); off under DSV4_AMPERE_BATCH_INVARIANT=1.",
+         _flag_default_off),
     Knob(SMS, "", "a positive integer", "call", "kernels",
          "Plan for this many SMs instead of the device's count (a green context or an MPS share).", _sms),
     Knob(BATCH_INVARIANT, "0", "0, 1", "call", "kernels",

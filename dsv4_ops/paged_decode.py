@@ -23,7 +23,9 @@ import torch
 from . import kv_cache as _kv
 from ._checks import check_last_dim, check_tensor
 from . import paged_plan as _pp
-from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _sink, check_splits, split_outputs_like
+from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _sink, check_splits
+from .csrc_triton.decode import balance as _bk
+from .csrc_triton.decode import merge as _mk
 from .csrc_triton.decode import paged_chunk64 as _pk
 from .csrc_triton.decode import paged_chunk128 as _vk
 from .csrc_triton.decode import paged_f16dot as _v4k
@@ -129,7 +131,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
         _pp.launch_paged(plan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink,
                          sm_scale, out, lse)
         return out, lse
-    o_part, lse_part = split_outputs_like(q, plan.splits)
+    o_part, lse_part = (torch.empty(s, dtype=torch.float32, device=q.device) for s in plan.partials_shape())
     _pp.launch_paged(plan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink,
                      sm_scale, out, lse, o_part, lse_part)
     return out, lse
@@ -155,18 +157,23 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
         archs = archs_holding(need) if need else ()
         for slot_ty in ("i32", "i64"):
             for has_tl, has_sl in ((False, False), (True, False), (True, True)):
-                for direct, has_sink in ((False, False), (True, True), (True, False)):
+                for direct, has_sink, bal in ((False, False, False), (True, True, False), (True, False, False),
+                                              (False, False, True)):
+                    if bal and not (v4 and has_tl and slot_ty == "i32"):  # dispatch.decode.balanced's cases
+                        continue
                     sig = {"q_ptr": "*bf16", "cc_ptr": "*u8", "topk_ptr": f"*{slot_ty}", "topk_len_ptr": None,
                            "cw_ptr": "*u8", "swa_ptr": f"*{slot_ty}", "swa_len_ptr": None, "sink_ptr": None,
-                           "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32",
-                           "H": "i32", "K1": "i32", "K2": "i32", "S": "i32", "G": "i32", "sm_scale": "fp32",
+                           "o_ptr": "*bf16" if direct else "*fp32", "lse_ptr": "*fp32"}
+                    if v4:
+                        sig["plan_ptr"] = None
+                    sig.update({"H": "i32", "K1": "i32", "K2": "i32", "S": "i32", "G": "i32", "sm_scale": "fp32",
                            "stride_q_t": "i32", "stride_q_h": "i32", "stride_topk_t": "i32", "stride_swa_t": "i32",
                            "stride_o_t": "i32", "stride_o_h": "i32",
                            "page_c": "i32", "bs_c": "i32", "cap_c": "i64", "page_w": "i32", "bs_w": "i32",
                            "cap_w": "i64",
                            "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "NATIVE": "constexpr",
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
-                           "DIRECT": "constexpr"}
+                           "DIRECT": "constexpr"})
                     if not v4:
                         sig["PIPE" if v3 else "PIPELINE"] = "constexpr"
                     if v3:
@@ -175,6 +182,7 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                         sig["PV_KEY"] = "constexpr"
                         sig["STREAM"] = "constexpr"
                         sig["WIDE_PV"] = "constexpr"
+                        sig["BALANCED"] = "constexpr"
                     consts = {"BLOCK_H": bh, "BLOCK_N": cfg["BLOCK_N"], "NATIVE": variant == "native",
                               "HAS_TOPK_LEN": has_tl, "HAS_SWA_LEN": has_sl, "HAS_SINK": has_sink, "DIRECT": direct}
                     if v4:
@@ -182,6 +190,8 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                         consts["PV_KEY"] = cfg["PV_KEY"]
                         consts["STREAM"] = cfg.get("STREAM", False)
                         consts["WIDE_PV"] = cfg.get("WIDE_PV", False)
+                        consts["BALANCED"] = bal
+                        optional_pointer(sig, consts, "plan_ptr", "*i32", bal)
                     elif v3:
                         consts["PIPE"] = cfg["PIPE"]
                         consts["ALIGN"] = True
@@ -190,13 +200,37 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
-                    epi = "direct,sink" if has_sink else ("direct" if direct else "part")
+                    epi = "direct,sink" if has_sink else ("direct" if direct else ("part,balanced" if bal else "part"))
                     lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
                     specs.append(KernelSpec(
                         "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
                         _v4k._dsv4_decode_v4_kernel if v4 else (_vk._dsv4_decode_v3_kernel if v3 else
                                                                 _pk._dsv4_decode_fused_kernel), sig, consts, variant,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], archs=archs))
+    for bn in sorted({c["BLOCK_N"] for _, _, c in configs if c is not None and "PV_KEY" in c}):
+        for has_sl in (False, True):  # the planning kernel: top-k lengths always (dispatch.decode.balanced)
+            sig = {"topk_len_ptr": "*i32", "swa_len_ptr": None, "plan_ptr": "*i32", "T": "i32", "S": "i32",
+                   "K1": "i32", "K2": "i32", "BLOCK_N": "constexpr", "HAS_TOPK_LEN": "constexpr",
+                   "HAS_SWA_LEN": "constexpr", "CHUNK": "constexpr"}
+            consts = {"BLOCK_N": bn, "HAS_TOPK_LEN": True, "HAS_SWA_LEN": has_sl, "CHUNK": _pp.BALANCE_CHUNK}
+            optional_pointer(sig, consts, "swa_len_ptr", "*i32", has_sl)
+            specs.append(KernelSpec("dsv4_decode_fused_out", f"balance-plan[{variant},bn{bn},{'sl' if has_sl else '-'}]",
+                                    _bk._balance_plan_kernel, sig, consts, variant, num_warps=4, num_stages=1))
+    s = 2  # the balanced merge, BLOCK_S = the plan's S rounded up (a split launch: S >= 2), capped
+    while s <= _pp.BALANCED_MERGE_ROWS:
+        mcfg = _mk.merge_config(s, 512)
+        for has_sink in (False, True):
+            sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "plan_ptr": "*i32", "sink_ptr": None,
+                   "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "P": "i32", "stride_out_t": "i32",
+                   "stride_out_h": "i32", "D": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr",
+                   "HAS_SINK": "constexpr"}
+            consts = {"D": 512, "BLOCK_S": mcfg["BLOCK_S"], "BLOCK_D": mcfg["BLOCK_D"], "HAS_SINK": has_sink}
+            optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
+            specs.append(KernelSpec(
+                "dsv4_decode_fused_out", f"merge-balanced[{variant},S<={s},{'sink' if has_sink else 'nosink'}]",
+                _mk._merge_balanced_kernel, sig, consts, variant,
+                num_warps=mcfg["num_warps"], num_stages=mcfg["num_stages"]))
+        s *= 2
     return specs
 
 

@@ -260,7 +260,9 @@ def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
     results = [r for r in aot_results if r.label.startswith("v4-") and r.variant == "portable"]
     specs = [s for s in paged_decode.aot_specs() if s.label.startswith("v4-") and s.variant == "portable"]
     assert {s.label.split("[")[0][3:] for s in specs} == set(_v4k.V4_DISPATCHED)
-    assert len(specs) == 18 * len(_v4k.V4_DISPATCHED)
+    # 2 slot dtypes x 3 length cases x 3 epilogues, + the balanced split (int32 slots, top-k lengths: 2 cases)
+    assert len(specs) == 20 * len(_v4k.V4_DISPATCHED)
+    assert sum("balanced" in s.label for s in specs) == 2 * len(_v4k.V4_DISPATCHED)
     assert len(results) == sum(len(s.archs or aot.AMPERE_ARCHS) for s in specs)
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)

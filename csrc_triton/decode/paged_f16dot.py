@@ -45,6 +45,7 @@ import triton.language as tl
 from dsv4_ops import layout as _L
 
 from ..kv_cache import ue8m0_to_f32
+from .balance import slot_of
 
 HEAD_DIM = _L.HEAD_DIM
 GROUP = 64
@@ -232,21 +233,32 @@ def _dsv4_decode_v4_kernel(
     swa_len_ptr,  # int32/int64 [>= T] or None
     sink_ptr,  # fp32 [H] or None (DIRECT only)
     o_ptr, lse_ptr,
+    plan_ptr,  # int32 plan words (csrc_triton.decode.balance) or None (BALANCED only)
     H, K1, K2, S, G, sm_scale,
     stride_q_t, stride_q_h, stride_topk_t, stride_swa_t, stride_o_t, stride_o_h,
     page_c, bs_c, cap_c, page_w, bs_w, cap_w,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_SWA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DIRECT: tl.constexpr,
     ALIGN: tl.constexpr, PV_KEY: tl.constexpr, STREAM: tl.constexpr = False, WIDE_PV: tl.constexpr = False,
+    BALANCED: tl.constexpr = False,
 ):
     """Grid (T * S * G,) as paged_chunk128: program pid runs head group g = pid % G of token
     t = pid // (S*G) over the key blocks of split s = (pid // G) % S. DIRECT: out bf16 [T, H,
     512] / lse fp32 [T, H] (S == 1, sink folded in); else o_part fp32 [T, H, S, 512] /
-    lse_part fp32 [T, H, S] contiguous (merged by csrc_triton.decode.merge)."""
+    lse_part fp32 [T, H, S] contiguous (merged by csrc_triton.decode.merge). BALANCED (not DIRECT):
+    program pid runs head group pid % G of partial slot pid // G as the plan words at plan_ptr say
+    (csrc_triton.decode.balance), its partials written as rows [T * S, H] (merged by the merge's
+    balanced form)."""
     pid = tl.program_id(0)
     pid_g = pid % G
     pid_s = (pid // G) % S
     pid_t = (pid // (G * S)).to(tl.int64)
+    n_splits = S
+    live = True
+    if BALANCED:
+        # live False: a slot no token uses runs no key block; its row is never merged
+        t_b, pid_s, n_splits, live = slot_of(plan_ptr, pid // G)
+        pid_t = t_b.to(tl.int64)
 
     o_h = pid_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_h = o_h < H
@@ -281,8 +293,10 @@ def _dsv4_decode_v4_kernel(
         k2 = tl.minimum(tl.maximum(tl.load(swa_len_ptr + pid_t).to(tl.int32), 0), K2)
     nb1 = (k1 + BLOCK_N - 1) // BLOCK_N
     nb = nb1 + (k2 + BLOCK_N - 1) // BLOCK_N
-    blk_lo = (pid_s * nb) // S
-    blk_hi = ((pid_s + 1) * nb) // S
+    blk_lo = (pid_s * nb) // n_splits
+    blk_hi = ((pid_s + 1) * nb) // n_splits
+    if BALANCED:
+        blk_hi = tl.where(live, blk_hi, blk_lo)
     p_tk = topk_ptr + pid_t * stride_topk_t
     p_sw = swa_ptr + pid_t * stride_swa_t
 
@@ -494,7 +508,10 @@ def _dsv4_decode_v4_kernel(
         tl.store(lse_ptr + pid_t * H + o_h, b_lse, mask=m_h)
     else:
         b_scale = 1.0 / b_l_safe  # 0 rows where the split saw no valid key (acc is 0 there)
-        row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
+        if BALANCED:
+            row = (pid // G).to(tl.int64) * H + o_h.to(tl.int64)  # [BLOCK_H] row of [T * S, H]
+        else:
+            row = (pid_t * H + o_h.to(tl.int64)) * S + pid_s  # [BLOCK_H] row of [T, H, S]
         p_o = o_ptr + row * 512
         tl.store(lse_ptr + row, b_lse, mask=m_h)
     b_ns = b_scale

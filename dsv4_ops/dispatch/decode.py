@@ -547,6 +547,16 @@ def v3_plan(T: int, H: int, K: int, sms: int, splits: int = 0, config: str = "",
     return DecodePlan("v3", s, bh, bn, _cdiv(H, bh), s == 1, name)
 
 
+def balanced(direct: bool, has_lengths: bool, int32_slots: bool) -> bool:
+    """Whether a paged fp16-dot decode launch balances its splits over the tokens' key lengths
+    (csrc_triton.decode.balance): when DSV4_AMPERE_DECODE_BALANCE=1 (off by default: the planning launch
+    costs equal batches more than it saves, benchmarks/results/decode_balance.md), it splits (not
+    direct), reads lengths (a batch without them is uniform), its slots are int32 (vLLM's; the forms the
+    AOT check compiles) and batch invariance is off (balanced, a token's splits depend on the others')."""
+    return (not direct and has_lengths and int32_slots and bool(envs.get(envs.DECODE_BALANCE))
+            and not batch_invariant())
+
+
 # ---- the composite's route: the paged op or the workspace step ----
 
 

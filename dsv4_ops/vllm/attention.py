@@ -105,7 +105,8 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
                   swa_lens: Optional[torch.Tensor], swa_block_size: int,
                   compressed_cache: Optional[torch.Tensor], topk_indices: Optional[torch.Tensor],
                   topk_lens: Optional[torch.Tensor], compressed_block_size: int,
-                  attn_sink: Optional[torch.Tensor], scale: float, num_splits: int = 0) -> None:
+                  attn_sink: Optional[torch.Tensor], scale: float, num_splits: int = 0,
+                  step_plans: Optional[dict] = None) -> None:
     """One DSv4 decode attention step, written into ``output``.
 
     q bf16 [T, H, 512] (H = the rank's real heads); output bf16 [T, H, 512], written in place.
@@ -116,7 +117,8 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     global compressed slots (-1: none) or None; topk_lens int [T] or None. attn_sink float32
     [H] (a logit in the softmax denominator, no value; -inf: none); scale = 512 ** -0.5.
     Semantics: FlashMLA's ``flash_mla_with_kvcache`` with ``indices`` / ``extra_indices``:
-    one softmax over the union of window and compressed keys.
+    one softmax over the union of window and compressed keys. step_plans: a dict kept for one step
+    and one layer type (``step_plans_of``) or None (dsv4_decode.dsv4_decode_attention).
     """
     T = q.shape[0]
     swa2d = _paged_2d(swa_cache, "swa kv_cache")
@@ -132,7 +134,25 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
     # lse is dropped (the eager paged step then writes it to scratch: no allocation).
     dsv4_decode_attention(q, comp2d, topk_slots, swa2d, swa_slots, attn_sink, scale, comp_bs,
                           swa_block_size, topk_length=topk_lens, num_splits=num_splits,
-                          swa_length=swa_lens, out=output, return_lse=False)
+                          swa_length=swa_lens, out=output, return_lse=False, step_plans=step_plans)
+
+
+def step_plans_of(metadata, layer_type) -> Optional[dict]:
+    """The dict of one layer type's step plans (dsv4_decode.dsv4_decode_attention's ``step_plans``)
+    kept on this step's metadata object, FlashMLA's per-step tile-scheduler holder: vLLM builds the
+    metadata afresh every step and for every CUDA-graph capture, so a plan made by a step's first layer
+    of a type serves that step's later layers of the type and is never carried into another step or
+    graph. None when the object takes no attribute (then every call plans)."""
+    try:
+        kept = metadata.__dict__.get("_dsv4_step_plans")
+        if kept is None:
+            kept = metadata.__dict__["_dsv4_step_plans"] = {}
+    except (AttributeError, TypeError):
+        return None
+    got = kept.get(layer_type)
+    if got is None:
+        got = kept[layer_type] = {}
+    return got
 
 
 def dequantize_and_gather_k_cache_ampere(
@@ -277,11 +297,13 @@ class _AmpereAttentionMixin:
             topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
             comp_bs = attn_metadata.block_size // self.compress_ratio
         # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
+        # one balanced plan a step and layer type (the private per-layer graphs replay alone: they plan)
+        plans = None if _graphs_enabled() else step_plans_of(swa_metadata, 0 if swa_only else self.compress_ratio)
         ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
                       self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,
                       swa_metadata.decode_swa_lens, swa_metadata.block_size,
                       None if swa_only else kv_cache, topk_indices, topk_lens, comp_bs,
-                      self.attn_sink, self.scale)
+                      self.attn_sink, self.scale, step_plans=plans)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """bf16 o_proj: inverse RoPE (torch) + grouped bmm with the load-time bf16 wo_a + wo_b."""
