@@ -118,8 +118,9 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
     """(route, bytes) of what one dsv4_decode_attention call allocates on the device besides
     its inputs and the caller's ``out`` (vLLM's memory profile skips the attention call, so
     these are the bytes it never reserved), for the current mode: the paged op's lse fp32
-    [T, H] plus its split partials (fp32 [T, H, S, 513], + the balanced plan's words) when it splits; the workspace step's
-    bf16 workspace [T * K, 512], int32 indices [T, K], and its kernel's partials + lse.
+    [T, H] plus its split partials (fp32 [T, H, S, 513], + the balanced plan's words) when it
+    splits; the workspace step's bf16 workspace [T * K, 512], int32 indices [T, K], and its
+    kernel's partials + lse.
     ``aligned``: the caches' page strides and addresses are multiples of 16 (vLLM's are)."""
     K = K1 + K2
     choice = _dd.route(_dd.mode(), T, H, K, smem)
@@ -130,8 +131,8 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
         if not S:
             S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes), smem).splits
                  if form == "v3" else _dd.fused_plan(T, H, K, sms).splits)
-        # + the balanced split's plan words (int32 [T * S + T]) when it may run (an upper bound)
-        words = (T * S + T) * 4 if S > 1 and envs.get(envs.DECODE_BALANCE) else 0
+        # + the balanced split's plan words (int32 [T * S + T], 16-byte aligned) when it may run (an upper bound)
+        words = (T * S + T + 3) * 4 if S > 1 and envs.get(envs.DECODE_BALANCE) else 0
         return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 + words if S > 1 else 0)
     m = _dd.mode()
     m = "auto" if m in ("fused", "v3") else m

@@ -50,7 +50,6 @@ BALANCE_CHUNK = 128
 BALANCED_MERGE_ROWS = 32
 
 
-
 def _capped_v4(maxnreg: int):
     """A launch of the paged_f16dot kernel with a register cap, through Triton's own launch."""
     def kernel(grid, args, consts, num_warps, num_stages):
@@ -80,12 +79,17 @@ class PagedPlan:
             setattr(self, k, kw.get(k))
 
     def partials_shape(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """(o_part, lse_part) shapes: fp32 [T, H, S, 512], fp32 [T, H, S]; balanced, lse_part is flat
-        fp32 [T * S * H + T * S + T]: the partial lse rows, then the plan words (int32 bits)."""
+        """(o_part, lse_part) shapes: fp32 [T, H, S, 512], fp32 [T, H, S]; balanced, lse_part is flat:
+        the partial lse rows [T * S * H], then from ``words_offset()`` the plan words (int32 bits)."""
         T, H, S = self.T, self.H, self.splits
         if self.balanced:
-            return (T, H, S, HEAD_DIM), (T * S * H + _bk.plan_words(T, S),)
+            return (T, H, S, HEAD_DIM), (self.words_offset() + _bk.plan_words(T, S),)
         return (T, H, S, HEAD_DIM), (T, H, S)
+
+    def words_offset(self) -> int:
+        """Where the plan words start in a balanced lse_part: after the T * S * H lse rows, rounded up
+        to 16 bytes (the kernels are specialized on the pointer's 16-byte alignment)."""
+        return -(-self.T * self.splits * self.H // 4) * 4
 
 
 def make_paged_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
@@ -197,7 +201,7 @@ def launch_paged(p: PagedPlan, q, compressed_cache, topk_slots, topk_length, swa
                 lse_part)
         if p.balanced:
             if words is None:
-                words = lse_part.view(-1)[p.T * p.splits * p.H:].view(torch.int32)
+                words = lse_part.view(-1)[p.words_offset():].view(torch.int32)
             pargs = (topk_length, swa_length, words, *p.plan_ints)
             margs = (o_part, lse_part, words, sink, out, lse) + p.merge_ints
         else:
