@@ -157,10 +157,11 @@ def test_gpu_the_slot_map_is_the_formulas(variant, T, S):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["kh16n32w4", "kh16n64w8", "kh32n64w8"])
-@pytest.mark.parametrize("T,H,splits", [(64, 8, 3), (300, 8, 2), (33, 64, 4)])
+@pytest.mark.parametrize("T,H,splits", [(64, 8, 3), (300, 8, 2), (33, 64, 4), (7, 5, 3)])
 def test_gpu_ragged_batches_match_float64(variant, config, T, H, splits):
     """The DSv4 shape, one token in 8 long and the rest short (some with no key), balanced (T = 64, S = 3:
-    the long tokens take 6 partials, two merge steps of 4)."""
+    the long tokens take 6 partials, two merge steps of 4; T * S * H = 105: the plan words start past a
+    rounded-up offset)."""
     args = gpu_case(T, H, seed=T + H)
     tl_ = torch.randint(0, 40, (T,), generator=rng(T), dtype=torch.int32)
     tl_[::8] = 512
