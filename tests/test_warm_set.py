@@ -233,6 +233,22 @@ def test_every_aot_kernel_is_warm_or_named_off_the_serve_path():
     assert not missing, f"AOT kernels neither warm nor in warm_set.NOT_SERVED / SELECTABLE: {missing}"
 
 
+def test_the_balanced_split_is_warm_when_its_knob_is_on():
+    """SELECTABLE's opt-in balanced decode kernels: off (the default) no warm set holds them; with
+    DSV4_AMPERE_DECODE_BALANCE=1 the V4 / V4.1 sets at TP 8 on an A100's 108 SMs do."""
+    from dsv4_ops import envs
+
+    def kernels(make):
+        return {k.kernel.rsplit(":", 1)[-1] for k in ws.build(make(tp=8), 512, sms=108, mode="auto").keys}
+
+    balanced = {"_balance_plan_kernel", "_merge_balanced_kernel"}
+    assert set(ws.SELECTABLE) >= balanced
+    for make in MODELS.values():
+        assert not (kernels(make) & balanced)
+        with envs.override(**{envs.DECODE_BALANCE: "1"}):
+            assert kernels(make) >= balanced
+
+
 @pytest.mark.parametrize("model,tp,cache", [("v32", 8, "fp8_ds_mla"), ("glm5", 1, "auto")])
 def test_v32_every_token_count_is_in_its_class(model, tp, cache):
     """DeepSeek-V3.2 / GLM-5: the set traced from the batch classes holds the keys of every token
