@@ -206,7 +206,7 @@ def test_forward_decode_key_covers_every_read(kind, monkeypatch):
     layer, q, kv, sm, am, swa_only, out = decode_world(kind, log=body_reads)
     _bind(layer, _fake_base(monkeypatch, kind == "v41"))
     seen = []
-    monkeypatch.setattr(vattn, "ampere_decode", lambda *a: seen.append(a))
+    monkeypatch.setattr(vattn, "ampere_decode", lambda *a, **k: seen.append(a))
     vattn._AmpereAttentionMixin._forward_decode(layer, q, kv, sm, am, swa_only, out)
     assert len(seen) == 1
     for r in (layer, sm, am, layer.swa_cache_layer):
@@ -222,7 +222,7 @@ def test_forward_decode_switch_on_cpu_tensors_runs_eagerly(monkeypatch):
     layer, q, kv, sm, am, swa_only, out = decode_world("swa_only")
     _bind(layer, _fake_base(monkeypatch, False))
     seen = []
-    monkeypatch.setattr(vattn, "ampere_decode", lambda *a: seen.append(a))
+    monkeypatch.setattr(vattn, "ampere_decode", lambda *a, **k: seen.append(a))
     vattn._AmpereAttentionMixin._forward_decode(layer, q, kv, sm, am, swa_only, out)
     assert len(seen) == 1 and dg._CACHE_ATTR not in layer.__dict__
 

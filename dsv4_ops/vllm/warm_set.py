@@ -59,8 +59,8 @@ SELECTABLE = {
                                          "slower, 3.6 vs 1.96 ms at H = 64; benchmarks/results/sparse_prefill.md)",
     "_v32_sparse_mla_f16t_kernel": "V3.2's transposed f16 decode: F16_CANDIDATES rows (benchmark candidates, not "
                                    "auto's)",
-    "_balance_plan_kernel": "the balanced decode split's planning kernel: opt-in (DSV4_AMPERE_DECODE_BALANCE=1, read "
-                            "at each call and in the set's cache key), warm when the knob is on at startup",
+    "_balance_plan_kernel": f"the balanced decode split's planning kernel: opt-in ({envs.DECODE_BALANCE}=1, read at "
+                            "each call and in the set's cache key), warm when the knob is on at startup",
     "_merge_balanced_kernel": "the balanced decode split's merge: as _balance_plan_kernel",
 }
 # Engram table rows of a shard and hash columns: stand-ins (they only reach kernel ints, whose
