@@ -53,8 +53,9 @@ def lengths(T: int, mix: str) -> torch.Tensor:
     return out
 
 
-def measure(T, H, caches, ctxs, p2, replays, step=False):
-    (cc, bc), (cw, bw) = caches
+def step_inputs(T: int, H: int):
+    """One step's inputs, seeded by (T, H): top-k slots int32 [T, K1], window slots int32 [T, K2] (random
+    slots of the caches), q bf16 [T, H, 512], sink fp32 [H], window lengths int32 [T] (all K2)."""
     g = torch.Generator(device="cuda").manual_seed(T * 1000 + H)
     cap = NBLK * BS
     topk = torch.randint(0, cap, (T, K1), device="cuda", generator=g, dtype=torch.int32)
@@ -62,6 +63,12 @@ def measure(T, H, caches, ctxs, p2, replays, step=False):
     q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
     sink = torch.randn(H, device="cuda", generator=g)
     swa_len = torch.full((T,), K2, dtype=torch.int32, device="cuda")
+    return topk, swa, q, sink, swa_len
+
+
+def measure(T, H, caches, ctxs, p2, replays, step=False):
+    (cc, bc), (cw, bw) = caches
+    topk, swa, q, sink, swa_len = step_inputs(T, H)
     rows = []
     for mix in ("full", "ragged", "even"):
         tl_ = lengths(T, mix).cuda()

@@ -14,8 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_ragged import K1, K2, lengths  # noqa: E402
-from bench_decode_sms import BS, D, NBLK, SM_SCALE, make_caches  # noqa: E402
+from bench_decode_ragged import lengths, step_inputs  # noqa: E402
+from bench_decode_sms import BS, D, SM_SCALE, make_caches  # noqa: E402
 
 import dsv4_ops  # noqa: E402,F401
 from dsv4_ops import dsv4_decode  # noqa: E402
@@ -23,13 +23,7 @@ from dsv4_ops import dsv4_decode  # noqa: E402
 
 def profile(T, H, caches, reps):
     (cc, _), (cw, _) = caches
-    g = torch.Generator(device="cuda").manual_seed(T * 1000 + H)
-    cap = NBLK * BS
-    topk = torch.randint(0, cap, (T, K1), device="cuda", generator=g, dtype=torch.int32)
-    swa = torch.randint(0, cap, (T, K2), device="cuda", generator=g, dtype=torch.int32)
-    q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    sink = torch.randn(H, device="cuda", generator=g)
-    swa_len = torch.full((T,), K2, dtype=torch.int32, device="cuda")
+    topk, swa, q, sink, swa_len = step_inputs(T, H)
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda")
     for mix in ("full", "ragged", "even"):
         tl_ = lengths(T, mix).cuda()
