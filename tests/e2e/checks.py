@@ -105,9 +105,10 @@ class Checker:
         for t in range(T):
             # the record's rounding model (writer_checks.quant_ratio: E4M3 half a step, subnormals
             # of the writer's scale, which may be a binade above the float64 one, plus the bf16
-            # pipeline before the writer), as for the compressed and indexer writers
+            # pipeline before the writer, RoPE'd channels at their pair's norm), as for the
+            # compressed and indexer writers
             dec = decode_record(swa_cache, int(rec.swa_slot_mapping[t]), bs)
-            werr = max(werr, WC.quant_ratio(dec, kv[t], 448, 64, True))
+            werr = max(werr, WC.quant_ratio(dec, kv[t], 448, 64, True, WC.Rope(2 * cos.shape[-1])))
         # 2. keys: the request's window from the SWA cache, the chosen compressed entries
         W = attn.window_size
         keys, valid = [], []
@@ -186,8 +187,10 @@ class Checker:
             # the Q quant: vLLM's codes times the implied per-(token, head) scale are the oracle's q
             ok = weights.abs() > 1e-3 * weights.abs().max()
             implied = torch.where(ok, rec.index_w.cpu().to(F64) / torch.where(ok, weights, 1.0), 0.0)
+            # (writer_checks' model: the bf16 slack of a RoPE'd channel is its pair's norm's)
+            mag = WC.magnitude(q, WC.Rope(cs.shape[1]))
             bound = (q.abs() / 16 * 1.02 + implied[..., None].abs() * 2 ** -9
-                     + 2 ** -6 * (q.abs() + q.pow(2).mean(-1, keepdim=True).sqrt()))
+                     + WC.BF16_SLACK * (mag + q.pow(2).mean(-1, keepdim=True).sqrt()))
             q_err = float(((qf * implied[..., None] - q).abs() / bound)[ok].max())
             log2 = torch.log2(implied.abs()[ok])
             # the folded scale is a power of two up to the bf16 rounding of the weights

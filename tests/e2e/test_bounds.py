@@ -150,8 +150,9 @@ def _fp8_ds_mla_roundtrip(ref):
 
 
 def test_the_writer_bound_holds_and_a_rope_position_off_by_one_breaks_it():
-    """writer_checks.quant_ratio on fresh rows: a correct fp8_ds_mla write of the bf16-rounded
-    entry is within the bound; the same entry RoPE'd one position late is far outside it."""
+    """writer_checks.quant_ratio on fresh rows: a correct fp8_ds_mla write of the served pipeline
+    (the entry rounded to bf16, RoPE'd in fp32, rounded to bf16 again) is within the bound; the
+    same entry RoPE'd one position late is far outside it."""
     import writer_checks as WC
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -161,12 +162,55 @@ def test_the_writer_bound_holds_and_a_rope_position_off_by_one_breaks_it():
     inv = 1.0 / 4e4 ** (torch.arange(0, RD, 2, dtype=F64) / RD)
     pos = torch.randint(0, 4000, (N,), generator=g)
 
-    def rope(p):
-        return O.rope_interleaved(entry, (p[:, None] * inv).cos(), (p[:, None] * inv).sin())
+    def rope(x, p):
+        return O.rope_interleaved(x, (p[:, None] * inv).cos(), (p[:, None] * inv).sin())
 
-    ref = rope(pos)
-    good = _fp8_ds_mla_roundtrip(ref.to(BF).to(F64))          # the bf16 pipeline, then the record
-    bad = _fp8_ds_mla_roundtrip(rope(pos + 1))
-    ok = max(WC.quant_ratio(good[i], ref[i], 448, 64, True) for i in range(N))
-    off = max(WC.quant_ratio(bad[i], ref[i], 448, 64, True) for i in range(N))
+    ref = rope(entry, pos)
+    served = rope(entry.to(BF).to(F64), pos).to(BF).to(F64)
+    good = _fp8_ds_mla_roundtrip(served)
+    bad = _fp8_ds_mla_roundtrip(rope(entry, pos + 1))
+    ok = max(WC.quant_ratio(good[i], ref[i], 448, 64, True, WC.Rope(RD)) for i in range(N))
+    off = max(WC.quant_ratio(bad[i], ref[i], 448, 64, True, WC.Rope(RD)) for i in range(N))
     assert ok <= 1.0 and off >= 5.0, (ok, off, seed)
+
+
+@pytest.mark.parametrize("first,interleaved", [(False, True), (True, True), (True, False)])
+def test_a_rope_channel_rotated_near_zero_is_bounded_by_its_pairs_norm(first, interleaved):
+    """One RoPE pair per row far above the row's rms (its norm ~ sqrt(D) x rms), rotated so one
+    channel lands near zero: the bf16 rounding of the pair before the rotation leaves an error of
+    order ulp(pair norm) on that channel, which the element-wise bound (|x| + rms) does not cover
+    and the pair bound does; a sign flipped in the rotation still fails the pair bound. Rows of
+    512 bf16 channels, 64 RoPE'd (the writers' layouts: last or first, GPT-J or NeoX pairs)."""
+    import writer_checks as WC
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    N, Dk, half = 64, 512, RD // 2
+    rope = WC.Rope(RD, first=first, interleaved=interleaved)
+    off = 0 if first else Dk - RD
+    j = torch.randint(0, half, (N,), generator=g)                     # the big pair of each row
+    ia, ib = (off + 2 * j, off + 2 * j + 1) if interleaved else (off + j, off + half + j)
+    rows = torch.arange(N)
+    theta = torch.rand(N, half, generator=g, dtype=F64) * 6.28
+    th = theta[rows, j]
+    norm = 64 * (1 + torch.rand(N, generator=g, dtype=F64))
+    phi = torch.pi / 2 - th + 1e-3 * torch.randn(N, generator=g, dtype=F64)   # a cos - b sin ~ 0
+    pre = torch.randn(N, Dk, generator=g, dtype=F64)
+    pre[rows, ia], pre[rows, ib] = norm * phi.cos(), norm * phi.sin()
+    pa = off + (torch.arange(0, RD, 2) if interleaved else torch.arange(half))
+    pb = pa + (1 if interleaved else half)
+
+    def rotate(v, sign=1.0):
+        out = v.clone()
+        a, b = v[:, pa], v[:, pb]
+        c, s = theta.cos(), sign * theta.sin()
+        out[:, pa], out[:, pb] = a * c - b * s, a * s + b * c
+        return out
+
+    ref = rotate(pre)
+    served = rotate(pre.to(BF).to(F64)).to(BF).to(F64)
+    flipped = rotate(pre, -1.0).to(BF).to(F64)
+    elementwise = max(WC.quant_ratio(served[i], ref[i], 0, 64, False) for i in range(N))
+    paired = max(WC.quant_ratio(served[i], ref[i], 0, 64, False, rope) for i in range(N))
+    wrong = max(WC.quant_ratio(flipped[i], ref[i], 0, 64, False, rope) for i in range(N))
+    assert elementwise > 1.0 and paired <= 1.0 and wrong >= 5.0, (elementwise, paired, wrong, seed)

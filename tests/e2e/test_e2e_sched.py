@@ -116,7 +116,7 @@ def test_the_scheduler_chunked_mixed_hit_and_preempted(report):
 
 def _every_step_passed_the_oracle(report):
     """The model e2e's float64 checks, every layer of every step (test_e2e.py's bounds)."""
-    model = report["model"]
+    model, seed = report["model"], report.get("seed")   # DSV4_E2E_SEED=seed replays the run
     names = {s["step"] for s in _steps(report)}
     checks = report["checks"]
     n_layers = v4_e2e.LAYERS[model]["n"]
@@ -128,15 +128,15 @@ def _every_step_passed_the_oracle(report):
         assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS[model]["indexer"]), step
     for c in checks:
         if c["kind"].startswith("attn"):
-            assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, c
-            assert c["cos"] >= v4_e2e.ATTN_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+            assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, (seed, c)
+            assert c["cos"] >= v4_e2e.ATTN_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], (seed, c)
         elif c["kind"] == "indexer":
-            assert c["mismatched"] == 0 and c["q_err"] <= 1.0 and c["q_scale_pow2"], c
+            assert c["mismatched"] == 0 and c["q_err"] <= 1.0 and c["q_scale_pow2"], (seed, c)
         elif c["kind"] == "moe":
-            assert c["choice_mismatch"] == 0, c
-            assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+            assert c["choice_mismatch"] == 0, (seed, c)
+            assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], (seed, c)
         else:
-            assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], c
+            assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], (seed, c)
     # the indexer's long path ran (more compressed entries than top-k) and was checked
     assert sum(c["long_rows"] for c in checks if c["kind"] == "indexer") > 0
 
@@ -145,9 +145,9 @@ def _writers_passed(report) -> list:
     """The model e2e's writer checks (writer_checks.py): every compressed-KV / indexer-K entry a step
     wrote is the float64 one, and exactly the model's compressor / indexer layers wrote entries.
     Returns the attention check rows."""
-    rows = [c for c in report["checks"] if c["kind"].startswith("attn")]
+    rows, seed = [c for c in report["checks"] if c["kind"].startswith("attn")], report.get("seed")
     for c in rows:
-        assert c["comp_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, c
+        assert c["comp_writer_err"] <= 1.0 and c["index_writer_err"] <= 1.0, (seed, c)
     comp, index = v4_e2e.WRITERS[report["model"]]
     assert {c["layer"] for c in rows if c["comp_written"]} == comp, rows
     assert {c["layer"] for c in rows if c["index_written"]} == index, rows

@@ -12,14 +12,16 @@ token's MLA row (``rms_norm(kv_c)``, interleaved RoPE on ``k_pe``) and indexer K
 (LayerNorm, RoPE on the first rope dims, FP8 with one scale).
 
 The bound per element is the E4M3 half step of the element (|x| / 16, or half a subnormal step
-of the group's scale) plus the bf16 pipeline before the writer (4 bf16 ulps of the element or of
-the row's rms); bf16 parts carry only the latter. Each check reports max(error / bound): <= 1
-passes.
+of the group's scale) plus the bf16 pipeline before the writer (4 bf16 ulps of the element's
+magnitude plus the row's rms); bf16 parts carry only the latter. A RoPE'd channel's magnitude is
+its pair's norm: the writers round the pair to bf16 before rotating it, so a channel that the
+rotation brings near zero still carries the pair's rounding (Rope). Each check reports
+max(error / bound): <= 1 passes.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -33,13 +35,40 @@ def _w(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().to(F64)
 
 
-def quant_ratio(dec: torch.Tensor, ref: torch.Tensor, n_fp8: int, group: int, pow2: bool) -> float:
+class Rope(NamedTuple):
+    """Where a row's RoPE channels are: the last (first=True: the first) ``dim`` channels, paired
+    (2i, 2i+1) when interleaved (GPT-J), else (i, i + dim/2) (NeoX)."""
+    dim: int
+    first: bool = False
+    interleaved: bool = True
+
+
+def magnitude(ref: torch.Tensor, rope: Optional[Rope]) -> torch.Tensor:
+    """|ref| [..., D], with each RoPE'd channel's entry replaced by its pair's norm."""
+    mag = ref.abs()
+    if rope is None:
+        return mag
+    D, rd = ref.shape[-1], rope.dim
+    lo = 0 if rope.first else D - rd
+    r = ref[..., lo: lo + rd]
+    if rope.interleaved:
+        norm = (r[..., 0::2].pow(2) + r[..., 1::2].pow(2)).sqrt().repeat_interleave(2, dim=-1)
+    else:
+        half = (r[..., : rd // 2].pow(2) + r[..., rd // 2:].pow(2)).sqrt()
+        norm = torch.cat((half, half), dim=-1)
+    mag[..., lo: lo + rd] = norm
+    return mag
+
+
+def quant_ratio(dec: torch.Tensor, ref: torch.Tensor, n_fp8: int, group: int, pow2: bool,
+                rope: Optional[Rope] = None) -> float:
     """max |dec - ref| / bound over one row. ref/dec [D] f64: the first ``n_fp8`` elements E4M3
     with one scale per ``group`` (pow2: a UE8M0 scale 2**ceil(log2(amax / 448)), else amax / 448),
-    the rest bf16. A NaN/inf in dec gives inf."""
+    the rest bf16; ``rope`` says which channels were RoPE'd from a bf16 pair. A NaN/inf
+    in dec gives inf."""
     if not torch.isfinite(dec).all():
         return float("inf")
-    slack = BF16_SLACK * (ref.abs() + float(ref.pow(2).mean().sqrt()) + 1e-30)
+    slack = BF16_SLACK * (magnitude(ref, rope) + float(ref.pow(2).mean().sqrt()) + 1e-30)
     bound = slack.clone()
     if n_fp8:
         amax = ref[:n_fp8].abs().view(-1, group).amax(1).clamp(min=1e-30) / 448
@@ -127,7 +156,8 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
 
         dec = checks.decode_record(ccache, _slot(rec.comp_block_table, r, w, rec.comp_block_size),
                                    rec.comp_block_size)
-        out["comp_writer_err"] = max(out["comp_writer_err"], quant_ratio(dec, ref, 448, 64, True))
+        rope = Rope(2 * c.shape[-1])
+        out["comp_writer_err"] = max(out["comp_writer_err"], quant_ratio(dec, ref, 448, 64, True, rope))
         out["comp_written"] += 1
         if icomp is not None or owns_k:
             if icomp is not None:      # V4: the indexer's own compressor of the layer input
@@ -139,7 +169,8 @@ def v4_writers(chk, step, rec, attn, req: List[int]) -> Dict[str, float]:
             kref = O.rope_interleaved(k[None], c, s)[0]
             kcache = ix.k_cache.kv_cache
             kdec = checks.decode_index_k(kcache, _slot(rec.index_block_table, r, w, kcache.shape[1]))
-            out["index_writer_err"] = max(out["index_writer_err"], quant_ratio(kdec, kref, 128, 128, False))
+            kerr = quant_ratio(kdec, kref, 128, 128, False, Rope(2 * c.shape[-1]))
+            out["index_writer_err"] = max(out["index_writer_err"], kerr)
             out["index_written"] += 1
     return out
 
@@ -207,7 +238,8 @@ class V32Writers:
         phys = torch.tensor([self.owner.blocks[rid][p // bs] * stride_rows + p % bs for rid, p in toks])
         dec = decode_rows(cache.cpu(), phys)
         fp8 = not (cc.shape[-1] == 576 and cc.dtype == torch.bfloat16)
-        kv_err = max(quant_ratio(dec[t], ref[t], 512 if fp8 else 0, 128, False) for t in range(len(toks)))
+        rope = Rope(2 * c.shape[-1])
+        kv_err = max(quant_ratio(dec[t], ref[t], 512 if fp8 else 0, 128, False, rope) for t in range(len(toks)))
         res = dict(kind="writer", step=self.owner.step, layer=i, tokens=len(toks), kv_writer_err=kv_err,
                    index_writer_err=0.0, index_written=0)
         ix = getattr(attn, "indexer", None)
@@ -216,10 +248,13 @@ class V32Writers:
             k = torch.nn.functional.layer_norm(kw[:, : ix.head_dim], (ix.head_dim,), _w(ix.k_norm.weight),
                                                _w(ix.k_norm.bias), ix.k_norm.eps)
             c, s = cos_sin(attn.indexer_rope_emb, positions)
-            kref = rope_first(k, c, s, bool(getattr(attn, "_index_rope_interleave", False)))
+            interleave = bool(getattr(attn, "_index_rope_interleave", False))
+            kref = rope_first(k, c, s, interleave)
             slots = torch.tensor([self.owner.blocks[rid][p // bs] * bs + p % bs for rid, p in toks])
             kdec = decode_index_k_rows(ix.k_cache.kv_cache.cpu(), slots)
-            res["index_writer_err"] = max(quant_ratio(kdec[t], kref[t], 128, 128, False) for t in range(len(toks)))
+            irope = Rope(2 * c.shape[-1], first=True, interleaved=interleave)
+            res["index_writer_err"] = max(quant_ratio(kdec[t], kref[t], 128, 128, False, irope)
+                                          for t in range(len(toks)))
             res["index_written"] = len(toks)
         self.results.append(res)
 
