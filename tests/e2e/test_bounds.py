@@ -188,24 +188,21 @@ def test_a_rope_channel_rotated_near_zero_is_bounded_by_its_pairs_norm(first, in
     N, Dk, half = 64, 512, RD // 2
     rope = WC.Rope(RD, first=first, interleaved=interleaved)
     off = 0 if first else Dk - RD
+    pa = off + (torch.arange(0, RD, 2) if interleaved else torch.arange(half))   # pairs (pa, pb)
+    pb = pa + (1 if interleaved else half)
     j = torch.randint(0, half, (N,), generator=g)                     # the big pair of each row
-    ia, ib = (off + 2 * j, off + 2 * j + 1) if interleaved else (off + j, off + half + j)
     rows = torch.arange(N)
     theta = torch.rand(N, half, generator=g, dtype=F64) * 6.28
-    th = theta[rows, j]
     norm = 64 * (1 + torch.rand(N, generator=g, dtype=F64))
-    phi = torch.pi / 2 - th + 1e-3 * torch.randn(N, generator=g, dtype=F64)   # a cos - b sin ~ 0
+    phi = torch.pi / 2 - theta[rows, j] + 1e-3 * torch.randn(N, generator=g, dtype=F64)  # a cos - b sin ~ 0
     pre = torch.randn(N, Dk, generator=g, dtype=F64)
-    pre[rows, ia], pre[rows, ib] = norm * phi.cos(), norm * phi.sin()
-    pa = off + (torch.arange(0, RD, 2) if interleaved else torch.arange(half))
-    pb = pa + (1 if interleaved else half)
+    pre[rows, pa[j]], pre[rows, pb[j]] = norm * phi.cos(), norm * phi.sin()
 
     def rotate(v, sign=1.0):
-        out = v.clone()
-        a, b = v[:, pa], v[:, pb]
         c, s = theta.cos(), sign * theta.sin()
-        out[:, pa], out[:, pb] = a * c - b * s, a * s + b * c
-        return out
+        if first:
+            return WC.rope_first(v, c, s, interleaved)
+        return (O.rope_interleaved if interleaved else O.rope_neox)(v, c, s)
 
     ref = rotate(pre)
     served = rotate(pre.to(BF).to(F64)).to(BF).to(F64)
