@@ -2,9 +2,11 @@
 
 ``register()`` (called by vLLM in every process through the thin entry point
 ``dsv4_ops.registration.vllm_plugin``) is idempotent, imports vLLM lazily and logs one line.
-On sm_90+ it patches nothing. On sm_8x it first runs ``check_table()`` over every row of
-``dsv4_ops.vllm.table.patches()`` and raises ``VllmPatchError`` naming the symbol and the
-vLLM version when vLLM moved under us:
+On sm_90+ it patches nothing. On sm_8x it first refuses a vLLM release outside
+``dsv4_ops.vllm.versions.SUPPORTED`` (``VllmVersionError``, naming the supported releases), then
+runs ``check_table()`` over every row of the installed release's table
+(``dsv4_ops.vllm.table.patches(version)``) and raises ``VllmPatchError`` naming the symbol and
+the vLLM version when vLLM moved under us:
   - the symbol exists and has the parameter names the replacement was written for;
   - every attribute / dataclass field a replacement reads (``Patch.reads``) still exists;
   - call-site binding: every vLLM module that imported a patched function by name at import
@@ -32,15 +34,17 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from . import serve_host
+from . import serve_host, versions
 from .quant_guard import UnauditedServePathError
-from .table import Patch, Reads, patches
-
-VLLM_VERSION_TESTED = "0.33.0"
+from .table import Patch, Reads, installed_release, patches
 
 
 class VllmPatchError(RuntimeError):
     """A vLLM symbol the plugin relies on is missing, or has another signature or attributes."""
+
+
+class VllmVersionError(VllmPatchError):
+    """The installed vLLM is not a release the patch table was checked against."""
 
 
 @dataclass
@@ -70,8 +74,20 @@ def vllm_version() -> str:
 
 
 def _error(what: str) -> VllmPatchError:
-    return VllmPatchError(f"dsv4_ops vLLM plugin: {what} in vLLM {vllm_version()} (written for "
-                          f"{VLLM_VERSION_TESTED}). Update dsv4_ops or pin vllm=={VLLM_VERSION_TESTED}.")
+    """VllmPatchError with ``.what``, the bare mismatch (``table_problems`` lists those)."""
+    tested = ", ".join(versions.SUPPORTED)
+    exc = VllmPatchError(f"dsv4_ops vLLM plugin: {what} in vLLM {vllm_version()} (the table is checked against "
+                         f"vLLM {tested}). Update dsv4_ops or install a supported vLLM release.")
+    exc.what = what
+    return exc
+
+
+def check_version(version: Optional[str] = None) -> str:
+    """The installed vLLM's release ('X.Y.Z'); VllmVersionError unless it is supported."""
+    version = vllm_version() if version is None else version
+    if not versions.supported(version):
+        raise VllmVersionError(f"dsv4_ops vLLM plugin (sm_8x): {versions.refusal(version)}.")
+    return versions.release(version)
 
 
 def _resolve(entry: Patch) -> Tuple[Any, str, Any]:
@@ -101,15 +117,36 @@ def _param_names(obj: Any) -> Tuple[str, ...]:
 
 # ------------------------------------------------------------------------------ the guards
 
-def check_signature(entry: Patch) -> None:
-    _, _, current = _resolve(entry)
+class _Mismatch(Exception):
+    """One row assumption that does not hold (the text of a VllmPatchError, without the version)."""
+
+
+def _resolve_or_mismatch(entry: Patch) -> Tuple[Any, str, Any]:
+    try:
+        return _resolve(entry)
+    except VllmPatchError as exc:
+        raise _Mismatch(getattr(exc, "what", str(exc))) from exc
+
+
+def _signature_mismatch(entry: Patch) -> Optional[str]:
+    try:
+        _, _, current = _resolve_or_mismatch(entry)
+    except _Mismatch as exc:
+        return str(exc)
     if getattr(current, "__name__", None) in entry.placeholders:
-        return
+        return None
     if getattr(current, "_dsv4_ampere_replacement", False):
-        return
+        return None
     got = _param_names(current)
     if got != entry.params:
-        raise _error(f"{entry.qualname} has parameters {got}; the sm_8x replacement was written for {entry.params}")
+        return f"{entry.qualname} has parameters {got}; the sm_8x replacement was written for {entry.params}"
+    return None
+
+
+def check_signature(entry: Patch) -> None:
+    problem = _signature_mismatch(entry)
+    if problem:
+        raise _error(problem)
 
 
 def _assigned_self_attrs(cls: type) -> Set[str]:
@@ -146,16 +183,25 @@ def class_attributes(cls: type) -> Set[str]:
     return names
 
 
-def check_reads(reads: Iterable[Reads]) -> None:
+def _reads_mismatches(reads: Iterable[Reads]) -> List[str]:
+    out = []
     for r in reads:
         try:
             cls = getattr(importlib.import_module(r.module), r.cls)
         except Exception as exc:
-            raise _error(f"class {r.module}.{r.cls} (whose attributes dsv4_ops reads) is missing ({exc})") from exc
+            out.append(f"class {r.module}.{r.cls} (whose attributes dsv4_ops reads) is missing ({exc})")
+            continue
         have = class_attributes(cls)
         missing = [n for n in r.names if n not in have]
         if missing:
-            raise _error(f"{r.module}.{r.cls} no longer has {', '.join(missing)}, which the sm_8x replacement reads")
+            out.append(f"{r.module}.{r.cls} no longer has {', '.join(missing)}, which the sm_8x replacement reads")
+    return out
+
+
+def check_reads(reads: Iterable[Reads]) -> None:
+    problems = _reads_mismatches(reads)
+    if problems:
+        raise _error(problems[0])
 
 
 def _vllm_root() -> pathlib.Path:
@@ -247,7 +293,8 @@ def _aliases(name: str, original: Any) -> Set[str]:
             if m.startswith("vllm") and mod is not None and getattr(mod, "__dict__", {}).get(name) is original}
 
 
-def check_call_sites(rows: Tuple[Patch, ...], root: Optional[pathlib.Path] = None, scan_source: bool = True) -> None:
+def call_site_problems(rows: Tuple[Patch, ...], root: Optional[pathlib.Path] = None,
+                       scan_source: bool = True) -> List[str]:
     """Every vLLM module that binds the original of a patched module-level function at import
     time, and calls it, is patched too (or listed in the row's ``known_non_callers``).
 
@@ -255,14 +302,17 @@ def check_call_sites(rows: Tuple[Patch, ...], root: Optional[pathlib.Path] = Non
     scan_source, also every module of vLLM's source that imports it by name from one of
     those (imported or not; ~10 s). The defining module, pure re-exports (packages that
     import the name without reading it) and other platforms' packages (AMD, XPU, ...) are not
-    callers on NVIDIA.
+    callers on NVIDIA. Returns one line per binding that breaks the rule.
     """
     patched = {(e.module, e.symbol) for e in rows if e.kind == "patch" and "." not in e.symbol}
     problems = []
     for e in rows:
         if e.kind != "patch" or "." in e.symbol:
             continue
-        current = _resolve(e)[2]
+        try:
+            current = _resolve_or_mismatch(e)[2]
+        except _Mismatch:
+            continue  # reported by the row's own check
         original = STATE.originals.get((e.module, e.symbol), (None, None, current))[2]
         if getattr(original, "_dsv4_ampere_replacement", False):
             continue
@@ -276,9 +326,27 @@ def check_call_sites(rows: Tuple[Patch, ...], root: Optional[pathlib.Path] = Non
             if mod == getattr(original, "__module__", None) or not _uses_name(mod, e.symbol, root):
                 continue
             problems.append(f"{mod} imports {e.symbol} by name (the same object as {e.qualname})")
+    return problems
+
+
+def check_call_sites(rows: Tuple[Patch, ...], root: Optional[pathlib.Path] = None, scan_source: bool = True) -> None:
+    """VllmPatchError when ``call_site_problems`` finds any."""
+    problems = call_site_problems(rows, root, scan_source)
     if problems:
         raise _error("; ".join(problems) + ": a patch of the name would not reach those calls (add a row for each, "
                      "or list it in the row's known_non_callers)")
+
+
+def table_problems(rows: Optional[Tuple[Patch, ...]] = None, root: Optional[pathlib.Path] = None,
+                   scan_source: bool = True) -> List[str]:
+    """Every row assumption that does not hold in the importable vLLM, one line each (a row's
+    signature or a read attribute; a by-name binding no row covers). [] when the table fits."""
+    rows = patches() if rows is None else rows
+    problems = []
+    for entry in rows:
+        sig = _signature_mismatch(entry)
+        problems += ([sig] if sig else []) + _reads_mismatches(entry.reads)
+    return list(dict.fromkeys(problems)) + call_site_problems(rows, root, scan_source)
 
 
 def check_table(rows: Optional[Tuple[Patch, ...]] = None, root: Optional[pathlib.Path] = None,
@@ -288,11 +356,9 @@ def check_table(rows: Optional[Tuple[Patch, ...]] = None, root: Optional[pathlib
     register() passes scan_source=False (by-name bindings among the imported modules only);
     the CI test scans the whole source tree.
     """
-    rows = patches() if rows is None else rows
-    for entry in rows:
-        check_signature(entry)
-        check_reads(entry.reads)
-    check_call_sites(rows, root, scan_source)
+    problems = table_problems(rows, root, scan_source)
+    if problems:
+        raise _error("; ".join(problems))
 
 
 # ------------------------------------------------------------------------------- apply
@@ -417,7 +483,7 @@ def register() -> None:
     if routed:
         from . import quant_guard, v32_backend
 
-        rows = patches()
+        rows = patches(check_version())
         check_table(rows, scan_source=False)
         v32_backend.check_registration(_error)  # the sm_8x sparse-MLA backend (V3.2 / GLM-5), checked first
         if cap is not None and cap[0] == 8:

@@ -15,6 +15,11 @@ Row kinds
 Every row is checked at ``register()`` before anything is patched (``dsv4_ops.vllm.plugin``):
 the symbol exists, has ``params``, and ``reads`` (attributes / dataclass fields the
 replacement reads on vLLM objects) are still there.
+
+Versions: a row applies to the vLLM releases in ``versions`` (empty: every release of
+``dsv4_ops.vllm.versions.SUPPORTED``). A symbol whose params, reads or known non-callers moved
+between releases has one row per span (``until(v)`` / ``since(v)``); ``patches(version)`` is the
+table of one release, and ``register()`` checks the installed release's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+from . import versions as _versions
 
 V4 = "vllm.models.deepseek_v4"
 V41 = "vllm.models.deepseek_v41"
@@ -56,7 +63,8 @@ class Patch:
     None for kept. model: 'v4', 'v41' or '' (both/neither). placeholders: names of vLLM
     stand-ins accepted unchecked (FlashMLA's ``_raise_flashmla_unavailable`` without CUDA).
     known_non_callers: modules that import the symbol by name but never call it on the
-    DSv4 path (accepted by the call-site guard).
+    DSv4 path (accepted by the call-site guard). versions: the vLLM releases the row applies
+    to (empty: all supported).
     """
 
     module: str
@@ -70,10 +78,18 @@ class Patch:
     reads: Tuple[Reads, ...] = ()
     placeholders: Tuple[str, ...] = ()
     known_non_callers: Tuple[str, ...] = ()
+    versions: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Patch {self.module}.{self.symbol}: kind {self.kind!r} not in {KINDS}")
+        unknown = [v for v in self.versions if v not in _versions.SUPPORTED]
+        if unknown:
+            raise ValueError(f"Patch {self.module}.{self.symbol}: versions {unknown} not in {_versions.SUPPORTED}")
+
+    def applies_to(self, version: str) -> bool:
+        """True when this row is part of the table for vLLM release ``version`` ('X.Y.Z')."""
+        return not self.versions or version in self.versions
         if self.kind == "patch" and self.replacement is None:
             raise ValueError(f"Patch {self.module}.{self.symbol}: a patch row needs a replacement")
 
@@ -109,8 +125,38 @@ def per_model(rel_module: str, symbol: str, params: PerModel, why: str, replacem
     return tuple(rows)
 
 
-def patches() -> Tuple[Patch, ...]:
-    """The whole table: every area's rows, in ``AREAS`` order."""
+ALL = "all"
+
+
+def until(version: str) -> Tuple[str, ...]:
+    """The supported releases up to and including ``version`` (a row's ``versions``)."""
+    return tuple(v for v in _versions.SUPPORTED if _versions.key(v) <= _versions.key(version))
+
+
+def since(version: str) -> Tuple[str, ...]:
+    """The supported releases from ``version`` on (a row's ``versions``)."""
+    return tuple(v for v in _versions.SUPPORTED if _versions.key(v) >= _versions.key(version))
+
+
+def installed_release() -> Optional[str]:
+    """'X.Y.Z' of the installed vLLM, read from its metadata without importing it (None: none
+    installed, or not a release)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return _versions.release(version("vllm"))
+    except PackageNotFoundError:
+        return None
+
+
+def patches(version: Optional[str] = None) -> Tuple[Patch, ...]:
+    """The table of one vLLM release, every area's rows in ``AREAS`` order.
+
+    version: 'X.Y.Z'; None = the installed vLLM's release when it is a supported one, else
+    every row; ``ALL`` = every row of every release."""
+    if version is None:
+        version = installed_release()
+        version = version if version in _versions.SUPPORTED else ALL
     rows = []
     for area in AREAS:
         try:
@@ -120,18 +166,18 @@ def patches() -> Tuple[Patch, ...]:
                 raise
             continue
         rows.extend(getattr(module, "PATCHES", ()))
-    return tuple(rows)
+    return tuple(r for r in rows if version == ALL or r.applies_to(version))
 
 
 def patch_table_markdown(rows: Optional[Tuple[Patch, ...]] = None) -> str:
     """The patch table as Markdown; the README's copy is kept equal by tests/test_vllm_plugin.py."""
-    rows = patches() if rows is None else rows
-    out = ["| vLLM 0.33.0 symbol | kind | sm_8x replacement | why |", "|---|---|---|---|"]
+    rows = patches(ALL) if rows is None else rows
+    out = ["| vLLM symbol | vLLM | kind | sm_8x replacement | why |", "|---|---|---|---|---|"]
     for e in rows:
         sym = f"{e.module.replace('vllm.models.', '')}.{e.symbol}"
-        out.append(f"| `{sym}` | {e.kind} | {e.describe_replacement()} | {e.why} |")
+        out.append(f"| `{sym}` | {', '.join(e.versions) or 'all'} | {e.kind} | {e.describe_replacement()} | {e.why} |")
     return "\n".join(out)
 
 
-__all__ = ["AREAS", "KINDS", "MODEL_PACKAGES", "Patch", "Reads", "V4", "V41", "patch_table_markdown",
-           "patches", "per_model", "field"]
+__all__ = ["ALL", "AREAS", "KINDS", "MODEL_PACKAGES", "Patch", "Reads", "V4", "V41", "installed_release",
+           "patch_table_markdown", "patches", "per_model", "since", "until", "field"]
