@@ -217,6 +217,63 @@ def test_forward_decode_key_covers_every_read(kind, monkeypatch):
     assert body_reads <= key_reads, f"read by the decode but not keyed: {sorted(body_reads - key_reads)}"
 
 
+def _builders(model):
+    """The metadata builders vLLM resolves CUDA-graph support over for a DeepSeek-V4 / V4.1
+    layer set on the installed vLLM, read through the Ampere attention class the plugin selects
+    (attention, sliding window, indexer, compressor: doctor._BACKENDS)."""
+    import importlib
+
+    from dsv4_ops.tools import doctor
+
+    def get(path):
+        mod, name = path.split(":")
+        return getattr(importlib.import_module(mod), name)
+
+    attn_path, indexer_path, compressor_path = doctor._BACKENDS[model]
+    base = get(attn_path)
+    ampere = vattn.make_ampere_attention_cls(base)
+    # the Ampere class overrides no backend: it reports exactly what vLLM's FlashMLA class reports
+    assert ampere.backend_cls is base.backend_cls and ampere.swa_backend_cls is base.swa_backend_cls
+    return [ampere.backend_cls.get_builder_cls(), ampere.swa_backend_cls.get_builder_cls(),
+            get(indexer_path).get_builder_cls(), get(compressor_path).get_builder_cls()]
+
+
+@pytest.mark.parametrize("model", ["v4", "v41"])
+def test_cudagraph_support_on_sm80_per_vllm_release(model):
+    """What decode_graph's notes say about vLLM's capture, against the installed vLLM's own
+    builders: vLLM resolves the mode from the least support over the layer set's builders. On
+    sm_80 the indexer's is UNIFORM_BATCH unless the decode is flattened (next_n = 1 + speculative
+    tokens not in (1, 2)), so without speculation both models resolve UNIFORM_BATCH on 0.33.0 and
+    0.34.0 (FULL_AND_PIECEWISE: mixed batches run the breakable eager segment). With 2
+    speculative tokens V4 resolves ALWAYS on both; V4.1 ALWAYS on 0.33.0 but UNIFORM_BATCH on
+    0.34.0 (its FlashMLA, SWA and compressor builders, 'prefill metadata is not graph-safe'),
+    whose FULL decode graphs take decode batches of up to max_decode_query_len tokens a request."""
+    pytest.importorskip("vllm")
+    from importlib.metadata import version
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from dsv4_ops.tools import doctor
+    from dsv4_ops.vllm import versions
+
+    rel = versions.release(version("vllm"))
+    builders = _builders(model)
+    for k in (0, 1, 2, 3):
+        spec = None if k == 0 else types.SimpleNamespace(num_speculative_tokens=k, max_num_new_slots_for_drafting=0,
+                                                         enable_adaptive_verification=False)
+        cfg = types.SimpleNamespace(speculative_config=spec, num_speculative_tokens=k, model_config=None)
+        with doctor.platform_as(80):
+            support = min((b.get_cudagraph_support(cfg, None) for b in builders), key=lambda s: s.value)
+        flattened = 1 + k not in (1, 2)
+        if not flattened or (model == "v41" and rel == "0.34.0"):
+            assert support == AttentionCGSupport.UNIFORM_BATCH, (model, rel, k, support)
+        else:
+            assert support == AttentionCGSupport.ALWAYS, (model, rel, k, support)
+        if model == "v41" and rel == "0.34.0":
+            bound = builders[0].get_varlen_cudagraph_max_query_len(cfg, None)
+            assert bound == 1 + k  # max_decode_query_len: 1 + speculative tokens + drafting slots (0 here)
+
+
 def test_forward_decode_switch_on_cpu_tensors_runs_eagerly(monkeypatch):
     monkeypatch.setenv(dg.ENV_VAR, "1")
     layer, q, kv, sm, am, swa_only, out = decode_world("swa_only")

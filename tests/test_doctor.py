@@ -8,9 +8,11 @@ import pytest
 
 from dsv4_ops.tools import cli, doctor
 from dsv4_ops.tools.doctor import Deployment, Gpu, HostFacts, ModelInfo
+from dsv4_ops.vllm.versions import SUPPORTED
 
 GIB = 1 << 30
 A100 = Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB)
+H100 = Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB)
 
 
 def host(**kw):
@@ -60,8 +62,54 @@ def test_plugin_entry_point_and_vllm_plugins_filter():
     assert by_name(doctor.check_vllm(host(vllm_plugins_env="other,dsv4_ops")), "plugin").status == "ok"
     missing = by_name(doctor.check_vllm(host(plugin_entry_points=[])), "plugin")
     assert missing.status == "fail" and "reinstall" in missing.message
-    old = by_name(doctor.check_vllm(host(vllm_version="0.32.1")), "vllm")
-    assert old.status == "warn" and "0.32.1" in old.message and "0.33.0" in old.message
+
+
+def _install_ok(message):
+    """Every supported release is named with the install that works for it; 0.34.0's is the
+    install module (its flashinfer-python==0.7.3 pin is not on PyPI), the others pip."""
+    for v in SUPPORTED:
+        want = ("python -m dsv4_ops.tools.install_vllm 0.34.0" if v == "0.34.0" else f"pip install 'vllm=={v}'")
+        assert f"vLLM {v}: {want}" in message, (v, message)
+    if "0.34.0" in SUPPORTED:
+        assert "flashinfer-python==0.7.3" in message and "flashinfer-python 0.7.4" in message
+        assert "--no-deps" in message
+    return True
+
+
+def test_vllm_version_against_the_supported_releases():
+    """ok for every release of versions.SUPPORTED (and its local / post builds); anything else
+    fails on sm_8x (the plugin refuses it) with the supported list and the working installs; on
+    sm_90+ (the plugin patches nothing) it is a warning."""
+    assert SUPPORTED == ("0.33.0", "0.34.0")  # the releases this test was written against
+    for v in SUPPORTED + ("0.34.0+cu130", "0.33.0.post1"):
+        c = by_name(doctor.check_vllm(host(vllm_version=v)), "vllm")
+        assert c.status == "ok" and v in c.message and ", ".join(SUPPORTED) in c.message, c.line()
+    cases = {"0.32.1": "older than the oldest supported release (0.33.0)",
+             "0.35.0": "newer than the newest release diffed against the patch table (0.34.0",
+             "0.34.1.dev12+g1234abc": "not a release the plugin knows",
+             "0.34.0rc1": "not a release the plugin knows"}
+    for v, why in cases.items():
+        c = by_name(doctor.check_vllm(host(vllm_version=v)), "vllm")
+        assert c.status == "fail" and v in c.message and why in c.message, c.line()
+        assert "refuses it at startup" in c.message and "supports vLLM 0.33.0, 0.34.0" in c.message
+        assert _install_ok(c.message)
+        h100 = by_name(doctor.check_vllm(host(vllm_version=v, gpus=[H100] * 8)), "vllm")
+        assert h100.status == "warn" and "patches nothing" in h100.message and _install_ok(h100.message)
+    none = by_name(doctor.check_vllm(host(vllm_version=None)), "vllm")
+    assert none.status == "fail" and "not installed" in none.message and _install_ok(none.message)
+    # the old single-pin comparison is gone: no dsv4-ops metadata is read
+    assert not hasattr(doctor, "plugin_vllm_pin")
+
+
+def test_v1_model_runner_setting_fails_on_0_34_only():
+    """vLLM 0.34.0 removed the V1 model runner and raises on VLLM_USE_V2_MODEL_RUNNER != 1
+    (platforms/interface.py:1481-1486); 0.33.0 still takes it."""
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    c = by_name(doctor.check_vllm(host(vllm_version="0.34.0", environ=env)), "vllm settings")
+    assert c.status == "fail" and "VLLM_USE_V2_MODEL_RUNNER=0" in c.message and "unset it" in c.message
+    assert not [c for c in doctor.check_vllm(host(vllm_version="0.33.0", environ=env)) if c.name == "vllm settings"]
+    assert not [c for c in doctor.check_vllm(host(vllm_version="0.34.0", environ={"VLLM_USE_V2_MODEL_RUNNER": "1"}))
+                if c.name == "vllm settings"]
 
 
 # ------------------------------------------------------------------ GPUs
@@ -150,24 +198,118 @@ def test_too_little_lockable_and_free_memory():
     assert cgroup.status == "fail" and "cgroup" in cgroup.message and "--memory" in cgroup.message
 
 
-def test_dp_above_one_without_enough_dev_shm():
+@pytest.mark.parametrize("vllm_version", SUPPORTED)
+def test_dp_above_one_without_enough_dev_shm(vllm_version):
+    """Both releases share the tables only when /dev/shm holds them (0.34.0 checks it even when
+    the tables go to cuMem: /dev/shm is the fallback); the --shm-size doctor recommends is the
+    tables plus vLLM's rings plus 1 GiB, rounded up to whole GiB."""
     cfg, _ = engram_cfg()
     m = _model("v41", **cfg)
     d = Deployment(tensor_parallel_size=2, data_parallel_size=2)
-    tables = doctor.engram_table_bytes(cfg)
-    shared = doctor.check_engram(host(shm_free=tables), d, m)
+    tables = sum(cfg["engram_num_embeddings"]) * (256 + 256 // 32)  # vLLM's can_share_engram_tables sum
+    assert doctor.engram_table_bytes(cfg) == tables
+    shared = doctor.check_engram(host(shm_free=tables, vllm_version=vllm_version), d, m)
     assert by_name(shared, "engram /dev/shm").status == "ok"
+    assert ("cuMem" in by_name(shared, "engram /dev/shm").message) == (vllm_version == "0.34.0")
     assert not [c for c in shared if c.name == "engram host memory"]  # nothing pinned privately
-    small = doctor.check_engram(host(shm_free=tables // 2), d, m)  # /dev/shm smaller than the tables
+    small = doctor.check_engram(host(shm_free=tables - 1, vllm_version=vllm_version), d, m)  # one byte short
     shm = by_name(small, "engram /dev/shm")
-    assert shm.status == "warn" and "/dev/shm" in shm.message
-    assert "--ipc=host" in shm.message and "--shm-size=" in shm.message
-    assert "falls back to private pinned tables" in shm.message
+    assert shm.status == "warn" and "/dev/shm" in shm.message and "--ipc=host" in shm.message
+    assert "falls back to private pinned tables" in shm.message and f"vLLM {vllm_version}" in shm.message
+    pytest.importorskip("vllm")
+    # each of the DP 2 replicas has vLLM's own rings (their sizes are tested against vLLM below)
+    rings = 2 * sum(b for _, b in doctor.shm_rings(d, doctor.mq_sizes()))
+    assert rings > 0
+    want = -(-(tables + rings) // GIB) + 1
+    assert f"--shm-size={want}g" in shm.message, shm.message
+    assert doctor.engram_shm_size_gib(189 * GIB, 2 * GIB - 1) == 192  # V4.1-Flash's ~189 GiB at TP 8
+    small = doctor.check_engram(host(shm_free=tables // 2), d, m)
     # the fallback pins over TP x DP = 4 ranks, checked against host memory
     assert by_name(small, "engram host memory").status == "ok"
     assert doctor.engram_need(cfg, d, tables // 2)["pinned_node"] == sum(doctor.engram_pinned_per_rank(cfg, 4))
     # DP 1 never shares the Engram tables through /dev/shm (vLLM's rings need it at TP > 1: check_shm)
     assert doctor.engram_need(cfg, Deployment(tensor_parallel_size=2), None)["shm"] == 0
+
+
+def test_dp_sharing_needs_host_memory_on_0_34_only():
+    """vLLM 0.34.0's _shm_shortfall also refuses to share tables larger than the available host
+    memory (MemAvailable capped by the cgroup headroom) and falls back to private pinned tables
+    over TP x DP; 0.33.0 shares them anyway (a warning: tmpfs pages past it meet the OOM killer)."""
+    cfg, layout = engram_cfg()
+    m = _model("v41", **cfg)
+    d = Deployment(tensor_parallel_size=2, data_parallel_size=2)
+    tables = sum(cfg["engram_num_embeddings"]) * (256 + 8)
+    # the private fallback, independently: TP x DP = 4 shards of the hash columns, two pow2 allocations each
+    want = [0] * 4
+    for layer in layout.primes:
+        cols = [s for g in layer for s in g]
+        c = -(-len(cols) // 4)
+        for r in range(4):
+            rows = sum(cols[r * c:(r + 1) * c])
+            want[r] += _pow2(rows * 256) + _pow2(rows * 8)
+    for low in (dict(mem_available=tables - 1), dict(cgroup_limit=10 * GIB, cgroup_usage=10 * GIB - tables + 1)):
+        h34 = host(shm_free=1024 * GIB, vllm_version="0.34.0", **low)
+        need = doctor.engram_need(cfg, d, h34.shm_free, "0.34.0", tables - 1)
+        assert need["mode"] == "pinned" and need["pinned_node"] == sum(want) and need["pinned_rank"] == max(want)
+        checks = doctor.check_engram(h34, d, m)
+        c = by_name(checks, "engram /dev/shm")
+        assert c.status == "warn" and "exceed the" in c.message and "available host memory" in c.message
+        assert "falls back to private pinned tables sharded over TP x DP = 4" in c.message
+        assert by_name(checks, "engram host memory").status == "fail"  # the fallback needs even more
+        h33 = host(shm_free=1024 * GIB, vllm_version="0.33.0", **low)
+        assert doctor.engram_need(cfg, d, h33.shm_free, "0.33.0", tables - 1)["mode"] == "shm"
+        c33 = by_name(doctor.check_engram(h33, d, m), "engram host memory")
+        assert c33.status == "warn" and "OOM killer" in c33.message
+    # enough memory: both share, nothing pinned
+    for v in SUPPORTED:
+        need = doctor.engram_need(cfg, d, 1024 * GIB, v, tables)
+        assert need["mode"] == "shm" and need["pinned_node"] == 0 and need["shm"] == tables
+
+
+@pytest.mark.parametrize("vllm_version", SUPPORTED)
+def test_dp1_pinned_advice_is_the_same_on_every_release(vllm_version):
+    """DP 1: private pin_memory tables on 0.33.0 and 0.34.0 alike; the per-rank figure and the
+    memlock threshold doctor gives are the pow2-rounded shares computed here."""
+    cfg, layout = engram_cfg()
+    m = _model("v41", **cfg)
+    d = Deployment(tensor_parallel_size=2)
+    want = [0, 0]
+    for layer in layout.primes:
+        cols = [s for g in layer for s in g]
+        c = -(-len(cols) // 2)
+        for r in range(2):
+            rows = sum(cols[r * c:(r + 1) * c])
+            want[r] += _pow2(rows * 256) + _pow2(rows * 8)
+    need = doctor.engram_need(cfg, d, None, vllm_version)
+    assert (need["mode"], need["pinned_node"], need["pinned_rank"], need["shm"]) == ("pinned", sum(want), max(want), 0)
+    lock = by_name(doctor.check_engram(host(memlock_limit=max(want) - 1, vllm_version=vllm_version), d, m),
+                   "engram lockable memory")
+    assert lock.status == "warn" and "ulimit -l unlimited" in lock.message
+    assert not [c for c in doctor.check_engram(host(memlock_limit=max(want), vllm_version=vllm_version), d, m)
+                if c.name == "engram lockable memory"]
+
+
+def test_engram_rule_is_the_installed_vllms_source():
+    """The rule doctor applies for the installed release is the one its source holds:
+    0.34.0's can_share_engram_tables goes through _shm_shortfall, which checks /dev/shm and the
+    available host memory, and DPSharedEngramStorage tries cuMem first; 0.33.0 checks /dev/shm
+    only; both pin private tables with pin_memory=True."""
+    pytest.importorskip("vllm")
+    import inspect
+    from importlib.metadata import version
+
+    from vllm.models.deepseek_v41.common import engram as ve
+
+    rule = doctor.engram_shared_rule(version("vllm"))
+    share = inspect.getsource(ve.can_share_engram_tables)
+    assert "pin_memory=True" in inspect.getsource(ve.ParallelEngramEmbedding._allocate_weights)
+    if rule == "0.34.0":
+        assert "_shm_shortfall(" in share
+        short = inspect.getsource(ve._shm_shortfall)
+        assert "check_shm_free_space" in short and "get_available_memory()" in short
+        assert "share_host_table" in inspect.getsource(ve.DPSharedEngramStorage.__init__)
+    else:
+        assert "check_shm_free_space" in share and not hasattr(ve, "_shm_shortfall")
 
 
 # ------------------------------------------------------------------ PP and block size

@@ -1,12 +1,21 @@
-"""The plugin's Engram lookup (``dsv4_ops.vllm.engram.engram_lookup_ampere``) against vLLM
-0.33.0's own ``ParallelEngramEmbedding.lookup`` at TP 1, 2 and 8, every rank.
+"""The plugin's Engram lookup (``dsv4_ops.vllm.engram.engram_lookup_ampere``) against the
+installed vLLM's (0.33.0 or 0.34.0) own ``ParallelEngramEmbedding.lookup`` at TP 1, 2 and 8,
+every rank, over each table storage vLLM has.
 
 vLLM's side is its installed source, not a copy: the shard geometry statements of
-``ParallelEngramEmbedding.__init__`` (head_start, vocab range, heads a rank), its ``lookup``
-and its ``_engram_lookup_kernel`` are cut out of ``models/deepseek_v41/common/engram.py`` by
-the AST and run on a stand-in module (importing vLLM costs ~40 s here; its kernel runs under
-the Triton interpreter, CPU only). Both lookups read the same stand-in object, so the plugin
-sees exactly the attributes vLLM's own method sees.
+``ParallelEngramEmbedding.__init__`` (head_start, vocab range, heads a rank), its
+``_get_shard_info``, ``_storage``, ``lookup`` (and, from 0.34.0, the ``_uses_small_host_pages``
+property it reads), ``DPSharedEngramStorage.get_views`` and ``_engram_lookup_kernel`` are cut out
+of ``models/deepseek_v41/common/engram.py`` by the AST and run on a stand-in module (importing
+vLLM costs ~40 s here; its kernel runs under the Triton interpreter, CPU only). Both lookups
+read the same stand-in object, so the plugin sees exactly the attributes vLLM's own method sees.
+
+Storages (vLLM's ``_allocate_weights``): ``pinned`` (private pinned host tables, DP 1: two
+allocations), ``shared-shm`` / ``shared-cumem`` (DP > 1, ``DPSharedEngramStorage``: ONE
+allocation, the fp8 rows then the scales, split as vLLM's ``split_table``; 0.34.0 maps it from
+host-NUMA cuMem (2 MiB GPU pages, ``huge_pages``) where FABRIC handles work, else from
+``/dev/shm``) and ``device`` (``cpu_offload`` off). On CPU the accelerator view of a host tensor
+is the tensor itself.
 
 Per rank: a table LARGER than the rank's vocab range (the rows of the following ranks and
 spare rows sit past ``vocab_end``), 15 hash columns (TP 8: the last rank has a padded
@@ -50,8 +59,9 @@ def _vllm_engram_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], "models", "deepseek_v41", "common", "engram.py")
 
 
-def _segment(lines, first, last) -> str:
-    return textwrap.dedent("\n".join(lines[first.lineno - 1:last.end_lineno]))
+def _segment(lines, first, last, decorators=False) -> str:
+    start = min([first.lineno] + [d.lineno for d in first.decorator_list]) if decorators else first.lineno
+    return textwrap.dedent("\n".join(lines[start - 1:last.end_lineno]))
 
 
 _STANDIN = '''
@@ -77,34 +87,58 @@ def _engram_lookup_thresholds(device):
     return tuple(_THRESHOLDS)
 
 
+def get_accelerator_view_from_cpu_tensor(t):
+    return t  # CPU: the host tensor is its own view
+
+
 @triton.jit
 {kernel}
 
 
-class Shard:
-    """ParallelEngramEmbedding's geometry, storage and lookup (TP only, cpu_offload tables)."""
+class SharedStorage:
+    """DPSharedEngramStorage: one allocation, the fp8 rows then the scales (vLLM's split_table),
+    its CUDA views made at construction (0.34.0) -- here the same CPU memory."""
 
-    def __init__(self, head_sizes, tp_size, tp_rank, weight, scales, num_sms, cpu_offload=True):
+    def __init__(self, weight, scales, huge_pages):
+        self.weight, self.weight_scale_inv, self.huge_pages = weight, scales, huge_pages
+        self._views = (weight, scales)
+
+{storage_methods}
+
+
+class Shard:
+    """ParallelEngramEmbedding's geometry, storage and lookup (TP only)."""
+
+    _shared_memory = None
+    _packed = None
+
+    def __init__(self, head_sizes, tp_size, tp_rank, weight, scales, num_sms, storage="pinned"):
         _TP[:] = [tp_size, tp_rank]
         self.dp_size = 1
         self.dim, self.block_size = weight.shape[1], weight.shape[1] // scales.shape[1]
-        self.cpu_offload, self._packed, self._num_sms = cpu_offload, None, num_sms
+        self.cpu_offload, self._num_sms = storage != "device", num_sms
+        self._views, self._view_src = None, None
 {geometry}
+        if storage.startswith("shared"):
+            n = weight.numel()
+            flat = torch.cat([weight.view(torch.uint8).reshape(-1), scales.reshape(-1)])
+            weight = flat[:n].view(torch.float8_e4m3fn).view(-1, self.dim)
+            scales = flat[n:].view(-1, scales.shape[1])
+            self._shared_memory = SharedStorage(weight, scales, huge_pages=storage == "shared-cumem")
         self.weight, self.weight_scale_inv = weight, scales
-
-    def _storage(self):
-        return self.weight, self.weight_scale_inv
 
 {methods}
 '''
 
 
+
 @pytest.fixture(scope="module")
 def vllm_side(tmp_path_factory):
-    """A module holding vLLM's kernel (interpreted), and ``Shard``: vLLM's geometry statements
+    """A module holding vLLM's kernel (interpreted), ``SharedStorage`` with vLLM's
+    ``DPSharedEngramStorage.get_views``, and ``Shard``: vLLM's geometry statements
     (``self.n_hash_cols = ...`` through ``self.peer_rows, row_start = 0, ...``: no peer
-    tables), ``_get_shard_info``
-    and ``lookup``, verbatim."""
+    tables), ``_get_shard_info``, ``_storage``, ``lookup`` and whatever property of the class
+    ``lookup`` reads (0.34.0: ``_uses_small_host_pages``), verbatim."""
     path = _vllm_engram_path()
     src = open(path, encoding="utf-8").read()
     lines = src.splitlines()
@@ -119,9 +153,16 @@ def vllm_side(tmp_path_factory):
     geometry = _segment(lines, body[first], body[last])
     for name in ("self.head_start =", "self.part_num_embeddings =", "self.vocab_start_idx =", "self.vocab_end_idx =", "self.part_n_hash_cols ="):
         assert name in geometry, f"vLLM's ParallelEngramEmbedding.__init__ changed: no {name!r}"
-    methods = "\n\n".join(_segment(lines, meth[m], meth[m]) for m in ("_get_shard_info", "lookup"))
+    lookup_src = _segment(lines, meth["lookup"], meth["lookup"])
+    props = [m for m, n in meth.items() if any(getattr(d, "id", None) == "property" for d in n.decorator_list)
+             and f"self.{m}" in lookup_src]
+    methods = "\n\n".join(_segment(lines, meth[m], meth[m], decorators=True)
+                          for m in ("_get_shard_info", "_storage", *props, "lookup"))
+    store = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DPSharedEngramStorage")
+    get_views = next(n for n in store.body if isinstance(n, ast.FunctionDef) and n.name == "get_views")
     text = _STANDIN.format(kernel=_segment(lines, kern, kern), geometry=textwrap.indent(geometry, " " * 8),
-                           methods=textwrap.indent(methods, " " * 4))
+                           methods=textwrap.indent(methods, " " * 4),
+                           storage_methods=textwrap.indent(_segment(lines, get_views, get_views), " " * 4))
     mod_path = tmp_path_factory.mktemp("vllm_engram") / "vllm_engram_standin.py"
     mod_path.write_text(text)
     mspec = importlib.util.spec_from_file_location("vllm_engram_standin", mod_path)
@@ -173,19 +214,21 @@ def new_out(T: int, local: int, packed: bool) -> torch.Tensor:
     return poison_like(torch.empty(T, local, DIM, dtype=torch.bfloat16))
 
 
-CASES = [  # (tp, packed, background, route, vLLM sorts)
-    pytest.param(1, False, False, "op", False, id="tp1-bf16-op"),
-    pytest.param(1, True, True, "kernel", False, id="tp1-packed-kernel-bg"),
-    pytest.param(2, False, True, "kernel", False, id="tp2-bf16-kernel-bg"),
-    pytest.param(2, True, False, "op", True, id="tp2-packed-op-vllm-sorted"),
-    pytest.param(8, False, False, "kernel", False, id="tp8-bf16-kernel"),
-    pytest.param(8, True, True, "op", False, id="tp8-packed-op-bg"),
-    pytest.param(8, True, False, "kernel", True, id="tp8-packed-kernel-vllm-sorted"),
+CASES = [  # (tp, packed, background, route, vLLM sorts above a threshold of 0, storage)
+    pytest.param(1, False, False, "op", False, "pinned", id="tp1-bf16-op"),
+    pytest.param(1, True, True, "kernel", False, "shared-cumem", id="tp1-packed-kernel-bg-cumem"),
+    pytest.param(2, False, True, "kernel", False, "device", id="tp2-bf16-kernel-bg-device"),
+    pytest.param(2, True, False, "op", True, "shared-shm", id="tp2-packed-op-vllm-sorted-shm"),
+    pytest.param(8, False, False, "kernel", False, "pinned", id="tp8-bf16-kernel"),
+    pytest.param(8, True, True, "op", False, "shared-shm", id="tp8-packed-op-bg-shm"),
+    pytest.param(8, True, False, "kernel", True, "pinned", id="tp8-packed-kernel-vllm-sorted"),
+    pytest.param(8, False, False, "op", True, "shared-cumem", id="tp8-bf16-op-cumem-threshold"),
 ]
 
 
-@pytest.mark.parametrize("tp,packed,background,route,vllm_sorts", CASES)
-def test_plugin_lookup_matches_vllm_every_rank(vllm_side, monkeypatch, tp, packed, background, route, vllm_sorts):
+@pytest.mark.parametrize("tp,packed,background,route,vllm_sorts,storage", CASES)
+def test_plugin_lookup_matches_vllm_every_rank(vllm_side, monkeypatch, tp, packed, background, route, vllm_sorts,
+                                               storage):
     if route == "kernel":
         plugin_through_kernel(monkeypatch)
     monkeypatch.setattr(vllm_side, "_THRESHOLDS", [0 if vllm_sorts else None, None])
@@ -197,8 +240,10 @@ def test_plugin_lookup_matches_vllm_every_rank(vllm_side, monkeypatch, tp, packe
         probe = vllm_side.Shard(HEAD_SIZES, tp, rank, weight[:1], scales[:1], 6)
         v0, v1 = probe.vocab_start_idx, probe.vocab_end_idx
         # this rank's rows and every row after them: the table is larger than the vocab range
-        shard = vllm_side.Shard(HEAD_SIZES, tp, rank, weight[v0:], scales[v0:], 6)
+        shard = vllm_side.Shard(HEAD_SIZES, tp, rank, weight[v0:], scales[v0:], 6, storage)
         assert shard.weight.shape[0] > v1 - v0
+        if hasattr(type(shard), "_uses_small_host_pages"):  # 0.34.0: a cuMem table (2 MiB pages) is never sorted
+            assert shard._uses_small_host_pages == (storage in ("pinned", "shared-shm"))
         local, h0 = shard.part_n_hash_cols, shard.head_start
         seen_heads += [h for h in range(h0, h0 + local) if h < n]
         want, got = new_out(T, local, packed), new_out(T, local, packed)

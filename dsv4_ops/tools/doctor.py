@@ -7,16 +7,20 @@ on (GPU or not), and prints one line per check with what to do:
 - the NVIDIA driver against the CUDA runtime the installed torch was built with;
 - GPU architecture, count and memory against the model's per-GPU share at the requested TP/PP
   (weights per rank from the checkpoint's safetensors index, the KV cache left);
-- V4.1 Engram host memory, by vLLM 0.33.0's own rule (``config/engram.py``,
-  ``models/deepseek_v41/common/engram.py``): ``EngramConfig.cpu_offload`` is on by default;
-  with data parallelism 1 each rank allocates its TP share of every Engram table as two
-  ``pin_memory=True`` tensors (fp8 rows, UE8M0 scales), which torch's pinned allocator rounds
-  up to a power of two each; with DP > 1, ``dp_shared_memory`` defaults on and one copy of the
-  tables per node goes to ``/dev/shm`` when it has room (vLLM's ``can_share_engram_tables``),
-  else vLLM falls back to private pinned tables sharded over TP x DP. The need is compared
-  with free memory (``MemAvailable``), the cgroup limit and ``ulimit -l``;
-- the vLLM version against the one the plugin was written for, and whether vLLM will load the
-  plugin's entry point (``vllm.general_plugins``, ``VLLM_PLUGINS``);
+- V4.1 Engram host memory, by the installed vLLM's own rule (``config/engram.py``,
+  ``models/deepseek_v41/common/engram.py``; ``engram_need``): ``EngramConfig.cpu_offload`` is on
+  by default; with data parallelism 1 each rank allocates its TP share of every Engram table as
+  two ``pin_memory=True`` tensors (fp8 rows, UE8M0 scales), which torch's pinned allocator rounds
+  up to a power of two each (0.33.0 and 0.34.0 alike); with DP > 1, ``dp_shared_memory`` defaults
+  on and one copy of the tables per node is shared when ``can_share_engram_tables`` says so --
+  0.33.0: ``/dev/shm`` has room; 0.34.0: ``/dev/shm`` has room AND the tables fit the available
+  host memory (``_shm_shortfall``) -- 0.33.0 puts them in ``/dev/shm``, 0.34.0 in host-NUMA cuMem
+  shared by FABRIC handle where the driver allows it, else in ``/dev/shm``; when not shared, vLLM
+  falls back to private pinned tables sharded over TP x DP. The need is compared with free memory
+  (``MemAvailable``), the cgroup limit and ``ulimit -l``;
+- the vLLM version against the releases the plugin supports (``dsv4_ops.vllm.versions.SUPPORTED``,
+  with the install that works for each), and whether vLLM will load the plugin's entry point
+  (``vllm.general_plugins``, ``VLLM_PLUGINS``);
 - ``/dev/shm`` against vLLM's own shared-memory rings at TP x PP > 1 (the scheduler's broadcast
   ring, one response ring per worker, the TP group's broadcaster: ``shm_broadcast.MessageQueue``
   sizes, ``check_shm_free_space`` raises when a ring does not fit) -- any TP > 1, not only DP > 1;
@@ -48,13 +52,13 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..vllm import serve_host
+from ..vllm import serve_host, versions
 
 GIB = float(1 << 30)
 
 # CUDA major version -> minimum Linux driver (R-major, minor, patch) that runs every minor
 # release of it (NVIDIA CUDA Toolkit release notes, "CUDA Toolkit and Minimum Required Driver
-# Version for CUDA Minor Version Compatibility"). torch 2.14 (vLLM 0.33.0's pin) is CUDA 13.
+# Version for CUDA Minor Version Compatibility"). torch 2.14 (the pin of vLLM 0.33.0 and 0.34.0) is CUDA 13.
 MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
 
 
@@ -225,7 +229,7 @@ def _nvlink() -> Optional[List[List[bool]]]:
 
 # The environment variables the checks read (vLLM's names).
 ENV_READ = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_BATCH_INVARIANT", "VLLM_MARLIN_INPUT_DTYPE", "VLLM_DISABLED_KERNELS",
-            "VLLM_MQ_MAX_CHUNK_BYTES_MB", "CUDA_VISIBLE_DEVICES")
+            "VLLM_MQ_MAX_CHUNK_BYTES_MB", "VLLM_USE_V2_MODEL_RUNNER", "CUDA_VISIBLE_DEVICES")
 
 
 def read_host() -> HostFacts:
@@ -324,8 +328,8 @@ def check_driver(h: HostFacts) -> Check:
     """The NVIDIA driver against the minimum for torch's CUDA runtime major version."""
     if h.torch_cuda is None:
         return Check("driver", "fail", f"torch {h.torch_version} is a CPU build (torch.version.cuda is None): "
-                     "vLLM needs the CUDA build that vllm==0.33.0 pins (pip install torch==2.14.0 from the "
-                     "PyTorch CUDA 13 index)")
+                     "vLLM needs the CUDA build it pins (vLLM 0.33.0 and 0.34.0: pip install torch==2.14.0 from "
+                     "the PyTorch CUDA 13 index)")
     major = _version_tuple(h.torch_cuda)[0]
     need = MIN_DRIVER.get(major)
     if h.driver is None:
@@ -342,29 +346,58 @@ def check_driver(h: HostFacts) -> Check:
                  f"torch {h.torch_version})")
 
 
-def plugin_vllm_pin() -> Optional[str]:
-    """The vLLM version this installed dsv4-ops pins (its ``vllm==X`` requirement), or None."""
-    from importlib import metadata
+# How to install each supported vLLM release where a plain ``pip install vllm==X`` does not work.
+# vLLM 0.34.0 pins flashinfer-python==0.7.3, which PyPI does not serve (0.7.2.post1, then 0.7.4):
+# the module installs the vllm wheel with --no-deps, then vLLM's requirement list with
+# flashinfer-python 0.7.4.
+SPECIAL_INSTALL = {
+    "0.34.0": ("python -m dsv4_ops.tools.install_vllm 0.34.0",
+               "a plain `pip install vllm==0.34.0` fails today: it pins flashinfer-python==0.7.3, which PyPI does "
+               "not serve; dsv4_ops.tools.install_vllm installs the vllm wheel with --no-deps, then vLLM's "
+               "requirements with flashinfer-python 0.7.4"),
+}
 
-    try:
-        reqs = metadata.requires("dsv4-ops") or []
-    except metadata.PackageNotFoundError:
-        return None
-    for r in reqs:
-        m = re.match(r"vllm\s*==\s*([\w.]+)", r)
-        if m:
-            return m.group(1)
-    return None
+
+def install_command(release: str) -> str:
+    """The command that installs vLLM ``release`` beside dsv4-ops."""
+    special = SPECIAL_INSTALL.get(release)
+    return special[0] if special else f"pip install 'vllm=={release}'"
+
+
+def install_advice() -> str:
+    """What to install: every supported release with the command that works for it (newest
+    first), and why a plain pip install does not work where it does not."""
+    cmds = "; ".join(f"vLLM {r}: {install_command(r)}" for r in reversed(versions.SUPPORTED))
+    notes = "; ".join(SPECIAL_INSTALL[r][1] for r in reversed(versions.SUPPORTED) if r in SPECIAL_INSTALL)
+    return f"install a supported release ({cmds})" + (f" -- {notes}" if notes else "")
 
 
 def check_vllm(h: HostFacts) -> List[Check]:
-    VLLM_VERSION_TESTED = plugin_vllm_pin() or "?"
+    """The installed vLLM against ``versions.SUPPORTED`` (what the plugin's ``register()``
+    accepts on sm_8x; it refuses anything else with ``VllmVersionError``; on sm_90+ it patches
+    nothing, so there an unsupported release is a warning), then the entry point, then the
+    settings a supported release itself refuses at startup."""
+    tested = ", ".join(versions.SUPPORTED)
+    rel = versions.release(h.vllm_version)
     if h.vllm_version is None:
-        return [Check("vllm", "fail", f"vLLM is not installed: pip install 'dsv4-ops[vllm]' (vllm=={VLLM_VERSION_TESTED})")]
-    out = [Check("vllm", "ok", f"vLLM {h.vllm_version}, the version the plugin was written for")
-           if h.vllm_version == VLLM_VERSION_TESTED else
-           Check("vllm", "warn", f"vLLM {h.vllm_version} is installed; the plugin was written for {VLLM_VERSION_TESTED}: "
-                 f"its register() refuses a mismatched signature (VllmPatchError); install vllm=={VLLM_VERSION_TESTED}")]
+        out = [Check("vllm", "fail", f"vLLM is not installed; dsv4-ops supports vLLM {tested}: {install_advice()}")]
+    elif rel in versions.SUPPORTED:
+        out = [Check("vllm", "ok", f"vLLM {h.vllm_version}: a release the plugin supports ({tested})")]
+    else:
+        if rel is None:
+            why = f"vLLM {h.vllm_version} is not a release the plugin knows (a dev or rc build?)"
+        elif versions.key(rel) > versions.key(versions.NEWEST_DIFFED):
+            why = (f"vLLM {h.vllm_version} is newer than the newest release diffed against the patch table "
+                   f"({versions.NEWEST_DIFFED}; `dsv4-ops audit-vllm --against <vllm wheel or source dir>` shows what "
+                   "moved)")
+        else:
+            why = f"vLLM {h.vllm_version} is older than the oldest supported release ({versions.SUPPORTED[0]})"
+        if _plugin_acts(h):
+            out = [Check("vllm", "fail", f"{why}: on sm_8x the plugin's register() refuses it at startup "
+                         f"(VllmVersionError); dsv4-ops supports vLLM {tested}: {install_advice()}")]
+        else:
+            out = [Check("vllm", "warn", f"{why}; on sm_90+ the plugin patches nothing, so vLLM runs on its own "
+                         f"kernels; on sm_8x dsv4-ops supports vLLM {tested}: {install_advice()}")]
     if not h.plugin_entry_points:
         out.append(Check("plugin", "fail", "no vllm.general_plugins entry point points at dsv4_ops: vLLM will not load "
                          "the plugin; reinstall dsv4-ops (pip install -e . / pip install dsv4-ops)"))
@@ -375,6 +408,12 @@ def check_vllm(h: HostFacts) -> List[Check]:
     else:
         out.append(Check("plugin", "ok", f"entry point {', '.join(h.plugin_entry_points)} (vllm.general_plugins) is "
                          "visible and VLLM_PLUGINS " + ("is unset" if h.vllm_plugins_env is None else "names it")))
+    runner = h.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if runner is not None and runner != "1" and rel is not None and versions.key(rel) >= versions.key("0.34.0"):
+        # vLLM 0.34.0 removed the V1 model runner: Platform.validate_environ raises
+        # (platforms/interface.py:1481-1486).
+        out.append(Check("vllm settings", "fail", f"VLLM_USE_V2_MODEL_RUNNER={runner}: vLLM {rel} removed the V1 model "
+                         "runner and refuses this at startup ('no longer supported'); unset it"))
     return out
 
 
@@ -464,33 +503,95 @@ def engram_pinned_per_rank(text: Dict[str, Any], shards: int) -> List[int]:
     return per
 
 
-def engram_need(text: Dict[str, Any], d: Deployment, shm_free: Optional[int]) -> Dict[str, Any]:
-    """Where vLLM 0.33.0 puts the Engram tables for this deployment and how many bytes:
-    {'mode': 'pinned' | 'shm' | 'device', 'pinned_node', 'pinned_rank', 'shm', 'tables', 'why'}."""
+def engram_shared_rule(vllm_version: Optional[str]) -> str:
+    """Which release's DP-shared Engram rule applies: '0.33.0' or '0.34.0' (a vLLM that is not a
+    supported release, or none: the newest's).
+
+    0.33.0 (``can_share_engram_tables``, engram.py:885-913): shared when ``/dev/shm`` is mounted
+    and has the tables' bytes free (``check_shm_free_space``); the tables then live in a
+    ``/dev/shm`` file, registered with ``cudaHostRegister``; nothing checks host memory, so
+    tmpfs pages beyond it are faulted in under the OOM killer while the weights load.
+    0.34.0 (engram.py:667-682 ``_shm_shortfall``, 831-852): the same ``/dev/shm`` test ("/dev/shm
+    must fit even where cuMem will, since it is the fallback") AND the tables no larger than the
+    available host memory (``get_available_memory``: psutil's available, capped by the cgroup
+    headroom, utils/cpu_resource_utils.py:118-125). The tables then live in host-NUMA cuMem
+    (``engram_host_table.share_host_table``: pinned, 2 GiB chunks created by the Engram DP leader
+    on its GPU's NUMA node, which must keep 5 % free, FABRIC handles imported by the other ranks;
+    2 MiB GPU pages) where the driver exports FABRIC handles, else in the ``/dev/shm`` file.
+    The private pinned tables (DP 1, or the DP > 1 fallback) are the same on both."""
+    rel = versions.release(vllm_version)
+    if rel in versions.SUPPORTED and versions.key(rel) < versions.key("0.34.0"):
+        return "0.33.0"
+    return "0.34.0"
+
+
+def engram_need(text: Dict[str, Any], d: Deployment, shm_free: Optional[int], vllm_version: Optional[str] = None,
+                available: Optional[int] = None) -> Dict[str, Any]:
+    """Where the installed vLLM puts the Engram tables for this deployment and how many bytes:
+    {'mode': 'pinned' | 'shm' | 'device', 'rule', 'pinned_node', 'pinned_rank', 'shm', 'tables',
+    'why'}. 'shm' (mode): one copy per node shared by the DP ranks (0.34.0: in cuMem or
+    /dev/shm); the 'shm' value is the /dev/shm free space vLLM's check demands (DP > 1), 0 when
+    /dev/shm plays no part. ``available``: host memory free for the tables (MemAvailable capped
+    by the cgroup headroom; None: unknown, not checked)."""
     tables = engram_table_bytes(text)
     tp, dp = d.tensor_parallel_size, d.data_parallel_size
+    rule = engram_shared_rule(vllm_version)
     if not d.engram_cpu_offload:
-        return dict(mode="device", tables=tables, pinned_node=0, pinned_rank=0, shm=0,
+        return dict(mode="device", rule=rule, tables=tables, pinned_node=0, pinned_rank=0, shm=0,
                     why="cpu_offload off: the tables are in GPU memory")
     if dp > 1 and not d.engram_use_thp:  # EngramConfig.resolve_dp_shared_memory
-        if shm_free is not None and shm_free >= tables:  # can_share_engram_tables
-            return dict(mode="shm", tables=tables, pinned_node=0, pinned_rank=0, shm=tables,
-                        why=f"DP {dp} > 1: one copy per node in /dev/shm (dp_shared_memory)")
+        shm_ok = shm_free is not None and shm_free >= tables
+        mem_ok = rule == "0.33.0" or available is None or tables <= available
+        if shm_ok and mem_ok:  # can_share_engram_tables
+            where = ("/dev/shm" if rule == "0.33.0" else
+                     "host-NUMA cuMem (FABRIC handles) where the driver allows it, else /dev/shm")
+            return dict(mode="shm", rule=rule, tables=tables, pinned_node=0, pinned_rank=0, shm=tables,
+                        why=f"DP {dp} > 1: one copy per node in {where} (dp_shared_memory, vLLM {rule} rule)")
         per = engram_pinned_per_rank(text, tp * dp)
-        return dict(mode="pinned", tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=tables,
-                    why=(f"DP {dp} > 1 but /dev/shm " + ("is not mounted" if shm_free is None else
-                         f"has {_gib(shm_free)} free") + f" for {_gib(tables)} of tables: vLLM falls back to private "
-                         f"pinned tables sharded over TP x DP = {tp * dp}"))
+        if not shm_ok:
+            short = ("/dev/shm " + ("is not mounted" if shm_free is None else f"has {_gib(shm_free)} free")
+                     + f" for {_gib(tables)} of tables")
+        else:
+            short = f"{_gib(tables)} of tables exceed the {_gib(available)} of available host memory"
+        return dict(mode="pinned", rule=rule, tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=tables,
+                    why=(f"DP {dp} > 1 but {short}: vLLM {rule} falls back to private pinned tables sharded over "
+                         f"TP x DP = {tp * dp}"))
     per = engram_pinned_per_rank(text, tp)
-    return dict(mode="pinned", tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=0,
+    return dict(mode="pinned", rule=rule, tables=tables, pinned_node=sum(per), pinned_rank=max(per), shm=0,
                 why=f"DP {dp}: each of the {tp} TP ranks pins its share (rounded up to powers of two)")
+
+
+def _available_host(h: HostFacts) -> Optional[int]:
+    """Host memory free for new allocations as vLLM 0.34.0 counts it (``get_available_memory``):
+    MemAvailable, capped by the memory cgroup's headroom."""
+    cg = None if h.cgroup_limit is None else max(0, h.cgroup_limit - (h.cgroup_usage or 0))
+    vals = [v for v in (h.mem_available, cg) if v is not None]
+    return min(vals) if vals else None
+
+
+def _rings_bytes(d: Deployment) -> int:
+    """vLLM's /dev/shm MessageQueue rings of every co-located DP replica (each engine has its
+    own executor and TP group: ``shm_rings`` x DP); 0 where vLLM is not importable."""
+    try:
+        return d.data_parallel_size * sum(b for _, b in shm_rings(d, mq_sizes()))
+    except Exception:  # noqa: BLE001 - vLLM not importable here
+        return 0
+
+
+def engram_shm_size_gib(tables: int, rings: int) -> int:
+    """The ``--shm-size`` (GiB) to give a DP > 1 V4.1 container: the Engram tables, which vLLM
+    checks against /dev/shm's free space at model load, plus the rings of every DP replica
+    (``_rings_bytes``), which fill later, plus 1 GiB for NCCL's shared-memory transport and the
+    rest."""
+    return int(-(-(tables + rings) // int(GIB))) + 1
 
 
 def check_engram(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> List[Check]:
     if m is None or m.variant != "v41" or not m.text.get("engram_layer_ids"):
         return [Check("engram", "skip", "no Engram layers in the model (V4.1 only; give --model)")]
+    available = _available_host(h)
     try:
-        need = engram_need(m.text, d, h.shm_free)
+        need = engram_need(m.text, d, h.shm_free, h.vllm_version, available)
     except Exception as exc:  # noqa: BLE001 - vLLM missing or a config field absent
         return [Check("engram", "warn", f"could not compute the Engram host memory ({type(exc).__name__}: {exc})")]
     out = []
@@ -498,29 +599,49 @@ def check_engram(h: HostFacts, d: Deployment, m: Optional[ModelInfo]) -> List[Ch
         return [Check("engram", "ok", need["why"])]
     if need["shm"]:
         ok = h.shm_free is not None and h.shm_free >= need["shm"]
-        fix = (f"start the container with --ipc=host or --shm-size={int(-(-need['shm'] // GIB)) + 1}g")
-        out.append(Check("engram /dev/shm", "ok" if ok else "warn",
-                         (f"{_gib(need['shm'])} of Engram tables shared through /dev/shm ({_gib(h.shm_free)} free)"
-                          if ok else f"{need['why']} ({_gib(need['pinned_node'])} pinned on this node); {fix}")))
-    if need["mode"] == "pinned":
-        n = need["pinned_node"]
-        msg = f"{_gib(n)} of pinned host memory on this node ({_gib(need['pinned_rank'])} per rank): {need['why']}"
-        free = h.mem_available
-        cg = None if h.cgroup_limit is None else h.cgroup_limit - (h.cgroup_usage or 0)
-        if free is not None and free < n:
-            out.append(Check("engram host memory", "fail", f"{msg}; only {_gib(free)} available (MemAvailable): "
-                             "free memory, use a host with more RAM, or raise TP (smaller shares)"))
-        elif cg is not None and cg < n:
-            out.append(Check("engram host memory", "fail", f"{msg}; the memory cgroup allows {_gib(cg)} more: raise "
-                             "the container's memory limit (docker --memory)"))
+        size = engram_shm_size_gib(need["shm"], _rings_bytes(d))
+        fix = (f"start the container with --ipc=host or --shm-size={size}g (the tables, the /dev/shm rings of "
+               f"vLLM's {d.data_parallel_size} DP replicas and 1 GiB)")
+        if need["mode"] == "shm":
+            where = ("in /dev/shm" if need["rule"] == "0.33.0" else
+                     "in host-NUMA cuMem where the driver exports FABRIC handles (vLLM logs 'shared across DP "
+                     "replicas via cuMem'), else in /dev/shm; /dev/shm must hold them either way (vLLM checks it "
+                     "first, as the fallback)")
+            out.append(Check("engram /dev/shm", "ok",
+                             f"{_gib(need['shm'])} of Engram tables shared by the node's DP ranks, {where} "
+                             f"({_gib(h.shm_free)} free)"))
         else:
-            out.append(Check("engram host memory", "ok", f"{msg}; {_gib(free)} available"
-                             + ("" if cg is None else f", cgroup headroom {_gib(cg)}")))
-        if h.memlock_limit is not None and h.memlock_limit < need["pinned_rank"]:
-            out.append(Check("engram lockable memory", "warn", f"ulimit -l is {_gib(h.memlock_limit)} per process, "
-                             f"below the {_gib(need['pinned_rank'])} each rank pins: where the driver counts pinned "
-                             "pages against RLIMIT_MEMLOCK the allocation fails; run `ulimit -l unlimited` "
-                             "(docker --ulimit memlock=-1)"))
+            out.append(Check("engram /dev/shm", "warn",
+                             f"{need['why']} ({_gib(need['pinned_node'])} pinned on this node); "
+                             + (fix if not ok else "to share them, free host memory or raise the container's memory "
+                                "limit (docker --memory)")))
+    if need["mode"] == "shm":
+        if available is not None and available < need["tables"]:
+            # vLLM 0.33.0 only: 0.34.0 would have fallen back to private tables (engram_need)
+            out.append(Check("engram host memory", "warn",
+                             f"{_gib(need['tables'])} of shared Engram tables, {_gib(available)} of host memory "
+                             f"available (MemAvailable / cgroup): vLLM {need['rule']} does not check it, and the "
+                             "/dev/shm pages past it are faulted in under the OOM killer while the weights load; free "
+                             "host memory or raise the container's memory limit (docker --memory)"))
+        return out
+    n = need["pinned_node"]
+    msg = f"{_gib(n)} of pinned host memory on this node ({_gib(need['pinned_rank'])} per rank): {need['why']}"
+    free = h.mem_available
+    cg = None if h.cgroup_limit is None else h.cgroup_limit - (h.cgroup_usage or 0)
+    if free is not None and free < n:
+        out.append(Check("engram host memory", "fail", f"{msg}; only {_gib(free)} available (MemAvailable): "
+                         "free memory, use a host with more RAM, or raise TP (smaller shares)"))
+    elif cg is not None and cg < n:
+        out.append(Check("engram host memory", "fail", f"{msg}; the memory cgroup allows {_gib(cg)} more: raise "
+                         "the container's memory limit (docker --memory)"))
+    else:
+        out.append(Check("engram host memory", "ok", f"{msg}; {_gib(free)} available"
+                         + ("" if cg is None else f", cgroup headroom {_gib(cg)}")))
+    if h.memlock_limit is not None and h.memlock_limit < need["pinned_rank"]:
+        out.append(Check("engram lockable memory", "warn", f"ulimit -l is {_gib(h.memlock_limit)} per process, "
+                         f"below the {_gib(need['pinned_rank'])} each rank pins: where the driver counts pinned "
+                         "pages against RLIMIT_MEMLOCK the allocation fails; run `ulimit -l unlimited` "
+                         "(docker --ulimit memlock=-1)"))
     return out
 
 
@@ -544,7 +665,7 @@ def check_pp(d: Deployment, m: Optional[ModelInfo]) -> Check:
 
 
 # The attention backends a DeepSeek-V4 layer set registers KV caches through (read from vLLM
-# 0.33.0: the FlashMLA attention class's backend_cls / swa_backend_cls, the indexer's
+# 0.33.0 and 0.34.0, the same classes: the FlashMLA attention class's backend_cls / swa_backend_cls, the indexer's
 # get_attn_backend, the compressor's CompressorBackend).
 _BACKENDS = {
     "v4": ("vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention",
@@ -893,5 +1014,5 @@ def main(args) -> int:
 __all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "batch_defaults", "check_batch_defaults",
            "check_block_size", "check_driver", "check_engram", "check_gpus", "check_kernel_settings", "check_nvlink",
            "check_pp", "check_quant_layout", "check_sampler", "check_shm", "check_v32", "check_vllm", "mq_sizes",
-           "shm_rings", "engram_need",
+           "shm_rings", "engram_need", "engram_shared_rule", "engram_shm_size_gib", "install_advice", "install_command",
            "engram_pinned_per_rank", "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]

@@ -24,48 +24,81 @@ Never captures: while the current stream is capturing (vLLM's own FULL graph aro
 run eagerly and are captured into it), on CPU tensors, or after a failed capture (the cache
 turns itself off, warns; that call's output came from the eager run).
 
-Evidence from vLLM 0.33.0 (read in site-packages; file:line as of 0.33.0):
-- ``compilation/breakable_cudagraph.py:99-116``: an ``@eager_break_during_capture`` function
-  called inside a breakable capture ENDS the current stream capture (``add_eager`` ->
+Evidence from vLLM 0.33.0 and 0.34.0 (read in their sources; file:line as 0.33.0 / 0.34.0 where
+they differ; everything below holds on both):
+- ``compilation/breakable_cudagraph.py:100-116 / 108-124``: an ``@eager_break_during_capture``
+  function called inside a breakable capture ENDS the current stream capture (``add_eager`` ->
   ``_end_segment`` -> ``capture_end``), runs eagerly, and records
-  ``lambda: fn(*weak_args, **weak_kwargs)`` for replay; ``replay()`` (213-215) calls the
-  graph segments and these lambdas in order on the current stream. So the eager body (our
+  ``lambda: fn(*weak_args, **weak_kwargs)`` for replay; ``replay()`` (213-215 / 221-223) calls
+  the graph segments and these lambdas in order on the current stream. So the eager body (our
   ``_forward_decode``) runs with no capture in progress, both at vLLM's capture time and at
   every replay: a private capture there is legal. With ``cudagraph_runtime_mode == FULL``
-  (106-109), or outside any breakable capture, ``fn`` runs inline, i.e. inside vLLM's own
-  FULL capture when there is one: ``torch.cuda.is_current_stream_capturing()`` is then True
-  and we run eagerly (our kernels land in vLLM's graph, as without this module).
-- The replayed lambda holds weak refs to the CAPTURE-time arguments (111-116): the
-  ``q`` / ``out`` that ``DeepseekV4Attention._sparse_indexer_and_attn``
-  (``models/deepseek_v4/attention.py:737-761``) receives are the same graph-pool addresses
-  at every replay of one batch descriptor, and ``forward_mqa``
-  (``models/deepseek_v4/nvidia/flashmla.py:165-172``) slices them at offset 0
-  (``q[:num_decode_tokens]``, ``output[:num_decode_tokens]``).
+  (106-109 / 114-117), or outside any breakable capture (model runner V2 captures its FULL
+  graphs with a plain ``torch.cuda.graph``, ``v1/worker/gpu/cudagraph_utils.py`` 0.34.0:531-537),
+  ``fn`` runs inline, i.e. inside vLLM's own FULL capture when there is one:
+  ``torch.cuda.is_current_stream_capturing()`` is then True and we run eagerly (our kernels
+  land in vLLM's graph, as without this module).
+- The replayed lambda holds weak refs to the CAPTURE-time arguments (111-116 / 119-124): the
+  ``q`` / ``out`` that ``_sparse_indexer_and_attn`` receives (V4
+  ``models/deepseek_v4/attention.py:737-761 / 694-718``, V4.1 ``models/deepseek_v41/attention.py``
+  1034 / 1072) are the same graph-pool addresses at every replay of one batch descriptor, and
+  ``forward_mqa`` slices them at offset 0 (``q[:num_decode_tokens]``, ``output[:num_decode_tokens]``:
+  V4 ``nvidia/flashmla.py:166-171 / 162-167``, V4.1 180-185 / 192-197).
 - The metadata tensors are views of builder-owned persistent buffers:
-  ``DeepseekSparseSWAMetadataBuilder`` (``v1/attention/backends/mla/sparse_swa.py:504-560``
-  allocates ``token_to_req_indices``, ``decode_swa_indices``, ``decode_swa_lens``,
-  ``is_valid_token`` once; ``build`` (620-760) fills them in place and hands out
-  ``decode_swa_indices[:T]`` / ``decode_swa_lens[:T]``); ``block_table`` is
-  ``cm.block_table_tensor`` (``models/deepseek_v4/sparse_mla.py:218``, the input batch's
-  persistent table); C128A's ``c128a_global_decode_topk_indices`` is a view of
-  ``c128a_global_decode_buffer`` (268-282; its WIDTH follows ``max_seq_len`` in powers of 2,
-  so a C128A layer recaptures when the longest sequence crosses a power of 2);
-  ``topk_indices_buffer`` is the model's one buffer (``models/deepseek_v4/attention.py:299``);
-  the KV caches are allocated once. So for a fixed (batch descriptor, num_decode_tokens,
-  num_decodes, C128A width) the key repeats step after step.
+  ``DeepseekSparseSWAMetadataBuilder`` (``v1/attention/backends/mla/sparse_swa.py:504-560 /
+  510-566`` allocates ``token_to_req_indices``, ``decode_swa_indices``, ``decode_swa_lens``,
+  ``is_valid_token`` once; ``build`` (620-760 / 626-766) fills them in place and hands out
+  ``decode_swa_indices[:T]`` / ``decode_swa_lens[:T]``; 0.34.0's DSpark non-causal index buffer is
+  allocated once too); ``block_table`` is ``cm.block_table_tensor``
+  (``models/deepseek_v4/sparse_mla.py:218``, the input batch's persistent table); C128A's
+  ``c128a_global_decode_topk_indices`` is a view of ``c128a_global_decode_buffer`` (268-282; its
+  WIDTH follows ``max_seq_len`` in powers of 2, so a C128A layer recaptures when the longest
+  sequence crosses a power of 2); ``topk_indices_buffer`` is the model's one buffer
+  (``models/deepseek_v4/attention.py:299 / 301``); the KV caches are allocated once. So for a
+  fixed (batch descriptor, num_decode_tokens, num_decodes, C128A width) the key repeats step
+  after step.
 - Not covered by vLLM's buffers, hence captured INSIDE our graph: vLLM's
-  ``compute_global_topk_indices_and_lens`` (``models/deepseek_v4/common/ops/cache_utils.py:550``)
-  allocates its outputs with ``torch.empty_like`` every call; inside the graph they live in
-  the private pool, so their addresses never enter the key.
-- Caveat on the benefit: vLLM's default ``cudagraph_mode`` is FULL_AND_PIECEWISE and the
-  FlashMLA DSv4 builders report ``AttentionCGSupport.ALWAYS`` (flashmla.py:38-41,
-  sparse_mla.py DeepseekV4FlashMLAMetadataBuilder); the breakable wrapper is installed for
-  PIECEWISE dispatch only (``v1/worker/gpu_model_runner.py:5130-5150``, runtime_mode=
-  PIECEWISE) under the FULL ``CUDAGraphWrapper``. Uniform decode batches within the capture
-  sizes therefore replay vLLM's FULL graph (our decode inside it, no eager host cost); the
-  eager segment, and so this module, matters for PIECEWISE batches (mixed prefill + decode,
-  ``cudagraph_mode=PIECEWISE``, sizes past the FULL capture list). Mixed batches vary
-  num_decode_tokens per step: more keys (bounded by the LRU).
+  ``compute_global_topk_indices_and_lens`` (``models/deepseek_v4/common/ops/cache_utils.py:550``,
+  V4.1 0.34.0 ``models/deepseek_v41/common/ops/cache_utils.py:729``, unchanged) allocates its
+  outputs with ``torch.empty_like`` every call; inside the graph they live in the private pool,
+  so their addresses never enter the key.
+- Caveat on the benefit: which batches reach the eager segment. vLLM captures uniform decode
+  batches as FULL graphs and the other (mixed, token-keyed) batches as PIECEWISE graphs, the
+  breakable wrapper only when the mode has piecewise graphs (``v1/worker/gpu/cudagraph_utils.py``
+  195-198 / 228-231; V4 and V4.1 default to breakable graphs, ``config/vllm.py``
+  ``DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES``; 0.34.0 removed the V1 runner, whose
+  ``gpu_model_runner.py:5130-5150`` did the same). The mode is vLLM's ``cudagraph_mode``
+  (default FULL_AND_PIECEWISE) downgraded to the LEAST support over the layer set's builders
+  (``config/compilation.py:1376 / 1535`` ``resolve_cudagraph_mode_and_sizes``). The Ampere class
+  keeps vLLM's ``backend_cls`` / ``swa_backend_cls``, so it reports what vLLM's FlashMLA builders
+  report: V4 ALWAYS on both releases (``models/deepseek_v4/sparse_mla.py:289``,
+  ``nvidia/flashmla.py:42 / 39``); V4.1 ALWAYS on 0.33.0 but UNIFORM_BATCH on 0.34.0
+  (``models/deepseek_v41/sparse_mla.py:258``, ``nvidia/flashmla.py:44``, ``compressor.py:101``;
+  "prefill metadata is not graph-safe"). The indexer's builder
+  (``v1/attention/backends/mla/indexer.py:992-999 / 979-985``) gives UNIFORM_BATCH on sm_8x unless
+  its decode is flattened (1 + speculative tokens not in (1, 2)). Hence on sm_8x
+  (tests/test_decode_graph.py::test_cudagraph_support_on_sm80_per_vllm_release):
+  * without speculation (or with 1 speculative token) both models resolve UNIFORM_BATCH on both
+    releases: 0.34.0 changes nothing. Uniform decode batches within the capture sizes replay
+    vLLM's FULL graph (our decode inside it, no eager host cost); mixed prefill + decode batches,
+    ``cudagraph_mode=PIECEWISE`` and sizes past the FULL capture list run the eager segment,
+    where this module applies; ``cudagraph_mode=FULL`` is downgraded (to FULL_AND_PIECEWISE).
+  * with >= 2 speculative tokens (MTP / DSpark) V4 resolves ALWAYS on both, and so did V4.1 on
+    0.33.0: ``cudagraph_mode=FULL`` then captured mixed batches, prefill included, as FULL
+    graphs. V4.1 on 0.34.0 resolves UNIFORM_BATCH: FULL is downgraded to FULL_AND_PIECEWISE
+    (a warning), its mixed batches reach the eager segment, and its FULL decode graphs take
+    decode batches of 1 to ``max_decode_query_len`` (1 + speculative tokens + drafting slots,
+    ``v1/attention/backend.py:565-583``) tokens a request, lengths read on the device
+    (adaptive verification, ``v1/worker/gpu/spec_decode/adaptive_verification.py:614-638``; 0.33.0
+    replayed any such batch). The Ampere decode reads the same metadata as vLLM's FlashMLA
+    decode (host ``num_decode_tokens`` / ``num_decodes``, every per-token length and validity
+    on the device), so it takes the batches vLLM's does (reasoned from the source; not run on a
+    GPU here).
+  Mixed batches vary num_decode_tokens per step: more keys (bounded by the LRU).
+- 0.34.0 also removed the V1 runner's wide eager region (``_prepare_and_attn_eager``, 0.33.0
+  V4 ``attention.py:542``, V4.1 ``attention.py:831``, used only with
+  ``VLLM_USE_V2_MODEL_RUNNER=0``): the eager segment is ``_sparse_indexer_and_attn`` alone, as
+  on 0.33.0's default runner; it holds this decode.
 
 Why OFF by default: the correctness argument holds only while the key lists every input the
 eager body reads; that list (``forward_decode_key``) mirrors ``_AmpereAttentionMixin.

@@ -1,8 +1,9 @@
-"""What a vLLM 0.33.0 serve on sm_8x needs beyond the plugin's kernels, decided once here for
-``dsv4-ops doctor`` (which reports) and the plugin's ``register()`` (which acts):
+"""What a vLLM 0.33.0 / 0.34.0 serve on sm_8x needs beyond the plugin's kernels, decided once here
+for ``dsv4-ops doctor`` (which reports) and the plugin's ``register()`` (which acts):
 
 - FlashInfer's sampler JIT. On sm_80 vLLM's ``flashinfer_sampler_supported()`` is true
-  (``v1/sample/ops/topk_topp_sampler.py``), and the profile run's top-k/top-p pass makes
+  (``v1/sample/ops/topk_topp_sampler.py``; 0.34.0 only adds a ``has_flashinfer()`` test before the
+  capability, SM-count and JIT ones, L99-116), and the profile run's top-k/top-p pass makes
   FlashInfer build its ``sampling`` module on every last-stage worker. FlashInfer takes the
   toolkit from ``CUDA_HOME`` / ``CUDA_PATH``, else ``dirname(dirname(which nvcc))``, else
   ``/usr/local/cuda`` (flashinfer ``jit/cpp_ext.py`` ``get_cuda_path``), runs ``ninja``, the host
@@ -212,7 +213,8 @@ def kernel_setting_problems(environ: Mapping[str, str], linear_backend: str = "a
                    "batch-invariant)")
     if environ.get("VLLM_MARLIN_INPUT_DTYPE"):
         out.append(f"VLLM_MARLIN_INPUT_DTYPE={environ['VLLM_MARLIN_INPUT_DTYPE']} moves Marlin off bf16 activations "
-                   "(fp8 raises on sm_80; int8 is unaudited); unset it")
+                   "(fp8 raises on sm_80; int8 is unaudited; vLLM 0.34.0 itself rejects the variable at startup, "
+                   "'has been removed'); unset it")
     disabled = [k for k in environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k.strip() in AUDITED_KERNELS]
     if disabled:
         out.append(f"VLLM_DISABLED_KERNELS disables {', '.join(disabled)}, on the audited sm_80 path; remove them")
