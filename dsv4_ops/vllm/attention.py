@@ -256,8 +256,9 @@ class _AmpereAttentionMixin:
         return num_heads
 
     def _dsv4_ampere_post_init(self) -> None:
-        quant_guard.check_model_quant(quant_guard.current_quant_config(),
-                                      "v41" if _is_v41(self._dsv4_ampere_base) else "v4")
+        variant = "v41" if _is_v41(self._dsv4_ampere_base) else "v4"
+        quant_guard.check_model_quant(quant_guard.current_quant_config(), variant)
+        quant_guard.check_serve_settings(variant)
         install_wo_a_bf16_hook(self.wo_a, self.n_local_groups, self.o_lora_rank)
 
     def _decode_topk(self, swa_metadata, attn_metadata, num_decode_tokens: int):

@@ -1,10 +1,10 @@
-"""The sparse-attention indexer on sm_8x: replacements of vLLM 0.33.0's indexer steps.
+"""The sparse-attention indexer on sm_8x: replacements of vLLM's indexer steps (0.33.0, 0.34.0).
 
 Every function here has the exact signature of the vLLM function it replaces and calls only
 ``torch.ops.dsv4_ampere.*`` and torch (CPU tensors run through the ops' CPU references). vLLM is
 never imported at module level.
 
-| vLLM 0.33.0 call site | replacement |
+| vLLM call site | replacement |
 |---|---|
 | ``deepseek_v4[1].attention.fused_indexer_q_rope_quant`` (CuTeDSL e4m3 cvt / Triton fp8) | ``fused_indexer_q_rope_quant`` -> ``indexer_q_quant`` |
 | ``deepseek_v41.attention.indexer_k_norm_rope_store`` (Triton fp8) | ``indexer_k_norm_rope_store``: k_norm + RoPE in torch, store through ``indexer_k_insert`` |
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .o_proj import gptj_rotate_tail
-from .table import Patch, per_model
+from .table import Patch, per_model, since, until
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -64,9 +64,19 @@ def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, 
     torch.ops.dsv4_ampere.indexer_k_insert(k, k_cache, slots, k_cache.shape[1])
 
 
-def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k):
+def _fp32_logits_only(logits_dtype) -> None:
+    if logits_dtype != torch.float32:
+        raise NotImplementedError(
+            f"dsv4_ops (sm_8x): indexer logits in {logits_dtype} are DeepGEMM's SM100 form; the sm_8x indexer "
+            "scores in float32 (vLLM's default there): leave --attention-config.indexer_logits_dtype at auto "
+            "or float32")
+
+
+def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k, logits_dtype=torch.float32):
     """DeepGEMM's prefill logits, compressed form: fp32 [M, max_seqlen_k], column j = key
-    cu_seqlen_ks[m] + j; the tail past ke - ks is -inf (DeepGEMM leaves it unwritten)."""
+    cu_seqlen_ks[m] + j; the tail past ke - ks is -inf (DeepGEMM leaves it unwritten).
+    logits_dtype (vLLM 0.34+): float32 only (bfloat16 is refused at startup and here)."""
+    _fp32_logits_only(logits_dtype)
     values, q_scale = q
     if q_scale is not None:
         raise NotImplementedError("dsv4_ops: MX-scaled (MXFP4/MXFP8) indexer Q needs sm_100")
@@ -78,9 +88,11 @@ def fp8_fp4_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
 
 
 def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-                             indices: Optional[torch.Tensor] = None):
+                             logits_dtype=torch.float32, indices: Optional[torch.Tensor] = None):
     """DeepGEMM's decode logits: fp32 [B * next_n, max_model_len] (-inf past each row's
-    context). schedule_metadata is ignored (the kernel schedules from static shapes)."""
+    context). schedule_metadata is ignored (the kernel schedules from static shapes).
+    logits_dtype (vLLM 0.34+): float32 only."""
+    _fp32_logits_only(logits_dtype)
     values, q_scale = q
     if q_scale is not None or indices is not None:
         raise NotImplementedError("dsv4_ops: MX-scaled Q and varlen decode (indices) are sm_100 paths")
@@ -88,6 +100,13 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
         context_lens = context_lens.contiguous()
     return torch.ops.dsv4_ampere.paged_mqa_logits(values, kv_cache, weights, context_lens, block_tables,
                                                   int(max_model_len))
+
+
+def fp8_fp4_paged_mqa_logits_v033(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                                  max_model_len, indices: Optional[torch.Tensor] = None):
+    """vLLM 0.33's signature of ``fp8_fp4_paged_mqa_logits`` (no logits_dtype: float32)."""
+    return fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata,
+                                    max_model_len, indices=indices)
 
 
 def get_paged_mqa_logits_metadata(context_lens, block_size, num_sms, indices=None):
@@ -114,6 +133,9 @@ _SAI = "vllm.model_executor.layers.sparse_attn_indexer"
 # "latency_specialized" decode and GLM-5-Next's indexer (another model).
 _SPEC_DECODE = "vllm.models.deepseek_v41.nvidia.specialized_decode.attention.indexer"
 _GLM = "vllm.models.glm5next.nvidia.sparse_indexer"
+_MQA_PARAMS = ("q", "kv", "weights", "cu_seqlen_ks", "cu_seqlen_ke", "max_seqlen_k")
+_PAGED_PARAMS = ("q", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata", "max_model_len")
+_META_PARAMS = ("context_lens", "block_size", "num_sms", "indices")
 _Q_PARAMS = ("positions", "index_q", "index_q_cos_sin_cache", "index_weights", "index_weights_softmax_scale",
              "index_weights_head_scale", "use_fp4", "weights_out_dtype")
 
@@ -125,18 +147,26 @@ PATCHES = per_model(
           ("k_pre", "positions", "cos_sin_cache", "rms_norm_weight", "rms_norm_eps", "k_cache", "kv_slot_mapping",
            "compress_ratio", "use_fp4_cache"),
           "V4.1 indexer K store: Triton tl.float8e4nv (sm_89+)", indexer_k_norm_rope_store, model="v41"),
-    Patch(_SAI, "fp8_fp4_mqa_logits",
-          ("q", "kv", "weights", "cu_seqlen_ks", "cu_seqlen_ke", "max_seqlen_k"),
-          "prefill indexer logits: DeepGEMM (sm_90/sm_100 only)", fp8_fp4_mqa_logits, known_non_callers=(_GLM,)),
-    Patch(_SAI, "fp8_fp4_paged_mqa_logits",
-          ("q", "kv_cache", "weights", "context_lens", "block_tables", "schedule_metadata", "max_model_len",
-           "indices"),
-          "decode indexer logits: DeepGEMM (sm_90/sm_100 only)", fp8_fp4_paged_mqa_logits,
-          known_non_callers=(_SPEC_DECODE, _GLM)),
-    Patch("vllm.v1.attention.backends.mla.indexer", "get_paged_mqa_logits_metadata",
-          ("context_lens", "block_size", "num_sms", "indices"),
+    Patch(_SAI, "fp8_fp4_mqa_logits", _MQA_PARAMS,
+          "prefill indexer logits: DeepGEMM (sm_90/sm_100 only)", fp8_fp4_mqa_logits, known_non_callers=(_GLM,),
+          versions=until("0.33.0")),
+    Patch(_SAI, "fp8_fp4_mqa_logits", _MQA_PARAMS + ("logits_dtype",),
+          "prefill indexer logits: DeepGEMM (sm_90/sm_100 only); float32 logits (bfloat16 is SM100's, refused)",
+          fp8_fp4_mqa_logits, known_non_callers=(_GLM,), versions=since("0.34.0")),
+    Patch(_SAI, "fp8_fp4_paged_mqa_logits", _PAGED_PARAMS + ("indices",),
+          "decode indexer logits: DeepGEMM (sm_90/sm_100 only)", fp8_fp4_paged_mqa_logits_v033,
+          known_non_callers=(_SPEC_DECODE, _GLM), versions=until("0.33.0")),
+    Patch(_SAI, "fp8_fp4_paged_mqa_logits", _PAGED_PARAMS + ("logits_dtype", "indices"),
+          "decode indexer logits: DeepGEMM (sm_90/sm_100 only); float32 logits", fp8_fp4_paged_mqa_logits,
+          known_non_callers=(_SPEC_DECODE, _GLM), versions=since("0.34.0")),
+    Patch("vllm.v1.attention.backends.mla.indexer", "get_paged_mqa_logits_metadata", _META_PARAMS,
           "DeepGEMM decode schedule (sm_90/sm_100 only), built for every batch with decode rows",
           get_paged_mqa_logits_metadata, known_non_callers=(_SPEC_DECODE,)),
+    # vLLM 0.34's indexer binds it by name for its varlen decode rows (the chunk_decode path, capability
+    # family 100 only): patched there too, so that no binding of DeepGEMM's schedule is left.
+    Patch(_SAI, "get_paged_mqa_logits_metadata", _META_PARAMS,
+          "DeepGEMM decode schedule bound by name in the indexer (varlen decode rows, sm_100 chunk_decode)",
+          get_paged_mqa_logits_metadata, known_non_callers=(_SPEC_DECODE,), versions=since("0.34.0")),
     Patch(_SAI, "pack_seq_triton", ("x", "lengths", "pad_value", "block_t", "block_d"),
           "ragged decode Q packing: Triton kernel with a float8_e4m3fn pointer (sm_89+)",
           pack_seq_triton_bytes, wraps=True, known_non_callers=(_GLM,)),

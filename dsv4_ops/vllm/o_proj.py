@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .. import layout
-from .table import Patch
+from .table import Patch, since
 from .weights import dequantize_linear_weight
 
 WO_A_BF16_ATTR = "dsv4_ampere_weight_bf16"  # bf16 [G, R, heads_per_group * 512] on wo_a
@@ -153,18 +153,66 @@ def ampere_o_proj(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch
     wo_a; wo_b maps bf16 [T, G*R] to [T, hidden]. Same math as vLLM's bf16 ``torch.bmm``
     fallback in ``deep_gemm_fp8_o_proj``.
     """
+    z = grouped_wo_a(o, positions, cos_sin_cache, wo_a_bf16)
+    return wo_b(z.reshape(z.shape[0], -1))
+
+
+def grouped_wo_a(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 wo_a_bf16: torch.Tensor) -> torch.Tensor:
+    """``bmm(inverse_rope(o) grouped, wo_a^T)``: bf16 [T, G, R] (arguments as ``ampere_o_proj``)."""
     T, H, D = o.shape
     G, R, K = wo_a_bf16.shape
     if D != layout.HEAD_DIM or H % G or (H // G) * D != K:
         raise ValueError(f"o_proj: o {tuple(o.shape)} does not match wo_a {tuple(wo_a_bf16.shape)}")
     x = inverse_rope_o(o, positions, cos_sin_cache).view(T, G, K)
-    z = torch.bmm(x.transpose(0, 1), wo_a_bf16.transpose(1, 2))  # [G, T, R]
-    return wo_b(z.transpose(0, 1).reshape(T, G * R))
+    return torch.bmm(x.transpose(0, 1), wo_a_bf16.transpose(1, 2)).transpose(0, 1)  # [T, G, R]
 
+
+def _grouped_dims(o, n_groups: int, heads_per_group: int, nope_dim: int, rope_dim: int) -> None:
+    if not isinstance(o, torch.Tensor):
+        raise NotImplementedError(f"dsv4_ops (sm_8x): wo_a input {type(o).__name__} (a quantized activation is an "
+                                  "sm_90+ FlashMLA path; the Ampere attention hands wo_a bf16)")
+    if (nope_dim + rope_dim != layout.HEAD_DIM or rope_dim != layout.ROPE_DIM
+            or o.shape[1:] != (n_groups * heads_per_group, layout.HEAD_DIM)):
+        raise ValueError(f"dsv4_ops (sm_8x): grouped wo_a input {tuple(o.shape)} with {n_groups} groups of "
+                         f"{heads_per_group} heads, nope {nope_dim} + rope {rope_dim}, is not DSv4's layout")
+
+
+def grouped_input(self, o, positions, cos_sin_cache, *, n_groups, heads_per_group, nope_dim, rope_dim):
+    """``DeepseekV4GroupedWoA.grouped_input`` (vLLM 0.34+) on sm_8x: the bf16 inverse-rotated
+    groups [T, n_groups, heads_per_group * 512], as vLLM's ``fused_inv_rope_fp8_quant`` with
+    quantize=False (whose fp8 cast does not compile for sm_80), in torch."""
+    _grouped_dims(o, n_groups, heads_per_group, nope_dim, rope_dim)
+    return inverse_rope_o(o, positions, cos_sin_cache).view(o.shape[0], n_groups, -1)
+
+
+def grouped_forward(self, o, positions, cos_sin_cache, *, n_groups, heads_per_group, nope_dim, rope_dim,
+                    o_lora_rank, einsum_recipe, tma_aligned_scales):
+    """``DeepseekV4GroupedWoA.grouped_forward`` (vLLM 0.34+) on sm_8x: inverse RoPE and the
+    grouped bmm with the load-time bf16 wo_a (``grouped_wo_a``), bf16 [T, n_groups, o_lora_rank].
+    ``einsum_recipe`` / ``tma_aligned_scales`` are DeepGEMM's (sm_90+) and unused."""
+    _grouped_dims(o, n_groups, heads_per_group, nope_dim, rope_dim)
+    return grouped_wo_a(o, positions, cos_sin_cache, wo_a_weight_bf16(self, n_groups, o_lora_rank))
+
+
+_GROUPED = "vllm.models.deepseek_v4.common.grouped_wo_a"
+_GROUPED_PARAMS = ("o", "positions", "cos_sin_cache", "n_groups", "heads_per_group", "nope_dim", "rope_dim")
 
 # The load hook wraps process_weights_after_loading of whichever of these methods owns wo_a
 # (installed on live objects by the Ampere attention class): checked rows of the patch table.
-PATCHES = tuple(
+# From vLLM 0.34 wo_a is a DeepseekV4GroupedWoA (V4 and V4.1) whose two methods reach
+# fused_inv_rope_fp8_quant (tl.float8e4nv): the Ampere _o_proj does not call them, and LoRA's
+# wrapper (which would) is refused at startup (quant_guard.check_serve_settings); patched so
+# that no path to the kernel is left on sm_8x and the warm-up filter drops it.
+PATCHES = (
+    Patch(_GROUPED, "DeepseekV4GroupedWoA.grouped_input", _GROUPED_PARAMS,
+          "inverse RoPE of the attention output: fused_inv_rope_fp8_quant (tl.float8e4nv, sm_89+ even with "
+          "quantize=False)", grouped_input, versions=since("0.34.0")),
+    Patch(_GROUPED, "DeepseekV4GroupedWoA.grouped_forward",
+          _GROUPED_PARAMS + ("o_lora_rank", "einsum_recipe", "tma_aligned_scales"),
+          "grouped wo_a: fused_inv_rope_fp8_quant + DeepGEMM fp8_einsum (sm_90+)", grouped_forward,
+          versions=since("0.34.0")),
+) + tuple(
     Patch(module, f"{cls}.process_weights_after_loading", ("layer",),
           "wo_a hook: dequantize wo_a to bf16 [G, R, K] before this post-load step (which repacks it for Marlin "
           "on sm_80, or keeps an MXFP8 copy); unrecognised scale formats raise at load",

@@ -16,7 +16,7 @@ import importlib
 from typing import Dict, List
 
 from . import serve_host
-from .table import Reads, per_model
+from .table import Patch, Reads, per_model, since
 
 
 class UnauditedServePathError(RuntimeError):
@@ -57,6 +57,36 @@ def check_model_quant(quant_config, variant: str) -> None:
     raise _refused(variant, f"quantized as {name!r} ({type(quant_config).__name__}): vLLM builds its linear and MoE "
                             "methods from that config, and the audit covers only the DeepseekV4FP8Config layouts and "
                             "bf16 weights")
+
+
+def serve_setting_problems(lora_config, indexer_logits_dtype) -> List[str]:
+    """What in vLLM's model settings leaves the audited V4 / V4.1 path (empty: nothing).
+
+    lora_config: vLLM's LoRAConfig or None. LoRA wraps wo_a (vLLM 0.34's
+    ``DeepseekV4GroupedWoAWithLoRA``) and other linears with punica kernels no audit covered, and
+    the Ampere ``_o_proj`` reads the bf16 wo_a directly, so an adapter on wo_a would be dropped
+    silently. indexer_logits_dtype: vLLM 0.34's ``attention_config.indexer_logits_dtype`` (None
+    on 0.33); bfloat16 logits are DeepGEMM's SM100 form, the sm_8x indexer scores in float32."""
+    problems = []
+    if lora_config is not None:
+        problems.append("LoRA (--enable-lora) is not served on sm_8x: its adapters on wo_a and the other "
+                        "linears run through kernels the audit does not cover; serve without --enable-lora")
+    if indexer_logits_dtype not in (None, "auto", "float32"):
+        problems.append(f"indexer_logits_dtype={indexer_logits_dtype!r}: the sm_8x indexer scores in float32; "
+                        "leave --attention-config.indexer_logits_dtype at auto or float32")
+    return problems
+
+
+def check_serve_settings(variant: str, vllm_config=None) -> None:
+    """Raise UnauditedServePathError when the model settings of vLLM's current config (or
+    ``vllm_config``) leave the audited path (``serve_setting_problems``); at model build."""
+    if vllm_config is None:
+        lora, attention = _current("lora_config"), _current("attention_config")
+    else:
+        lora, attention = getattr(vllm_config, "lora_config", None), getattr(vllm_config, "attention_config", None)
+    problems = serve_setting_problems(lora, getattr(attention, "indexer_logits_dtype", None))
+    if problems:
+        raise _refused(variant, "served with " + "; ".join(problems))
 
 
 def _current(field: str):
@@ -122,7 +152,14 @@ def uninstall() -> None:
         del _ORIGINALS[module]
 
 
-PATCHES = per_model(
+PATCHES = (
+    # what check_serve_settings reads on vLLM's config (a renamed field would silently read None)
+    Patch("vllm.config.attention", "AttentionConfig.resolve_indexer_logits_dtype", ("default",),
+          "model settings checked at model build: LoRA and bfloat16 indexer logits leave the audited path",
+          check_serve_settings, kind="hook", versions=since("0.34.0"),
+          reads=(Reads("vllm.config.attention", "AttentionConfig", ("indexer_logits_dtype",)),
+                 Reads("vllm.config", "VllmConfig", ("lora_config", "attention_config")))),
+) + per_model(
     "quant_config", "DeepseekV4FP8Config.get_quant_method", ("layer", "prefix"),
     "checkpoint quant layout and --linear/--moe-backend pick the kernels: before vLLM's own method runs, refuse at "
     "model build what the audit does not cover (NVFP4 or FP8 experts, another block size, another backend)",
