@@ -32,3 +32,22 @@ def on_disk_packages():
 def test_every_package_folder_is_in_setup_py():
     missing = on_disk_packages() - listed_packages()
     assert not missing, f"add to setup.py packages=: {sorted(missing)}"
+
+
+def test_the_vllm_extra_is_the_supported_range():
+    """pyproject's `vllm` extra admits exactly the releases dsv4_ops.vllm.versions declares."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from dsv4_ops.vllm import versions
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (req,) = [Requirement(r) for r in extras["vllm"]]
+    assert req.name == "vllm" and str(req.specifier) == str(Requirement("vllm" + versions.PIP_RANGE).specifier)
+    for v in versions.SUPPORTED:
+        assert req.specifier.contains(v)
+    older = versions.SUPPORTED[0].rsplit(".", 2)[0] + "." + str(int(versions.SUPPORTED[0].split(".")[1]) - 1) + ".0"
+    newer = "0." + str(int(versions.NEWEST_DIFFED.split(".")[1]) + 1) + ".0"
+    assert not req.specifier.contains(older) and not req.specifier.contains(newer)
+    assert not any(r.startswith("vllm") for r in extras["test"])  # CI installs vLLM with tools.install_vllm

@@ -121,8 +121,44 @@ def test_env_override_routes_without_a_gpu(monkeypatch):
 
 def test_every_assumption_of_the_table_holds_in_the_installed_vllm():
     # Signatures, attributes and dataclass fields read, and by-name imports over all of vLLM's source.
-    vp.check_table(scan_source=True)
-    assert vllm.__version__.startswith(vp.VLLM_VERSION_TESTED)
+    from dsv4_ops.vllm import versions
+
+    assert versions.supported(vllm.__version__)
+    rows = patches(versions.release(vllm.__version__))
+    vp.check_table(rows, scan_source=True)
+    assert rows == patches()  # the default table is the installed release's
+
+
+def test_every_release_has_its_own_rows_and_they_are_disjoint_per_symbol():
+    """A symbol whose params moved has one row per release span, never two for one release."""
+    from dsv4_ops.vllm import table, versions
+
+    every = table.patches(table.ALL)
+    for rel in versions.SUPPORTED:
+        rows = table.patches(rel)
+        keys = [(r.module, r.symbol) for r in rows]
+        assert len(keys) == len(set(keys)), f"two rows for one symbol in vLLM {rel}'s table"
+        assert set(rows) == {r for r in every if not r.versions or rel in r.versions}
+    assert any(r.versions for r in every)  # the table does differ by release
+
+
+@pytest.mark.parametrize("installed", ["0.32.0", "0.35.0", "0.34.1.dev3+gabc", "0.34.0rc1"])
+def test_register_refuses_an_untested_release_before_checking_rows(monkeypatch, installed):
+    from dsv4_ops.vllm import versions
+
+    spoof(monkeypatch, (8, 0))
+    monkeypatch.setattr(vp, "vllm_version", lambda: installed)
+    monkeypatch.setattr(vp, "check_table", lambda *a, **k: pytest.fail("rows checked on an untested release"))
+    with pytest.raises(vp.VllmVersionError) as err:
+        vp.register()
+    msg = str(err.value)
+    assert installed in msg and all(v in msg for v in versions.SUPPORTED) and "install_vllm" in msg
+    assert vp.STATE.patched == [] and not vp.STATE.registered
+
+
+@pytest.mark.parametrize("installed", ["0.34.0+cu130", "0.33.0.post1"])
+def test_a_release_build_of_a_supported_version_is_accepted(installed):
+    assert vp.check_version(installed) == installed.split("+")[0].replace(".post1", "")
 
 
 def test_renamed_metadata_field_is_caught(monkeypatch):
@@ -197,15 +233,15 @@ def test_no_dsv4_caller_reads_the_prefill_return_value():
     assert calls >= 2  # V4 and V4.1 prefill
 
 
-def test_readme_patch_table_is_the_generated_one():
+def test_docs_patch_table_is_the_generated_one():
     import pathlib
 
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "vllm_plugin.md").read_text()
     begin = text.index("<!-- patch-table:begin")
     begin = text.index("\n", begin) + 1
     end = text.index("<!-- patch-table:end -->")
     assert text[begin:end].strip() == patch_table_markdown().strip(), \
-        "README patch table is stale: paste dsv4_ops.vllm.table.patch_table_markdown() between the markers"
+        "docs/vllm_plugin.md's patch table is stale: paste dsv4_ops.vllm.table.patch_table_markdown() between the markers"
 
 
 def test_signature_mismatch_names_symbol_and_version(monkeypatch):
@@ -665,6 +701,15 @@ def test_v41_rope_quant_insert_writes_only_boundary_tokens():
 
 # ---------------------------------------------------------------------------------- o_proj
 
+def _inverse_rope_f64(o, positions, cos_sin):
+    """float64 inverse GPT-J rotation of dims 448..511 of o [T, H, 512]."""
+    x = o.double().clone()
+    c, s = cos_sin[positions].double()[:, None, :32], cos_sin[positions].double()[:, None, 32:]
+    e, od = x[..., 448::2].clone(), x[..., 449::2].clone()
+    x[..., 448::2], x[..., 449::2] = e * c + od * s, od * c - e * s
+    return x
+
+
 def test_o_proj_matches_grouped_einsum():
     g = torch.Generator().manual_seed(12)
     T, H, G, R, hidden = 3, 4, 2, 16, 24
@@ -675,10 +720,7 @@ def test_o_proj_matches_grouped_einsum():
     wa = (torch.randn(G, R, (H // G) * 512, generator=g) * 0.02).to(torch.bfloat16)
     wb = torch.randn(hidden, G * R, generator=g).to(torch.bfloat16)
     got = vo.ampere_o_proj(o, positions, cos_sin, wa, lambda z: z @ wb.T)
-    x = o.double().clone()
-    c, s = cos_sin[positions].double()[:, None, :32], cos_sin[positions].double()[:, None, 32:]
-    e, od = x[..., 448::2].clone(), x[..., 449::2].clone()
-    x[..., 448::2], x[..., 449::2] = e * c + od * s, od * c - e * s  # inverse GPT-J rotation
+    x = _inverse_rope_f64(o, positions, cos_sin)
     z = torch.einsum("tgk,grk->tgr", x.view(T, G, -1), wa.double()).reshape(T, G * R)
     torch.testing.assert_close(got.double(), z @ wb.double().T, atol=0.1, rtol=2e-2)
     # forward then inverse rotation is the identity
@@ -706,3 +748,78 @@ def test_wo_a_block_fp8_dequantized_once_at_load():
     scale = torch.exp2(exps.double() - 127).repeat_interleave(128, 0).repeat_interleave(128, 1)
     want = (w.double() * scale).to(torch.bfloat16).view(G, R, K)
     assert torch.equal(vo.wo_a_weight_bf16(layer, G, R), want)
+
+
+def _grouped_wo_a_module():
+    import importlib.util
+
+    name = "vllm.models.deepseek_v4.common.grouped_wo_a"
+    return mod(name) if importlib.util.find_spec("vllm.models.deepseek_v4.common") and \
+        importlib.util.find_spec(name) else None
+
+
+@pytest.mark.skipif(_grouped_wo_a_module() is None, reason="DeepseekV4GroupedWoA is vLLM 0.34+ (wo_a was a plain linear)")
+def test_grouped_wo_a_replacements_match_the_float64_inverse_rope_and_grouped_einsum():
+    """grouped_input == the float64 inverse rotation rounded once to bf16 (what vLLM's
+    fused_inv_rope_fp8_quant(quantize=False) computes: fp32 math, one bf16 rounding), grouped
+    [T, G, HPG * 512]; grouped_forward == the float64 grouped einsum of it."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    T, G, HPG, R = 5, 2, 4, 16
+    o = torch.randn(T, G * HPG, 512, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 64, (T,), generator=g)
+    ang = torch.rand(64, 32, generator=g) * 6
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1)
+    dims = dict(n_groups=G, heads_per_group=HPG, nope_dim=448, rope_dim=64)
+    exact = _inverse_rope_f64(o, positions, cos_sin).view(T, G, HPG * 512)
+    got = vo.grouped_input(None, o, positions, cos_sin, **dims)
+    assert got.shape == (T, G, HPG * 512) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(T, G, HPG, 512)[..., :448], o.view(T, G, HPG, 512)[..., :448])  # NoPE untouched
+    # one rounding of an fp32 result: within one bf16 ulp of the exact value
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-30).all()
+    want = got
+
+    layer = torch.nn.Module()
+    wa = (torch.randn(G, R, HPG * 512, generator=g) * 0.02).to(torch.bfloat16)
+    setattr(layer, vo.WO_A_BF16_ATTR, wa)
+    z = vo.grouped_forward(layer, o, positions, cos_sin, o_lora_rank=R, einsum_recipe=(1, 1, 1),
+                           tma_aligned_scales=False, **dims)
+    ref = torch.einsum("tgk,grk->tgr", want.double(), wa.double())
+    assert z.shape == (T, G, R)
+    torch.testing.assert_close(z.double(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="not DSv4's layout"):
+        vo.grouped_input(None, o, positions, cos_sin, n_groups=G, heads_per_group=HPG, nope_dim=384, rope_dim=128)
+
+
+@pytest.mark.skipif(_grouped_wo_a_module() is None, reason="DeepseekV4GroupedWoA is vLLM 0.34+")
+def test_register_on_sm80_routes_grouped_wo_a_to_torch(monkeypatch):
+    spoof(monkeypatch, (8, 0))
+    vp.register()
+    cls = _grouped_wo_a_module().DeepseekV4GroupedWoA
+    assert cls.grouped_input is vo.grouped_input and cls.grouped_forward is vo.grouped_forward
+
+
+@pytest.mark.parametrize("lora, logits, refused", [
+    (None, None, ()), (None, "auto", ()), (None, "float32", ()),
+    (object(), None, ("LoRA",)), (None, "bfloat16", ("indexer_logits_dtype='bfloat16'",)),
+    (object(), "bfloat16", ("LoRA", "bfloat16"))])
+def test_model_settings_off_the_audited_path_are_refused_at_build(lora, logits, refused):
+    import types
+
+    from dsv4_ops.vllm import quant_guard
+
+    cfg = types.SimpleNamespace(lora_config=lora, attention_config=types.SimpleNamespace(indexer_logits_dtype=logits))
+    if not refused:
+        quant_guard.check_serve_settings("v41", cfg)
+        return
+    with pytest.raises(quant_guard.UnauditedServePathError) as err:
+        quant_guard.check_serve_settings("v4", cfg)
+    assert all(r in str(err.value) for r in refused) and "DeepSeek-V4 " in str(err.value)
+
+
+def test_bfloat16_indexer_logits_are_refused_by_the_replacements_too():
+    from dsv4_ops.vllm import indexer as vi
+
+    with pytest.raises(NotImplementedError, match="float32"):
+        vi.fp8_fp4_mqa_logits((None, None), (None, None), None, None, None, 1, logits_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="float32"):
+        vi.fp8_fp4_paged_mqa_logits((None, None), None, None, None, None, None, 1, logits_dtype=torch.bfloat16)

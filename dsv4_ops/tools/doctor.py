@@ -350,28 +350,6 @@ def check_driver(h: HostFacts) -> Check:
 # vLLM 0.34.0 pins flashinfer-python==0.7.3, which PyPI does not serve (0.7.2.post1, then 0.7.4):
 # the module installs the vllm wheel with --no-deps, then vLLM's requirement list with
 # flashinfer-python 0.7.4.
-SPECIAL_INSTALL = {
-    "0.34.0": ("python -m dsv4_ops.tools.install_vllm 0.34.0",
-               "a plain `pip install vllm==0.34.0` fails today: it pins flashinfer-python==0.7.3, which PyPI does "
-               "not serve; dsv4_ops.tools.install_vllm installs the vllm wheel with --no-deps, then vLLM's "
-               "requirements with flashinfer-python 0.7.4"),
-}
-
-
-def install_command(release: str) -> str:
-    """The command that installs vLLM ``release`` beside dsv4-ops."""
-    special = SPECIAL_INSTALL.get(release)
-    return special[0] if special else f"pip install 'vllm=={release}'"
-
-
-def install_advice() -> str:
-    """What to install: every supported release with the command that works for it (newest
-    first), and why a plain pip install does not work where it does not."""
-    cmds = "; ".join(f"vLLM {r}: {install_command(r)}" for r in reversed(versions.SUPPORTED))
-    notes = "; ".join(SPECIAL_INSTALL[r][1] for r in reversed(versions.SUPPORTED) if r in SPECIAL_INSTALL)
-    return f"install a supported release ({cmds})" + (f" -- {notes}" if notes else "")
-
-
 def check_vllm(h: HostFacts) -> List[Check]:
     """The installed vLLM against ``versions.SUPPORTED`` (what the plugin's ``register()``
     accepts on sm_8x; it refuses anything else with ``VllmVersionError``; on sm_90+ it patches
@@ -380,7 +358,7 @@ def check_vllm(h: HostFacts) -> List[Check]:
     tested = ", ".join(versions.SUPPORTED)
     rel = versions.release(h.vllm_version)
     if h.vllm_version is None:
-        out = [Check("vllm", "fail", f"vLLM is not installed; dsv4-ops supports vLLM {tested}: {install_advice()}")]
+        out = [Check("vllm", "fail", f"vLLM is not installed; dsv4-ops supports vLLM {tested}: {versions.install_advice()}")]
     elif rel in versions.SUPPORTED:
         out = [Check("vllm", "ok", f"vLLM {h.vllm_version}: a release the plugin supports ({tested})")]
     else:
@@ -394,10 +372,10 @@ def check_vllm(h: HostFacts) -> List[Check]:
             why = f"vLLM {h.vllm_version} is older than the oldest supported release ({versions.SUPPORTED[0]})"
         if _plugin_acts(h):
             out = [Check("vllm", "fail", f"{why}: on sm_8x the plugin's register() refuses it at startup "
-                         f"(VllmVersionError); dsv4-ops supports vLLM {tested}: {install_advice()}")]
+                         f"(VllmVersionError); dsv4-ops supports vLLM {tested}: {versions.install_advice()}")]
         else:
             out = [Check("vllm", "warn", f"{why}; on sm_90+ the plugin patches nothing, so vLLM runs on its own "
-                         f"kernels; on sm_8x dsv4-ops supports vLLM {tested}: {install_advice()}")]
+                         f"kernels; on sm_8x dsv4-ops supports vLLM {tested}: {versions.install_advice()}")]
     if not h.plugin_entry_points:
         out.append(Check("plugin", "fail", "no vllm.general_plugins entry point points at dsv4_ops: vLLM will not load "
                          "the plugin; reinstall dsv4-ops (pip install -e . / pip install dsv4-ops)"))
@@ -1014,5 +992,5 @@ def main(args) -> int:
 __all__ = ["Check", "Deployment", "Gpu", "HostFacts", "ModelInfo", "batch_defaults", "check_batch_defaults",
            "check_block_size", "check_driver", "check_engram", "check_gpus", "check_kernel_settings", "check_nvlink",
            "check_pp", "check_quant_layout", "check_sampler", "check_shm", "check_v32", "check_vllm", "mq_sizes",
-           "shm_rings", "engram_need", "engram_shared_rule", "engram_shm_size_gib", "install_advice", "install_command",
+           "shm_rings", "engram_need", "engram_shared_rule", "engram_shm_size_gib",
            "engram_pinned_per_rank", "engram_table_bytes", "load_model", "main", "read_host", "resolved_block_size", "run"]

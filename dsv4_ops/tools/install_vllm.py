@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 from ..vllm import versions
 
 # vLLM release -> {requirement name: the release installed instead of its unavailable pin}
-SUBSTITUTES: Dict[str, Dict[str, str]] = {"0.34.0": {"flashinfer-python": "0.7.4"}}
+SUBSTITUTES: Dict[str, Dict[str, str]] = {rel: {name: sub} for rel, (name, _, sub) in versions.UNAVAILABLE_PINS.items()}
 
 
 def _pip(args: Sequence[str], dry_run: bool) -> None:

@@ -17,6 +17,10 @@ NEWEST_DIFFED = SUPPORTED[-1]
 # pip's requirement for the supported range (pyproject's extras hold the same text; a test checks)
 PIP_RANGE = f">={SUPPORTED[0]},<={SUPPORTED[-1]}"
 
+# release -> (requirement, its pin that the package index does not serve, the release installed
+# instead by ``python -m dsv4_ops.tools.install_vllm``)
+UNAVAILABLE_PINS = {"0.34.0": ("flashinfer-python", "0.7.3", "0.7.4")}
+
 _RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?(?:\+[\w.]+)?$")
 
 
@@ -35,6 +39,23 @@ def key(version: str) -> Tuple[int, ...]:
     return tuple(int(p) for p in version.split("."))
 
 
+def install_command(rel: str) -> str:
+    """The command that installs vLLM release ``rel`` beside dsv4-ops."""
+    if rel in UNAVAILABLE_PINS:
+        return f"python -m dsv4_ops.tools.install_vllm {rel}"
+    return f"pip install 'vllm=={rel}'"
+
+
+def install_advice() -> str:
+    """Every supported release with the command that works for it (newest first), and why a
+    plain pip install does not work where it does not."""
+    cmds = "; ".join(f"vLLM {r}: {install_command(r)}" for r in reversed(SUPPORTED))
+    notes = "; ".join(f"a plain `pip install vllm=={r}` fails: it pins {name}=={pin}, which the package index does "
+                      f"not serve; the installer puts {name} {sub} in its place"
+                      for r, (name, pin, sub) in UNAVAILABLE_PINS.items() if r in SUPPORTED)
+    return f"install a supported release ({cmds})" + (f" -- {notes}" if notes else "")
+
+
 def refusal(version: Optional[str]) -> str:
     """Why ``version`` is refused, and what to do (the startup error's text)."""
     tested = ", ".join(SUPPORTED)
@@ -46,8 +67,9 @@ def refusal(version: Optional[str]) -> str:
                f"({NEWEST_DIFFED}); run `dsv4-ops audit-vllm --against <vllm wheel or source dir>` to see what moved")
     else:
         why = f"vLLM {version} is older than the oldest supported release ({SUPPORTED[0]})"
-    return (f"{why}. dsv4_ops supports vLLM {tested}: pip install 'vllm=={NEWEST_DIFFED}' (README, "
-            f"'Supported vLLM versions'), or set VLLM_PLUGINS= to run vLLM without the plugin")
+    return (f"{why}. dsv4_ops supports vLLM {tested}: {install_advice()} (README, 'Supported vLLM versions'); "
+            "or set VLLM_PLUGINS= to run vLLM without the plugin")
 
 
-__all__ = ["NEWEST_DIFFED", "PIP_RANGE", "SUPPORTED", "key", "refusal", "release", "supported"]
+__all__ = ["NEWEST_DIFFED", "PIP_RANGE", "SUPPORTED", "UNAVAILABLE_PINS", "install_advice", "install_command", "key",
+           "refusal", "release", "supported"]
