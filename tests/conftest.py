@@ -120,14 +120,25 @@ print(json.dumps(rows))
 
 
 @pytest.fixture(scope="session")
-def aot_results():
+def aot_results(tmp_path_factory):
     """AotResult rows of the session's one AOT compile (see _AOT_SCRIPT), in a subprocess
-    with TRITON_INTERPRET=0 (the interpreter replaces the JIT functions AOT needs)."""
+    with TRITON_INTERPRET=0 (the interpreter replaces the JIT functions AOT needs). Under
+    pytest-xdist the workers share one compile: the first to take the lock runs it and leaves
+    its rows in the run's common temp folder, the others read them."""
+    import fcntl
+
     from dsv4_ops import aot
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, f"AOT subprocess failed ({res.returncode}):\n{res.stderr[-3000:]}"
-    rows = [aot.AotResult(**r) for r in json.loads(res.stdout.strip().splitlines()[-1])]
-    return rows
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own (one per run, not shared across runs)
+    rows_file, lock_file = shared / "aot_results.json", shared / "aot_results.lock"
+    with open(lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not rows_file.exists():
+            env = dict(os.environ, TRITON_INTERPRET="0")
+            res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
+                                 timeout=900)
+            assert res.returncode == 0, f"AOT subprocess failed ({res.returncode}):\n{res.stderr[-3000:]}"
+            rows_file.write_text(res.stdout.strip().splitlines()[-1])
+    return [aot.AotResult(**r) for r in json.loads(rows_file.read_text())]

@@ -78,3 +78,35 @@ def test_e4m3_cvt_in_ptx_is_caught(aot_results):
     res = [r for r in aot_results if r.arch == 90 and r.variant == "native" and "exact,fp32" in r.label]
     assert len(res) == 1
     assert not res[0].ok and "e4m3 cvt" in res[0].error
+
+
+_PTX = """//
+.version 8.0
+.target sm_80
+.address_size 64
+.visible .entry k(.param .u64 p){
+  .reg .b64 %rd<3>; .reg .f32 %f<2>;
+  ld.param.u64 %rd1, [p];
+  cvta.to.global.u64 %rd2, %rd1;
+  ld.global.f32 %f1, [%rd2];
+  st.global.f32 [%rd2], %f1;
+  ret;
+}
+"""
+
+
+def test_ptxas_usage_is_kept_by_ptx_and_arch(tmp_path, monkeypatch):
+    """The second AOT pass reads the usage ptxas reported for the same PTX and arch; another
+    PTX text or arch runs ptxas again."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    calls = []
+    real = aot._run_ptxas
+    monkeypatch.setattr(aot, "_run_ptxas", lambda *a: calls.append(a[1:]) or real(*a))
+    first = aot._ptxas_usage(_PTX, 80)
+    assert first["registers"] > 0 and first["spill_bytes"] == 0 and len(calls) == 1
+    assert aot._ptxas_usage(_PTX, 80) == first and len(calls) == 1
+    aot._ptxas_usage(_PTX.replace("ld.global.f32 %f1", "ld.global.cg.f32 %f1"), 80)
+    aot._ptxas_usage(_PTX.replace("sm_80", "sm_86"), 86)
+    assert len(calls) == 3
