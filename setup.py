@@ -8,7 +8,7 @@ setup(
               "dsv4_ops.registration", "dsv4_ops.tools", "dsv4_ops.vllm", "dsv4_ops.vllm.audit",
               "dsv4_ops.vllm.serve_graph"],
     # the shipped per-device decode tables (dsv4_ops.dispatch.tables reads them beside the package)
-    package_data={"dsv4_ops": ["tables/*.json"]},
+    package_data={"dsv4_ops": ["tables/*.json"], "dsv4_ops.vllm.audit": ["inventory/*.json"]},
     package_dir={
         "dsv4_ops": "dsv4_ops",
         "dsv4_ops.csrc_triton": "csrc_triton",

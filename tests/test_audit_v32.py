@@ -1,9 +1,11 @@
-"""``dsv4-ops audit-vllm --model v32`` / ``--model glm5``: vLLM 0.33.0's DeepSeek-V3.2 and GLM-5
-serve paths on sm_80, every kernel decided from evidence, 0 open.
+"""``dsv4-ops audit-vllm --model v32`` / ``--model glm5``: vLLM's DeepSeek-V3.2 and GLM-5 serve
+paths on sm_80 (every supported release; the installed one is audited), every kernel decided
+from evidence, 0 open.
 
-The audit of both models runs once per session (~1 min on 2 cores; cached by content like the
-V4/V4.1 audit, which "both" keeps meaning). The rows checked here come from the audit's own
-evidence (AOT compiles, cubins, vLLM's selection code run as sm_80, guards read from source).
+The audit of each model runs once per vLLM release and source (~1 min on 2 cores; cached on disk
+per model, like the V4/V4.1 audit, which "both" keeps meaning, so the CLI test below reuses it).
+The rows checked here come from the audit's own evidence (AOT compiles, cubins, vLLM's selection
+code run as sm_80, guards read from source).
 """
 
 import sys
@@ -11,7 +13,7 @@ import types
 
 import pytest
 
-pytest.importorskip("vllm", reason="the audit needs vllm==0.33.0 (pip install dsv4-ops[test])")
+pytest.importorskip("vllm", reason="the audit needs vLLM (pip install dsv4-ops[test])")
 
 from dsv4_ops.vllm import audit  # noqa: E402
 
@@ -50,11 +52,12 @@ def test_the_fp8_model_kernels_are_dead_and_replaced_by_the_v32_rows(result, mod
 def test_the_indexer_reuses_the_v4_indexer_rows(result, model):
     """V3.2's indexer op is vLLM's sparse_attn_indexer, the one V4 runs: its DeepGEMM calls are
     dead on sm_80 and covered by the same patch rows."""
-    for name, row in (("DeepGEMM.fp8_fp4_mqa_logits", "sparse_attn_indexer.fp8_fp4_mqa_logits"),
-                      ("DeepGEMM.fp8_fp4_paged_mqa_logits", "sparse_attn_indexer.fp8_fp4_paged_mqa_logits"),
-                      ("DeepGEMM.get_paged_mqa_logits_metadata", "mla.indexer.get_paged_mqa_logits_metadata")):
-        got = [r for r in result.rows if r.model == model and r.path == "default" and r.kernel == name]
-        assert got and all(r.status == "dead" and row in r.patch for r in got), (name, got)
+    from dsv4_ops.vllm import table
+
+    for name in ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata"):
+        rows = {p.qualname for p in table.patches() if p.kind == "patch" and p.symbol == name}
+        got = [r for r in result.rows if r.model == model and r.path == "default" and r.kernel == f"DeepGEMM.{name}"]
+        assert rows and got and all(r.status == "dead" and r.patch in rows for r in got), (name, rows, got)
     pack = _rows(result, model, "_PACK_SEQ_TRITON_KERNEL", "jit-warmup")
     assert pack and all(r.status == "dead" and "dsv4_ops.vllm.warmup" in r.patch for r in pack)
 
@@ -65,8 +68,9 @@ def test_the_backend_path_runs_on_sm80(result, model):
     sm_80 with vLLM's warmup keys; the dense/masked-MHA prefill path is off (backend has none)."""
     conv = _rows(result, model, "sparse_utils._CONVERT_REQ_INDEX_TO_GLOBAL_INDEX_KERNEL")
     assert conv and all(r.status == "runs" and "AOT sm_80 ok" in r.evidence for r in conv), conv
-    names = {r.kernel.rsplit(".", 1)[-1] for r in result.rows if r.model == model and r.path == "default"}
-    assert not names & {"_scatter_topk_kernel", "_scatter_topk_single_req_kernel"}  # masked MHA: off path
+    masked = [r for r in result.rows if r.model == model and r.path == "default"
+              and r.kernel.rsplit(".", 1)[-1] in ("_scatter_topk_kernel", "_scatter_topk_single_req_kernel")]
+    assert masked and all(r.status == "off" and "dense/masked-MHA prefill" in r.evidence for r in masked), masked
     fa = [r for r in result.rows if r.model == model and r.kernel == "C++ _C.dsv3_fused_a_gemm"]
     assert fa and all(r.status == "off" and ("is_device_capability(90)" in r.evidence or "10.3" in r.evidence)
                       for r in fa), fa
@@ -126,6 +130,19 @@ def test_the_backend_registration_is_checked_at_register(monkeypatch):
         plugin.register()
     assert not plugin.STATE.originals and not plugin.STATE.registered
     plugin.reset()
+
+
+def test_recorded_kernel_inventory_is_what_the_audit_finds(result):
+    """The V3.2 / GLM-5 part of the inventory that ``audit-vllm --against`` diffs a new vLLM with."""
+    from dsv4_ops.vllm.audit import _against
+    from dsv4_ops.vllm.serve_graph import _scope
+
+    recorded = _against.load_inventory(_scope.evidence_release())
+    assert recorded, f"no kernel inventory recorded for vLLM {_scope.evidence_release()}"
+    want = {k: v for k, v in recorded["kernels"].items() if k.split("|", 1)[0] in NEW}
+    stale = sorted(set(want.items()) ^ set(_against.inventory(result).items()))
+    assert not stale, ("the recorded inventory differs (re-record it: python -m dsv4_ops.vllm.audit._against "
+                       "--record):\n" + "\n".join(f"{k}: {v}" for k, v in stale[:20]))
 
 
 def test_the_default_audit_still_means_v4_and_v41():

@@ -1,11 +1,13 @@
-"""``dsv4-ops audit-vllm``: vLLM 0.33.0's DeepSeek-V4/V4.1 serve path on sm_80, from evidence.
+"""``dsv4-ops audit-vllm``: vLLM's DeepSeek-V4/V4.1 serve path on sm_80, from evidence, on every
+supported vLLM release (``dsv4_ops.vllm.versions.SUPPORTED``; the installed one is audited).
 
 CI gate: no row of the default serve path (TP=8, PP=1, no MTP) is dead/unknown on sm_80 and
-unreplaced, except KNOWN_OPEN, which may only shrink. The full audit runs once per session and
-is cached by content (vLLM version + dsv4_ops.vllm sources), so `dsv4-ops check` in the same CI
-run reuses it. It compiles every TileLang warmup key: with TileLang's disk cache warm
-(~/.tilelang/cache) it takes minutes (importing vLLM, Triton AOT); cold, nvcc adds tens of
-minutes on 2 shared cores (docs/vllm_plugin.md).
+unreplaced, except KNOWN_OPEN, which may only shrink. The audit of a model runs once per vLLM
+release and source: its result is cached on disk per model by content (the vLLM source read +
+dsv4_ops.vllm sources), and a process that needs a model another one is auditing waits for that
+result (pytest-xdist workers, `dsv4-ops check` in the same CI run). It compiles every TileLang
+warmup key: with TileLang's disk cache warm (~/.tilelang/cache) it takes minutes (importing vLLM,
+Triton AOT); cold, nvcc adds tens of minutes on 2 shared cores (docs/vllm_plugin.md).
 """
 
 import logging
@@ -15,7 +17,7 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("vllm", reason="the audit needs vllm==0.33.0 (pip install dsv4-ops[test])")
+pytest.importorskip("vllm", reason="the audit needs vLLM (pip install dsv4-ops[test])")
 
 from dsv4_ops.vllm import audit  # noqa: E402
 from dsv4_ops.vllm import warmup  # noqa: E402
@@ -459,6 +461,30 @@ def test_v4_indexer_cutedsl_q_quant_warmup_is_covered_by_the_q_quant_patch():
         assert row and row.endswith("fused_indexer_q_rope_quant"), (name, row)
 
 
+_INV_ROPE = "vllm.models.deepseek_v4.common.ops.fused_inv_rope_fp8_quant"
+
+
+def test_inverse_rope_fp8_quant_is_replaced_for_the_warmup_and_the_audit(result):
+    """fused_inv_rope_fp8_quant (tl.float8e4nv) fails to compile for sm_80; vLLM registers it for
+    its JIT warmup, so every serve-path use must go through a patch row or startup aborts. From vLLM
+    0.34 it is reached through DeepseekV4GroupedWoA's two methods: those rows, and only those."""
+    from dsv4_ops.vllm import table
+
+    warmup._call_graph.cache_clear()
+    row = warmup.replaced_by(_INV_ROPE, "_FUSED_INV_ROPE_FP8_QUANT_KERNEL")
+    assert row, "the warm-up filter would keep a kernel that fails on sm_80"
+    grouped = {p.qualname for p in table.patches() if p.symbol.startswith("DeepseekV4GroupedWoA.")}
+    if grouped:
+        assert set(row.split(" + ")) == grouped, row
+    rows = [r for r in result.rows if r.kernel.endswith("._FUSED_INV_ROPE_FP8_QUANT_KERNEL") and r.path == "default"
+            and r.status != "off"]
+    assert rows and all(r.status == "dead" and "fp8e4nv" in r.evidence and r.patch for r in rows), rows
+    for r in rows:  # the audit names the rows of the model's own path; the filter, those of every model
+        if r.phase == "forward":
+            assert set(r.patch.split(" + ")) <= set(row.split(" + ")), (r.patch, row)
+            assert not grouped or set(r.patch.split(" + ")) == grouped, r.patch
+
+
 def test_warmup_coverage_is_the_same_once_the_patches_are_applied():
     """In a served process the rows are applied (module attributes are the replacements); the
     filter must still find vLLM's originals, or a kernel used only inside a replaced function of
@@ -467,7 +493,8 @@ def test_warmup_coverage_is_the_same_once_the_patches_are_applied():
 
     cases = [("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl", "_INDEXER_Q_FP8_KERNEL"),
              ("vllm.models.deepseek_v4.common.ops.fused_indexer_q", "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL"),
-             ("vllm.models.deepseek_v4.common.ops.cache_utils", "_DEQUANTIZE_AND_GATHER_K_CACHE_KERNEL")]
+             ("vllm.models.deepseek_v4.common.ops.cache_utils", "_DEQUANTIZE_AND_GATHER_K_CACHE_KERNEL"),
+             (_INV_ROPE, "_FUSED_INV_ROPE_FP8_QUANT_KERNEL")]
     warmup._call_graph.cache_clear()
     before = [warmup.replaced_by(m, n) for m, n in cases]
     assert all(before), before
@@ -568,9 +595,234 @@ def test_launch_recipe_is_refused_when_the_kernel_source_changed(monkeypatch, tm
     variants = (({"x_ptr": "*i32", "n": "i32"}, {"BLOCK": 128}),)
     good = _recipes.Recipe("dsv4_recipe_case._k", "test:1", sha, variants)
     stale = _recipes.Recipe("dsv4_recipe_case._k", "test:1", "0" * 16, variants)
-    monkeypatch.setattr(_recipes, "BY_KERNEL", {"dsv4_recipe_case._k": good})
-    specs, note = _recipes.specs_for("dsv4_recipe_case._k", jit)
+    specs, note = _recipes.specs_for("dsv4_recipe_case._k", jit, {"dsv4_recipe_case._k": good})
     assert len(specs) == 1 and list(specs[0].signature) == ["x_ptr", "n", "BLOCK"] and "test:1" in note
-    monkeypatch.setattr(_recipes, "BY_KERNEL", {"dsv4_recipe_case._k": stale})
-    specs, note = _recipes.specs_for("dsv4_recipe_case._k", jit)
+    specs, note = _recipes.specs_for("dsv4_recipe_case._k", jit, {"dsv4_recipe_case._k": stale})
     assert specs == [] and "stale" in note
+
+
+# ------------------------------------------------------------------ evidence per vLLM release
+
+def test_recipes_of_the_audited_release_match_its_kernels():
+    """Every launch recipe recorded for the installed release names a kernel of it whose source
+    is the one the recipe was read from (a stale recipe would leave its row unknown)."""
+    from dsv4_ops.vllm.audit import _recipes
+
+    recipes = _recipes.by_kernel()
+    assert recipes
+    for kernel, r in sorted(recipes.items()):
+        sha = _recipes.file_sha(kernel)
+        assert sha is not None, f"{kernel}: not in vLLM {_installed()} ({r.site})"
+        assert sha == r.src_sha, f"{kernel}: source changed since the recipe ({r.site})"
+
+
+def _installed():
+    from dsv4_ops.vllm.serve_graph import _scope
+
+    return _scope.evidence_release()
+
+
+def _per_release_patterns():
+    """(where, PerRelease) of every source pattern recorded per release, with the module it reads."""
+    from dsv4_ops.vllm.audit import _modules, _paths
+
+    out = [("vllm.model_executor.layers.fused_moe.router.gate_linear", p) for p in _modules._GATE_GUARDS
+           if isinstance(p, _paths.PerRelease)]
+    for checks in [c for _pat, c, _why in _paths._OFF_PATH_CHECKED] + \
+            [c for rules in _paths._OFF_PATH_CHECKED_BY_MODEL.values() for _pat, c, _why in rules]:
+        out += [(m, p) for m, rx in checks for p in rx if isinstance(p, _paths.PerRelease)]
+    return out
+
+
+def test_per_release_patterns_match_only_their_own_release():
+    """A pattern recorded per release matches the installed vLLM's source with the choice of its
+    release, and with no other release's choice (why it is recorded per release)."""
+    import re
+
+    from dsv4_ops.vllm.serve_graph import _scope, _source
+
+    pats = _per_release_patterns()
+    assert pats
+    rel = _installed()
+    for module, p in pats:
+        text = open(_source.module_path(module)).read()
+        hits = {str(releases): bool(re.search(rx, text, re.S)) for releases, rx in p.choices}
+        mine = [str(releases) for releases, _rx in p.choices if rel in releases]
+        assert [k for k, hit in hits.items() if hit] == mine, (module, hits)
+
+
+def test_evidence_of_a_release_applies_to_that_release_only():
+    from dsv4_ops.vllm import versions
+    from dsv4_ops.vllm.serve_graph import _scope
+
+    newer = ".".join(str(p + (i == 1)) for i, p in enumerate(versions.key(versions.NEWEST_DIFFED)))
+    assert _scope.evidence_release(newer) == versions.NEWEST_DIFFED  # a later release reads the newest evidence
+    for rel in versions.SUPPORTED:
+        assert _scope.evidence_release(rel) == rel and _scope.evidence_release(rel + ".post1") == rel
+        choices = {_scope.until(rel): "old", _scope.since(newer): "unreleased"}
+        assert _scope.for_release(choices, rel) == "old"
+        assert newer not in _scope.until(rel) and rel not in _scope.since(newer)
+    with pytest.raises(KeyError):  # evidence read from an unsupported release never applies to a supported one
+        _scope.for_release({_scope.since(newer): "unreleased"}, versions.SUPPORTED[0])
+
+
+def _defined(module: str, name: str) -> bool:
+    """Whether ``module`` of the installed vLLM defines ``name`` (read from source, not imported)."""
+    import re
+
+    from dsv4_ops.vllm.serve_graph import _source
+
+    path = _source.module_path(module)
+    return bool(path) and bool(re.search(rf"^(?:def |class )?{re.escape(name)}\b", open(path).read(), re.M))
+
+
+_DSA = "vllm.model_executor.kernels.attention.dsa"
+# Kernels that vLLM 0.34 added to the serve paths, each decided by its own evidence wherever the
+# installed vLLM has it: (model, phase, kernel, defining module, status, words of the evidence).
+NEW_KERNELS = (
+    ("v4", "forward", f"{_DSA}.dcp_topk_direct._push_candidates_kernel", f"{_DSA}.dcp_topk_direct", "off",
+     "decode context parallel size is > 1"),
+    ("v41", "forward", f"{_DSA}.dcp_topk_direct._push_candidates_kernel", f"{_DSA}.dcp_topk_direct", "off",
+     "decode context parallel size is > 1"),
+    ("v4", "forward", "C++ _C.fused_mqa_topk_prefill", f"{_DSA}.fused_mqa_topk", "off",
+     "is_device_capability_family(100)"),
+    ("v41", "jit-warmup", "vllm.models.deepseek_v41.attention._pad_interleaved_q", "vllm.models.deepseek_v41.attention",
+     "runs", "AOT sm_80 ok"),
+    ("v41", "forward", "vllm.models.deepseek_v41.nvidia.ops.mhc._hc_expand_kernel",
+     "vllm.models.deepseek_v41.nvidia.ops.mhc", "runs", "from the recipe read at"),
+    ("v41", "forward", "vllm.models.deepseek_v4.attention.fill_short_context_topk_indices",
+     "vllm.models.deepseek_v4.attention", "runs", "from the recipe read at"),
+)
+
+
+@pytest.mark.parametrize("model,phase,kernel,module,status,words", NEW_KERNELS,
+                         ids=[f"{k[0]}-{k[2].rsplit('.', 1)[-1]}" for k in NEW_KERNELS])
+def test_new_kernels_are_decided_by_their_evidence(result, model, phase, kernel, module, status, words):
+    rows = [r for r in result.rows if r.model == model and r.path == "default" and r.phase == phase
+            and r.kernel == kernel]
+    name = kernel.rsplit(".", 1)[-1]
+    assert bool(rows) == _defined(module, name), (kernel, rows)  # rows exactly where vLLM has it
+    for r in rows:
+        assert r.status == status and words in r.evidence and not r.open, r
+
+
+# ------------------------------------------------------------------ the kernel inventory and --against
+
+def test_recorded_kernel_inventory_is_what_the_audit_finds(result):
+    """``audit-vllm --against`` diffs a new vLLM's kernels with the inventory recorded for the
+    newest supported release; the recorded one must be what the audit finds on its release."""
+    from dsv4_ops.vllm.audit import _against
+
+    recorded = _against.load_inventory(_installed())
+    assert recorded, f"no kernel inventory recorded for vLLM {_installed()}"
+    want = {k: v for k, v in recorded["kernels"].items() if k.split("|", 1)[0] in audit.MODELS}
+    got = _against.inventory(result)
+    stale = sorted(set(want.items()) ^ set(got.items()))
+    assert not stale, ("the recorded inventory differs (re-record it: python -m dsv4_ops.vllm.audit._against "
+                       "--record):\n" + "\n".join(f"{k}: {v}" for k, v in stale[:20]))
+    assert any(got.values()), "no kernel of the inventory has a source hash"
+
+
+def test_kernel_diff_names_new_changed_and_gone_kernels(result):
+    from dsv4_ops.vllm.audit import _against
+
+    inv = _against.inventory(result)
+    keyed = [k for k, v in inv.items() if v]
+    added, edited = keyed[0], keyed[1]
+    recorded = {k: v for k, v in inv.items() if k != added}
+    recorded[edited] = "0" * 16
+    gone = "v4|default|forward|vllm.fake._GONE_KERNEL|vllm.fake:f"
+    recorded[gone] = "1" * 16
+    diff = _against.diff_inventory(result, recorded, audit.MODELS)
+    assert [_against.inventory_key(r) for r in diff.new] == [added]
+    assert [_against.inventory_key(r) for r in diff.changed] == [edited]
+    assert diff.removed == [gone] and diff
+    assert not _against.diff_inventory(result, inv, audit.MODELS)
+    rep = _against.Report("x.whl", result.vllm, _installed(), 0, [], result, audit.MODELS, diff, True)
+    text = _against.format_report(rep)
+    assert rep.found and "1 new, 1 changed source, 1 gone" in text and added.split("|")[3] in text
+
+
+def _mirror(src: str, dst: str, real: tuple) -> None:
+    """``src`` seen through links, with the directories ``real`` (relative, '.' the top) made real
+    so that files in them can be replaced without touching the installed vLLM; every other entry
+    links to the installed one (its compiled bytecode is reused, never rewritten)."""
+    for rel in real:
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for entry in os.listdir(os.path.join(src, rel)):
+            if entry == "__pycache__" or os.path.normpath(os.path.join(rel, entry)) in map(os.path.normpath, real):
+                continue
+            os.symlink(os.path.join(src, rel, entry), os.path.join(dst, rel, entry))
+
+
+def _replace(tree: str, rel: str, text: str) -> None:
+    path = os.path.join(tree, rel)
+    if os.path.lexists(path):
+        os.unlink(path)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_against_a_source_tree_finds_the_rows_it_breaks(tmp_path):
+    """``audit-vllm --against <tree>`` on a copy of the installed vLLM in which DeepGEMM's MQA
+    logits gained a parameter and a new module imports them by name: the table check names exactly
+    those two mismatches (the copy is otherwise the installed release, whose table fits)."""
+    import vllm
+
+    from dsv4_ops.vllm.audit import _against
+
+    src = os.path.dirname(os.path.abspath(vllm.__file__))
+    tree = tmp_path / "tree" / "vllm"
+    _mirror(src, str(tree), (".", "utils"))
+    dg = open(os.path.join(src, "utils", "deep_gemm.py")).read()
+    head = "def fp8_fp4_mqa_logits("
+    assert dg.count(head) == 1
+    _replace(str(tree), "utils/deep_gemm.py", dg.replace(head, head + "dsv4_test_new_arg, ", 1))
+    _replace(str(tree), "dsv4_test_caller.py", "from vllm.utils.deep_gemm import fp8_fp4_mqa_logits\n\n\n"
+                                               "def logits(*args):\n    return fp8_fp4_mqa_logits(*args)\n")
+    rep = _against.against(str(tree.parent), models=())
+    assert rep.release == _installed() and rep.table_rows > 0
+    sig = [p for p in rep.table if "fp8_fp4_mqa_logits has parameters" in p and "dsv4_test_new_arg" in p]
+    byname = [p for p in rep.table if p.startswith("vllm.dsv4_test_caller imports fp8_fp4_mqa_logits by name")]
+    assert sig and byname and len(rep.table) == len(sig) + len(byname), rep.table
+    assert rep.found and "FOUND: " in _against.format_report(rep)
+
+
+def test_against_refuses_what_is_not_a_vllm_tree(tmp_path):
+    from dsv4_ops.vllm.audit import _against
+
+    with pytest.raises(audit.AuditError, match="neither a vLLM wheel"):
+        _against.unpack(str(tmp_path))
+
+
+# ------------------------------------------------------------------ one audit run per model
+
+def test_each_model_is_audited_once_across_sets_and_processes(tmp_path, monkeypatch):
+    """Concurrent runs (pytest-xdist workers, `dsv4-ops check`) and any set of models reuse each
+    model's result: the worker runs once per model, whoever asks first."""
+    import threading
+    import time
+    from collections import Counter
+
+    calls = []
+
+    def worker(models, arch, jobs, timeout, modules, env):
+        calls.append(tuple(models))
+        time.sleep(0.3)  # the second run arrives while the first is still working
+        return {"vllm": "x", "arch": arch, "notes": [f"ran {','.join(models)}"],
+                "rows": [dict(model=m, path="default", phase="forward", kernel=f"k_{m}", tech="Triton", location="l",
+                              status="runs", evidence="e", patch="") for m in models]}
+
+    monkeypatch.setenv("DSV4_OPS_CACHE", str(tmp_path))
+    monkeypatch.setattr(audit, "_worker", worker)
+    got = {}
+    threads = [threading.Thread(target=lambda ms=ms: got.__setitem__(ms, audit.run(ms)))
+               for ms in (("v4", "v41"), ("v4",), ("v41", "v4"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Counter(m for c in calls for m in c) == Counter({"v4": 1, "v41": 1}), calls
+    for ms, res in got.items():
+        assert [r.model for r in res.rows] == list(ms)
+    assert [r.model for r in audit.run(("v41",)).rows] == ["v41"] and len(calls) <= 2

@@ -1,6 +1,9 @@
 """``dsv4-ops`` (also ``python -m dsv4_ops``): check this machine, run the benchmarks.
 
-  dsv4-ops check   environment, op table, AOT sm_80/86 table, numeric self-test; exit 1 on a failure
+  dsv4-ops check   environment, op table, AOT sm_80/86 table, numeric self-test, vLLM serve-path
+                   audit; exit 1 on a failure or an open audit row
+  dsv4-ops audit-vllm [--against <vLLM wheel or source tree>]  every kernel of vLLM's DeepSeek serve
+                   paths on sm_8x; --against: what a vLLM that is not installed breaks
   dsv4-ops bench   the benchmarks (needs a CUDA GPU and a source checkout)
   dsv4-ops doctor  this host against a vLLM deployment (driver, GPUs, /dev/shm, sampler JIT, NVLink, quant layout, Engram, PP, ...)
   dsv4-ops tune    measure the decode plans on this GPU and write its decode table (dsv4_ops.tools.tune)
@@ -13,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+from typing import Tuple
 
 
 def _environment() -> str:
@@ -60,36 +64,64 @@ def cmd_check(args) -> int:
     print(selftest.format_rows(rows))
     failures += sum(not r["ok"] for r in rows)
     print("\n== vLLM serve-path audit (dsv4-ops audit-vllm)")
-    print(_audit_summary(args))
+    text, failed = _audit_summary(args)
+    print(text)
+    failures += failed
     print(f"\n{'FAILED: %d check(s)' % failures if failures else 'all checks passed'}")
     return 1 if failures else 0
 
 
-def _audit_summary(args) -> str:
-    """One line: the audit's counts, or why it did not run (it never fails `check`)."""
+def _audit_summary(args) -> Tuple[str, int]:
+    """(text, failures): the audit's counts for every model it knows and each open row (each a
+    failure), a failure when it could not run, or why it was skipped (no vLLM, --skip-audit)."""
     from ..vllm import audit
 
     if audit.vllm_installed() is None:
-        return "vLLM not installed: skipped"
+        return "vLLM not installed: skipped", 0
     if getattr(args, "skip_audit", False):
-        return "skipped (--skip-audit)"
+        return "skipped (--skip-audit)", 0
     try:
-        return audit.summary_line(audit.run())
-    except Exception as exc:  # noqa: BLE001 - the audit is informative here
-        return f"could not run: {exc}"[:300]
+        res = audit.run(audit.ALL_MODELS)
+    except Exception as exc:  # noqa: BLE001 - reported as the failure it is
+        return f"FAIL: the audit could not run: {exc}"[:600], 1
+    opened = res.open_rows()
+    lines = [audit.version_line(res), audit.summary_line(res)]
+    lines += [f"FAIL: open row {r.ident} ({r.location}): {r.status}: {r.evidence[:160]}" for r in opened]
+    return "\n".join(lines), len(opened)
 
 
 def cmd_audit_vllm(args) -> int:
-    """Table of every kernel on vLLM's DeepSeek-V4/V4.1 serve path on sm_<arch>; exit 1 when a
-    default-path row is dead or unknown and not replaced, 2 when vLLM is missing."""
+    """Table of every kernel on vLLM's DeepSeek serve paths on sm_<arch>; exit 1 when a
+    default-path row is dead or unknown and not replaced, 2 when vLLM is missing. With
+    ``--against``: the same for a vLLM wheel or source tree that is not installed, plus the patch
+    table's mismatches and the kernels new or changed since the newest supported release."""
     import json
 
     from ..vllm import audit
 
+    if args.against and not args.model_given:
+        args.model = "all"
+    models = {"both": audit.MODELS, "all": audit.ALL_MODELS}.get(args.model, (args.model,))
+    if args.against:
+        from ..vllm.audit import _against
+
+        try:
+            rep = _against.against(args.against, models, arch=args.arch)
+        except audit.AuditError as exc:
+            print(f"dsv4-ops audit-vllm --against: {exc}")
+            return 2
+        if args.json:
+            print(json.dumps({"vllm": rep.vllm, "release": rep.release, "table": rep.table,
+                              "open": [r.__dict__ for r in rep.result.open_rows()],
+                              "new": [r.__dict__ for r in rep.kernels.new],
+                              "changed": [r.__dict__ for r in rep.kernels.changed],
+                              "gone": rep.kernels.removed, "notes": rep.result.notes}, indent=1))
+        else:
+            print(_against.format_report(rep, details=args.details))
+        return 1 if rep.found else 0
     if audit.vllm_installed() is None:
-        print("dsv4-ops audit-vllm needs vLLM 0.33.0 (pip install 'dsv4-ops[vllm]'); vLLM is not installed.")
+        print("dsv4-ops audit-vllm needs vLLM (pip install 'dsv4-ops[vllm]'); vLLM is not installed.")
         return 2
-    models = audit.MODELS if args.model == "both" else (args.model,)
     res = audit.run(models, arch=args.arch)
     if args.json:
         print(json.dumps({"vllm": res.vllm, "arch": res.arch, "version_note": audit.version_line(res),
@@ -172,11 +204,17 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="environment, op table, AOT sm_80/86, numeric self-test")
     c.add_argument("--skip-aot", action="store_true", help="skip the AOT sm_80/86 compile table")
     c.add_argument("--skip-audit", action="store_true", help="skip the vLLM serve-path audit summary")
-    a = sub.add_parser("audit-vllm", help="which kernels of vLLM's DeepSeek-V4/V4.1 serve path run on sm_8x")
-    a.add_argument("--model", choices=("v4", "v41", "both", "v32", "glm5"), default="both",
-                   help="both: DeepSeek-V4 and V4.1 (what CI runs); v32: DeepSeek-V3.2; glm5: GLM-5")
+    a = sub.add_parser("audit-vllm", help="which kernels of vLLM's DeepSeek serve paths run on sm_8x")
+    a.add_argument("--model", choices=("v4", "v41", "both", "v32", "glm5", "all"), default=None,
+                   help="both (default): DeepSeek-V4 and V4.1; v32: DeepSeek-V3.2; glm5: GLM-5; all: the four "
+                        "(the default with --against)")
     a.add_argument("--arch", type=int, choices=(80, 86), default=80)
     a.add_argument("--json", action="store_true")
+    a.add_argument("--against", metavar="WHEEL_OR_TREE", default=None,
+                   help="a vLLM wheel (.whl) or unpacked source tree that is not installed: report the patch-table "
+                        "rows it breaks, the audit's open rows on it and the kernels new or changed since the "
+                        "newest supported release; exit 1 when anything is found")
+    a.add_argument("--details", action="store_true", help="with --against: also print the full audit table")
     b = sub.add_parser("bench", help="run the benchmarks (CUDA GPU)")
     b.add_argument("--out", default=os.path.join(_bench_dir(), "results"))
     b.add_argument("--quick", action="store_true")
@@ -212,6 +250,9 @@ def main(argv=None) -> int:
     tu.add_argument("--budget", type=float, default=0.0, help="stop starting shapes after S seconds (0: none; "
                                                               "--quick: 75)")
     args = p.parse_args(argv)
+    if args.cmd == "audit-vllm":
+        args.model_given = args.model is not None
+        args.model = args.model or "both"
     return {"check": cmd_check, "bench": cmd_bench, "audit-vllm": cmd_audit_vllm,
             "pp-partition": cmd_pp_partition, "doctor": cmd_doctor, "tune": cmd_tune}[args.cmd](args)
 

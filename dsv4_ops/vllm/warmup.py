@@ -138,8 +138,8 @@ def filter_registrations(registry: Any) -> None:
     fails to compile on this GPU and is replaced; log an error for one that fails and is not."""
     regs = getattr(registry, "_registrations", None)
     if not isinstance(regs, dict):
-        raise RuntimeError("dsv4_ops: vLLM's JitWarmupRegistry has no `_registrations` dict (a vLLM other "
-                           "than 0.33.0?); the sm_8x JIT-warmup filter cannot run")
+        raise RuntimeError("dsv4_ops: vLLM's JitWarmupRegistry has no `_registrations` dict (a vLLM release "
+                           "this plugin was not checked against?); the sm_8x JIT-warmup filter cannot run")
     config = getattr(registry, "vllm_config", None)
     for kernel in list(regs):
         kept = []

@@ -18,7 +18,7 @@ Each row is decided from one of three kinds of evidence, named in its ``evidence
   ``aot.compile_spec`` for ``GPUTarget('cuda', arch, 32)``.
 
 What the selected path is (which op a layer's ``forward_cuda`` calls) was read from vLLM
-0.33.0's source and is written next to each probe with its file; the status is never written
+0.33.0's and 0.34.0's source and is written next to each probe with its file; the status is never written
 down, it comes from the evidence.
 """
 
@@ -29,7 +29,9 @@ import os
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..serve_graph._scope import since, until
 from . import _config, _native
+from ._paths import PerRelease
 
 RUNS, DEAD, UNKNOWN = "runs", "dead", "unknown"
 _SITE = "site-packages"
@@ -176,7 +178,7 @@ def _both(*parts: Tuple[Optional[bool], str]) -> Tuple[Optional[bool], str]:
 
 # ------------------------------------------------------------------ linears
 
-# The kernel each selectable linear class launches on CUDA (read from vLLM 0.33.0):
+# The kernel each selectable linear class launches on CUDA (read from vLLM 0.33.0 and 0.34.0):
 # scaled_mm/marlin.py and mxfp8/marlin.py -> ops.marlin_gemm (torch.ops._C.marlin_gemm, C++ template
 # marlin::Marlin); mxfp8/emulation.py -> dequantize to bf16 at load, torch matmul (cuBLAS).
 _LINEAR_KERNELS = {
@@ -447,14 +449,18 @@ def moe_rows(model: str, arch: int) -> List[dict]:
     return out
 
 
-_GATE_GUARDS = (  # vLLM 0.33.0 fused_moe/router/gate_linear.py: every tier before cuBLAS needs sm_90/sm_100
+# fused_moe/router/gate_linear.py: every tier before cuBLAS needs sm_90/sm_100 (is_hopper / is_blackwell)
+_GATE_GUARDS = (
     r"can_use_specialized_kernels = \(\s*current_platform\.is_cuda\(\)\s*and \(is_hopper or is_blackwell\)",
     r"is_hopper = current_platform\.is_device_capability\(\(9, 0\)\)",
     r"is_blackwell = current_platform\.is_device_capability_family\(100\)",
     r"current_platform\.is_cuda\(\)\s*and \(is_hopper or is_blackwell\)\s*and \(input_size, output_size\) in",
     r"self\.allow_ll_bf16_gemm = False\s*self\.allow_ll_fp32w_gemm = False\s*if can_use_specialized_kernels:",
     r"self\.allow_rocm_bf16x3_router_gemm = \(\s*self\._rocm_bf16x3_weight_eligible",
-    r"and current_platform\.is_cuda\(\)\s*and is_blackwell\s*and input_size % 8 == 0",
+    # the bf16x3 tier: SM100 only in 0.33, SM90 or SM100 from 0.34
+    PerRelease(((until("0.33.0"), r"and current_platform\.is_cuda\(\)\s*and is_blackwell\s*and input_size % 8 == 0"),
+                (since("0.34.0"), r"and current_platform\.is_cuda\(\)\s*and \(is_hopper or is_blackwell\)\s*"
+                                  r"and input_size % 8 == 0"))),
     r"self\.allow_cublas_router_gemm = \(\s*self\._router_gemm_cublas_capable\s*and self\.weight\.dtype == torch\.bfloat16",
     r"output = torch\.mm\(x, self\.weight\.T, out_dtype=torch\.float32\)",
 )
@@ -468,7 +474,8 @@ def _gate_tier(arch: int) -> Tuple[str, Optional[bool], str]:
 
     path = _source.module_path("vllm.model_executor.layers.fused_moe.router.gate_linear")
     text = open(path).read() if path else ""
-    missing = [g for g in _GATE_GUARDS if not re.search(g, text)]
+    missing = [g for g in (p.pick() if isinstance(p, PerRelease) else p for p in _GATE_GUARDS)
+               if not re.search(g, text)]
     if missing or arch >= 90:
         return "?", None, f"GateLinear guards not as recorded (re-read gate_linear.py): {missing[:1]}"
     return ("torch.mm bf16 -> fp32 (cuBLAS)", True,

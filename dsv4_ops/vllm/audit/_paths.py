@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
 
 from ..serve_graph import _scope
 from ..serve_graph._scope import V32_FAMILY
@@ -71,31 +74,70 @@ _OFF_PATH_NAMES: Tuple[Tuple[str, str], ...] = (
 )
 
 
-# Off the NVIDIA path because of a branch in vLLM's source, each with the source pattern that
-# shows it: (name pattern, module, regex that must still match that module's source, why). When
-# vLLM changes the branch, the regex stops matching and the kernels are audited again.
-_OFF_PATH_CHECKED: Tuple[Tuple[str, str, Tuple[str, ...], str], ...] = (
+# Off the NVIDIA path because of a branch in vLLM's source, each with the source patterns that
+# show it: (name pattern, ((module, patterns), ...), why). A pattern is a regex that must match the
+# module's source, or (regex, n): it must match exactly n times (every call site is accounted for).
+# When vLLM changes the branch, a pattern stops matching and the kernels are audited again.
+_SAI = "vllm.model_executor.layers.sparse_attn_indexer"
+_OFF_PATH_CHECKED: Tuple[Tuple[str, Tuple[Tuple[str, tuple], ...], str], ...] = (
     (r"^(_compress_gather_split_sparse_attn|_finalize_norm_rope_quant_store_sparse_attn|"
      r"_launch_two_stage_sparse_attn_compressor|compress_norm_rope_store_two_stage_triton)$",
-     "vllm.models.deepseek_v4.compressor",
-     (r"if current_platform\.is_cuda\(\) and self\.head_dim == 512:(?:(?!\n        else:).)*?"
-      r"\n        elif self\._use_two_stage_fused_compressor:",
-      r"self\._use_two_stage_fused_compressor = \(\s*_prefer_two_stage_compressor\(\) and head_dim == 512"),
+     (("vllm.models.deepseek_v4.compressor",
+       (r"if current_platform\.is_cuda\(\) and self\.head_dim == 512:(?:(?!\n        else:).)*?"
+        r"\n        elif self\._use_two_stage_fused_compressor:",
+        r"self\._use_two_stage_fused_compressor = \(\s*_prefer_two_stage_compressor\(\) and head_dim == 512")),),
      "two-stage Triton compressor: DeepseekCompressor picks it only in the `elif` after "
      "`if current_platform.is_cuda() and self.head_dim == 512` (CuTeDSL), and it requires head_dim == 512: "
      "never on NVIDIA (deepseek_v4/compressor.py)"),
+    # vLLM 0.34: the direct (symmetric-memory) DCP top-k merge.
+    (r"^(_push_candidates_kernel|DirectDCPTopKWorkspace|get_direct_dcp_topk_workspace)$",
+     (("vllm.model_executor.kernels.attention.dsa.dcp_topk_direct",
+       ((r"\b_push_candidates_kernel\[", 1), (r"(?<!class )\bDirectDCPTopKWorkspace\(", 1),
+        r"\ndef get_direct_dcp_topk_workspace\(")),
+      (_SAI,
+       ((r"\b_get_direct_dcp_topk_workspace\(", 3),  # its def and the two calls below
+        (r"\bget_direct_dcp_topk_workspace\b", 2),    # the import inside it and its call
+        r"\ndef _merge_dcp_topk_global\((?:(?!\ndef ).)*?\n    if dcp_world_size <= 1:\n        return\n"
+        r"(?:(?!\ndef ).)*?workspace = _get_direct_dcp_topk_workspace\(",
+        r"\n        self\.dcp_world_size = parallel_config\.decode_context_parallel_size\n",
+        r"\n        if \(\n            self\.dcp_world_size > 1\n(?:            and [^\n]+\n)+        \):\n"
+        r"(?:(?!\n        if ).)*?workspace = _get_direct_dcp_topk_workspace\(")),
+      ("vllm.config.parallel", (r"\n    decode_context_parallel_size: int = (?:1|Field\(default=1,[^\n]*)\n",))),
+     "direct DCP top-k merge (symmetric-memory candidate exchange): DirectDCPTopKWorkspace is built only by "
+     "get_direct_dcp_topk_workspace, called only through _get_direct_dcp_topk_workspace, whose two callers "
+     "(SparseAttnIndexer.__init__ and _merge_dcp_topk_global) run it only when the decode context parallel "
+     "size is > 1 (default 1: vllm/config/parallel.py; model_executor/layers/sparse_attn_indexer.py, "
+     "kernels/attention/dsa/dcp_topk_direct.py)"),
 )
 
 
+@dataclass(frozen=True)
+class PerRelease:
+    """A pattern that differs between vLLM releases: ((Releases, pattern), ...); the audit reads
+    the one recorded for the release whose evidence applies (``_scope.evidence_release``)."""
+
+    choices: Tuple[Tuple[_scope.Releases, Any], ...]
+
+    def pick(self):
+        return _scope.for_release(dict(self.choices))
+
+
+def _source_matches(module: str, patterns: tuple) -> bool:
+    """Whether every pattern holds in ``module``'s source: a regex matches, or a (regex, n) pair
+    matches exactly n times; a ``PerRelease`` pattern is the one of the audited release."""
+    return _matches(module, tuple(p.pick() if isinstance(p, PerRelease) else p for p in patterns))
+
+
 @functools.lru_cache(maxsize=None)
-def _source_matches(module: str, patterns: Tuple[str, ...]) -> bool:
+def _matches(module: str, patterns: tuple) -> bool:
     from ..serve_graph import _source
 
     path = _source.module_path(module)
     if not path:
         return False
     text = open(path).read()
-    return all(re.search(p, text, re.S) for p in patterns)
+    return all(len(re.findall(p[0], text, re.S)) == p[1] if isinstance(p, tuple) else re.search(p, text, re.S)
+               for p in patterns)
 
 
 # Per model, as _OFF_PATH_CHECKED: (name pattern, ((module, regexes), ...), why).
@@ -121,8 +163,18 @@ _OFF_PATH_CHECKED_BY_MODEL = {m: (
       ("vllm.model_executor.layers.attention.mla_attention",
        (r"if self\.impl\.is_sparse and not \(\n\s*self\.impl\.supports_dense_mha_prefill and "
         r"self\.supports_dense_mha_prefill\n\s*\):\n(?:[^\n]*\n){0,5}?\s*self\.prefill_backend = None\n",
-        r"def _use_sparse_mha\(self, attn_metadata: \"MLACommonMetadata\"\) -> bool:\n\s*if self\.hisparse_cache is not None:"
-        r"\n\s*return False\n\s*prefill = attn_metadata\.prefill\n\s*if prefill is None:\n\s*return False\n")),
+        PerRelease((
+            (_scope.until("0.33.0"),
+             r"def _use_sparse_mha\(self, attn_metadata: \"MLACommonMetadata\"\) -> bool:\n\s*if self\.hisparse_cache "
+             r"is not None:\n\s*return False\n\s*prefill = attn_metadata\.prefill\n\s*if prefill is None:\n"
+             r"\s*return False\n"),
+            # 0.34: a ShardQ step returns False before the prefill check (SparseMLACommonImpl.supports_shardq is False)
+            (_scope.since("0.34.0"),
+             r"def _use_sparse_mha\(self, attn_metadata: \"MLACommonMetadata\"\) -> bool:\n\s*if self\.hisparse_cache "
+             r"is not None:\n\s*return False\n\s*# ShardQ[^\n]*\n\s*if getattr\(attn_metadata, \"shardq\", None\) "
+             r"is not None:\n\s*return False\n\s*prefill = attn_metadata\.prefill\n\s*if prefill is None:\n"
+             r"\s*return False\n"),
+        )))),
       (_SMA, (r"layer_prefill_backend\.clone\(\) if layer_prefill_backend is not None else None",
               r"if num_prefills > 0 and self\._prefill_backend is not None:")),
       ("vllm.models.deepseek_v32.attention",
@@ -167,8 +219,8 @@ def off_path(name: str) -> Optional[str]:
     for pattern, why in _OFF_PATH_NAMES:
         if re.search(pattern, name):
             return why
-    for pattern, module, source, why in _OFF_PATH_CHECKED:
-        if re.search(pattern, name) and _source_matches(module, source):
+    for pattern, checks, why in _OFF_PATH_CHECKED:
+        if re.search(pattern, name) and all(_source_matches(m, rx) for m, rx in checks):
             return why
     for pattern, checks, why in _OFF_PATH_CHECKED_BY_MODEL.get(_scope.CURRENT_MODEL, ()):
         if re.search(pattern, name) and all(_source_matches(m, rx) for m, rx in checks):
@@ -190,8 +242,10 @@ _MHC = {"hc_mult": (4,), "rms_eps": (1e-6,), "hc_eps": (1e-6,), "hc_pre_eps": (1
 LAYER_VALUES = {
     "v4": dict(_MHC, head_dim=(512, 128), compress_ratio=(4, 128), window_size=(128,), block_size=(256,),
                hidden_size=(4096,)),
+    # V4.1 from 0.34: _pad_interleaved_q registers only when 32 live heads pad to 64 (its power-of-two
+    # chunk widths; deepseek_v41/attention.py `_pads_q_by_copy`), in the model dtype (bf16)
     "v41": dict(_MHC, head_dim=(512,), compress_ratio=(1, 2), window_size=(128,), block_size=(128,),
-                hidden_size=(5120,)),
+                hidden_size=(5120,), live_heads=(32,), padded_heads=(64,), dtype=(torch.bfloat16,)),
     # V3.2 / GLM-5: 64-token blocks, rows aligned to the block (customize_spec -> align_blocks_to_rows)
     "v32": dict(block_size=(64,), block_stride_rows=(64,), hidden_size=(7168,)),
     "glm5": dict(block_size=(64,), block_stride_rows=(64,), hidden_size=(6144,)),

@@ -4,7 +4,9 @@
 A recipe never decides a status: the audit compiles the kernel with it for the target arch
 (``aot.compile_spec``), and the compile is the evidence. Each recipe records the launch site it
 was read from and a hash of the kernel's source; when vLLM changes the kernel, the hash no longer
-matches and the row goes back to unknown ("stale recipe") instead of trusting old inputs.
+matches and the row goes back to unknown ("stale recipe") instead of trusting old inputs. A recipe
+holds for the vLLM releases it was read from (``releases``); the audit uses those of the release
+whose evidence applies (``serve_graph._scope.evidence_release``).
 
 ``sig``: every non-constexpr parameter -> Triton type ('*fp32', '*i32', 'i32', ...); a pointer
 that the launch site may pass as ``None`` has a variant with it as a None constexpr.
@@ -18,6 +20,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from ..serve_graph._scope import ANY, Releases, evidence_release, since, until
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -28,6 +32,7 @@ class Recipe:
     num_warps: int = 4
     num_stages: int = 3
     note: str = ""
+    releases: Releases = ANY       # the vLLM releases it was read from
 
 
 def _v(sig: Dict[str, str], consts: Dict[str, object]):
@@ -74,12 +79,20 @@ RECIPES: Tuple[Recipe, ...] = (
     Recipe("vllm.models.deepseek_v4.attention._fill_short_context_topk_indices",
            "vllm/models/deepseek_v4/attention.py:1135", "93e41bcb2e8e265c",
            (_v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=4, PADDED_TOP_K=512)),),
-           num_warps=8),
+           num_warps=8, releases=until("0.33.0")),
     Recipe("vllm.models.deepseek_v41.attention._fill_short_context_topk_indices",
            "vllm/models/deepseek_v41/attention.py:1574", "93e41bcb2e8e265c",
            (_v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=1, PADDED_TOP_K=512)),
             _v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=2, PADDED_TOP_K=512))),
-           num_warps=8),
+           num_warps=8, releases=until("0.33.0")),
+    # 0.34 renamed it (no underscore) and V4.1 launches V4's: one kernel, V4's ratio 4 and V4.1's 1 and 2.
+    Recipe("vllm.models.deepseek_v4.attention.fill_short_context_topk_indices",
+           "vllm/models/deepseek_v4/attention.py:1092 and vllm/models/deepseek_v41/attention.py:1630",
+           "851b0d720f15df2a",
+           tuple(_v({"output": "*i32", "positions": "*i64"}, dict(TOP_K=512, COMPRESS_RATIO=r, PADDED_TOP_K=512))
+                 for r in (4, 1, 2)),
+           num_warps=8, releases=since("0.34.0"),
+           note="topk_indices_buffer int32, positions int64; compress ratios 4 (V4), 1 and 2 (V4.1)"),
     # V4.1 decode top-k -> global slots (called by vLLM's _forward_decode and by the plugin's Ampere
     # decode, dsv4_ops/vllm/attention.py): topk_indices = topk_indices_buffer[:T] int32 [T, index_topk
     # 512] (stride 512), global indices empty_like it; topk_lens int32; token_to_req_indices int32 and
@@ -129,7 +142,23 @@ RECIPES: Tuple[Recipe, ...] = (
            (_v({"q": "*bf16", "kv": "*bf16", "qw": "*bf16", "kvw": "*bf16", "qo": "*fp8e4nv", "kvo": "*bf16",
                 "scales": "*u8", "num_tokens": "i32", "q_stride": "i32", "kv_stride": "i32", "eps": "fp32"},
                dict(Q_SIZE=1280, KV_SIZE=512, BLOCK=2048, LAUNCH_PDL=False)),),
-           num_warps=8, note="qo = torch.empty(..., dtype=torch.float8_e4m3fn) (query_quant.py:103)"),
+           num_warps=8, note="qo = torch.empty(..., dtype=torch.float8_e4m3fn) (query_quant.py:103)",
+           releases=until("0.33.0")),
+    Recipe("vllm.models.deepseek_v41.common.ops.query_quant._q_kv_norm_quant_kernel",
+           "vllm/models/deepseek_v41/common/ops/query_quant.py:125", "087eaaca445ff2be",
+           (_v({"q": "*bf16", "kv": "*bf16", "qw": "*bf16", "kvw": "*bf16", "qo": "*fp8e4nv", "kvo": "*bf16",
+                "scales": "*u8", "num_tokens": "i32", "q_stride": "i32", "kv_stride": "i32", "eps": "fp32"},
+               dict(Q_SIZE=1280, KV_SIZE=512, BLOCK=2048, LAUNCH_PDL=False, TRIGGER_FIRST=False)),),
+           num_warps=8, note="qo = torch.empty(..., dtype=torch.float8_e4m3fn) (query_quant.py:116); PDL is "
+                             "sm_90+ (is_arch_support_pdl), so LAUNCH_PDL and TRIGGER_FIRST are False",
+           releases=since("0.34.0")),
+    # V4.1's first decoder layer broadcasts the embedding output (bf16 [T, hidden]) to hc_mult copies
+    # (nvidia/model.py:546): x bf16 with strides (hidden, 1) as constexprs, out = x.new_empty, numel i32.
+    Recipe("vllm.models.deepseek_v41.nvidia.ops.mhc._hc_expand_kernel",
+           "vllm/models/deepseek_v41/nvidia/ops/mhc.py:352", "c61a87672815ba63",
+           (_v({"x": "*bf16", "out": "*bf16", "numel": "i32"},
+               dict(H=5120, N=4, STRIDE_M=5120, STRIDE_H=1, BLOCK=1024)),),
+           note="hidden 5120, hc_mult 4 (V4.1-Flash config)", releases=since("0.34.0")),
     Recipe("vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache._save_ring_rows_kernel",
            "vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py:251", "225b1ad86cec3ae6",
            (_v({"rows": "*fp32", "slot_mapping": "*i64", "state": "*fp32"},
@@ -168,7 +197,7 @@ RECIPES: Tuple[Recipe, ...] = (
            (_v({"input_ids": "*i32", "token_map": "*i32", "dead_mask": "*i1", "slot_mapping": "*i64",
                 "cache": "*i32", "num_tokens": "i32", "input_stride": "i32", "mask_stride": "i32",
                 "slot_stride": "i32", "dead_id": "i32"}, dict(BLOCK_SIZE=256)),),
-           note="V1 runner only (use_slot_cache)"),
+           note="V1 runner only (use_slot_cache)", releases=until("0.33.0")),
     Recipe("vllm.models.deepseek_v41.common.engram._hash_ids_kernel",
            "vllm/models/deepseek_v41/common/engram.py:563", "3e96d2ddd69cf674",
            tuple(_v(dict({"input_ids": "*i32", "token_map": "*i32", "dead_mask": "*i1", "positions": "*i64",
@@ -183,7 +212,20 @@ RECIPES: Tuple[Recipe, ...] = (
                                                "lookback_mask_row_stride", "lookback_mask_col_stride")},
                          cache=cache), dict(cx, MAX_NGRAM=3, BLOCK_T=32, BLOCK_H=8))
                  for cache, cx in (("*i32", {}), ("constexpr", {"cache": None}))),
-           note="cache None on the V2 runner (engram.py:538); MAX_NGRAM 3 / 8 heads representative"),
+           note="cache None on the V2 runner (engram.py:538); MAX_NGRAM 3 / 8 heads representative",
+           releases=until("0.33.0")),
+    # 0.34 dropped the V1 runner's slot cache (cache, block_table and their sizes are gone).
+    Recipe("vllm.models.deepseek_v41.common.engram._hash_ids_kernel",
+           "vllm/models/deepseek_v41/common/engram.py:444", "b3597e50097233b7",
+           (_v(dict({"input_ids": "*i32", "token_map": "*i32", "dead_mask": "*i1", "positions": "*i64",
+                     "query_start_loc": "*i32", "multipliers": "*i64", "primes": "*i64", "offsets": "*i64",
+                     "lookback_token_ids": "*i32", "lookback_dead_mask": "*i1", "output": "*i32"},
+                    **{k: "i32" for k in ("num_tokens", "pad_id", "input_stride", "mask_stride", "position_stride",
+                                          "query_stride", "num_query_rows", "num_heads", "dead_id", "lookback_depth",
+                                          "lookback_row_stride", "lookback_col_stride", "lookback_mask_row_stride",
+                                          "lookback_mask_col_stride")}),
+                dict(MAX_NGRAM=3, BLOCK_T=32, BLOCK_H=8)),),
+           note="MAX_NGRAM 3 / 8 heads representative", releases=since("0.34.0")),
     Recipe("vllm.models.deepseek_v41.common.engram._engram_select_rows_kernel",
            "vllm/models/deepseek_v41/common/engram.py:1384", "414eb1ab8df1d8b5",
            (_v({"gathered": "*bf16", "output": "*bf16", "num_tokens": "i32", "token_start": "i32",
@@ -247,7 +289,11 @@ RECIPES = RECIPES + (
            num_warps=16, note="V3.2 hidden 7168 and GLM-5 hidden 6144; only with the full vocab on rank"),
 )
 
-BY_KERNEL = {r.kernel: r for r in RECIPES}
+def by_kernel(release: Optional[str] = None) -> Dict[str, Recipe]:
+    """The recipes read from vLLM ``release`` (default: the release whose evidence applies to the
+    vLLM being audited), by kernel (module.name)."""
+    release = release or evidence_release()
+    return {r.kernel: r for r in RECIPES if release in r.releases}
 
 
 def source_sha(jit) -> Optional[str]:
@@ -256,23 +302,38 @@ def source_sha(jit) -> Optional[str]:
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
+    return _file_sha(code.co_filename, fn.__name__)
+
+
+def file_sha(kernel: str) -> Optional[str]:
+    """``source_sha`` of ``kernel`` (module.name) read from the vLLM source on disk, nothing
+    imported (where vLLM's Triton kernels are placeholders: a process without a GPU or the
+    audit's target driver)."""
+    from ..serve_graph import _source
+
+    mod, name = kernel.rsplit(".", 1)
+    path = _source.module_path(mod)
+    return _file_sha(path, name) if path else None
+
+
+def _file_sha(path: str, name: str) -> Optional[str]:
     try:
-        text = open(code.co_filename).read()
+        text = open(path).read()
     except OSError:
         return None
     for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == fn.__name__:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
             seg = ast.get_source_segment(text, node) or ""
             return hashlib.sha256(seg.encode()).hexdigest()[:16]
     return None
 
 
-def specs_for(key: str, jit) -> Tuple[List, str]:
-    """(KernelSpecs, note) for the kernel ``key`` (module.name); no specs when there is no recipe
-    or its hash is stale (the note says which)."""
+def specs_for(key: str, jit, recipes: Optional[Dict[str, Recipe]] = None) -> Tuple[List, str]:
+    """(KernelSpecs, note) for the kernel ``key`` (module.name) from ``recipes`` (default:
+    ``by_kernel()``); no specs when there is no recipe or its hash is stale (the note says which)."""
     from ... import aot
 
-    r = BY_KERNEL.get(key)
+    r = (by_kernel() if recipes is None else recipes).get(key)
     if r is None:
         return [], ""
     sha = source_sha(jit)

@@ -1,4 +1,4 @@
-"""Rows of the speculative-decoding runner's own kernels: what vLLM 0.33.0's V2 GPU runner adds
+"""Rows of the speculative-decoding runner's own kernels: what vLLM's V2 GPU runner (0.33.0, 0.34.0) adds
 when ``--speculative-config`` is given (V4 MTP; V4.1 / V4 DSpark), outside the model's modules.
 
 The model-side draft heads (``<model>.nvidia.mtp`` / ``.dspark``) are the class-graph paths of

@@ -51,6 +51,37 @@ def _kernel_tech(obj) -> Optional[str]:
     return None
 
 
+def kernel_source_sha(obj) -> str:
+    """sha256 (16 hex) of the vLLM source that defines a kernel object: the innermost function
+    under its wrappers (a warmup owner's ``kernel``, an Autotuner's / JITFunction's ``fn``) that
+    lives in vLLM, else the owner's class; '' when none is found. The kernel inventory compares it
+    between releases (a changed kernel may change its verdict)."""
+    import hashlib
+
+    import vllm
+
+    root = os.path.dirname(os.path.abspath(vllm.__file__))
+    chain, x = [], obj
+    for _ in range(6):
+        chain.append(x)
+        if inspect.isfunction(x):
+            break
+        own = vars(x) if hasattr(x, "__dict__") and not isinstance(x, type) else {}
+        nxt = own.get("kernel") if own.get("kernel") is not None else own.get("fn")
+        if nxt is None:
+            break
+        x = nxt
+    for cand in reversed(chain):
+        target = cand if inspect.isfunction(cand) or isinstance(cand, type) else type(cand)
+        try:
+            if not os.path.abspath(inspect.getsourcefile(target) or "").startswith(root + os.sep):
+                continue
+            return hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            continue
+    return ""
+
+
 def _is_jit_def(func: _source.Func, objs) -> bool:
     return (func.module, func.qualname) in objs
 
@@ -199,10 +230,16 @@ class Audit(ServeGraph):
             src = getattr(obj, "src", None)  # bare JITFunctions only: warmup owners are kernels
             if tech == "Triton" and isinstance(src, str) and "program_id" not in src and not registered:
                 continue  # a @triton.jit device helper: compiled as part of the kernels that call it
-            off = _paths.off_path(name)
-            if off:
-                continue
             status, evidence = self.status(mod, name, obj, tech, registered, compiled)
+            off = _paths.off_path(name)
+            if off:  # a feature or format sm_8x never serves (``_paths``): listed, with the reason
+                why = f"off the sm_8x serve path: {off} (if reached, {status}: {evidence[:120]})"[:900]
+                for phase, site in ([("forward", f"{users[0].module}:{users[0].qualname}:{users[0].lineno}")]
+                                    if users else []) + [("jit-warmup", f"{r.module}:{r.func}:{r.lineno}")
+                                                         for r in registered[:1]]:
+                    rows.append(dict(model=model, path=path, phase=phase, kernel=f"{mod}.{name}", tech=tech,
+                                     location=_short(site), status="off", evidence=why, patch=""))
+                continue
             patch = self.coverage(name, mod, refs, bind, funcs, jit_defs) if users else None
             unused = [f for f in users if "." not in f.qualname and f.module not in self.entry_modules
                       and not [u for u in refs.get(f.qualname, ()) if u is not f]
@@ -267,7 +304,7 @@ class Audit(ServeGraph):
                 owner = idx.funcs.get(c.func)
                 why = self.unreached(owner, refs, gated, unbuilt) if owner and status != "runs" and not patch else ""
                 if why:
-                    status, ev = "off", f"not reached on sm_8x: {why[:400]} (if reached, {status}: {ev[:120]})"
+                    status, ev = "off", f"not reached on sm_8x: {why[:700]} (if reached, {status}: {ev[:120]})"
                 rows.append(dict(model=model, path=path, phase="forward", kernel=f"{c.library}.{c.name}",
                                  tech=c.library, location=_short(f"{key}:{c.lineno}"), status=status,
                                  evidence=ev, patch=patch or ""))
@@ -435,6 +472,22 @@ class _FP8Platform:
         return getattr(self._real, name)
 
 
+def _row_sha(kernel: str, known: Dict[str, str]) -> str:
+    """The source sha of a row's kernel given as ``module.name`` outside the scopes' objects (the
+    runner's speculative-decoding kernels; DeepGEMM calls: vLLM's wrapper of the library function);
+    '' for other library calls and for module rows."""
+    mod, _, name = kernel.rpartition(".")
+    mod = _LIB_WRAPPERS.get(mod, mod)  # a DeepGEMM call: its vLLM wrapper (where a signature moves)
+    if not mod.startswith("vllm."):
+        return ""
+    try:
+        obj = getattr(importlib.import_module(mod), name)
+    except Exception:  # noqa: BLE001 - not a module attribute: a library call or a module row
+        return ""
+    known[kernel] = kernel_source_sha(obj)
+    return known[kernel]
+
+
 def _clip(d, n=160) -> str:
     s = ", ".join(f"{k}={v}" for k, v in d.items())
     return s if len(s) <= n else s[: n - 3] + "..."
@@ -503,6 +556,9 @@ def run(models: List[str], arch: int, jobs: int, modules: Tuple[str, ...] = ()) 
             rows.extend(_modules.rows(m, arch))
         for m in models:  # the runner's speculative-decoding kernels (reported, not enforced)
             rows.extend(_spec.rows(audit, m, {r["kernel"] for r in rows if r["model"] == m}, _kernel_tech, _short))
+    shas = {f"{m}.{n}": kernel_source_sha(o) for (m, n), o in objs.items()}
+    for r in rows:
+        r["source"] = shas[r["kernel"]] if r["kernel"] in shas else _row_sha(r["kernel"], shas)
     t3 = time.time()
     audit.notes.append(f"timing: serve-path modules {t3 - t2:.0f} s")
     audit.notes.append(f"timing: import+discovery {t1 - t0:.0f} s, Triton AOT {t2 - t1:.0f} s")

@@ -7,6 +7,8 @@ reached on sm_8x is the audit's business (``dsv4_ops.vllm.audit._paths``).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 # Roots besides <model>.nvidia.model: the indexer op and metadata builders that vLLM selects by name.
@@ -71,3 +73,82 @@ OFF_PATH_MODULES = {
     "mega_mhc": "Mega-mHC: sm_100 only",
     "dcp_indexer": "decode context parallelism (DCP > 1): not the default serve",
 }
+
+
+# ------------------------------------------------------------------ evidence per vLLM release
+
+@functools.lru_cache(maxsize=1)
+def source_version() -> Optional[str]:
+    """The version of the vLLM whose source is read (the one ``import vllm`` finds first on the
+    path: the installed release, or the tree ``audit-vllm --against`` puts first), from its
+    ``_version.py`` (wheels and built trees have it) or the distribution metadata that describes
+    that very package; None when neither does (a bare source checkout)."""
+    import importlib.util
+    import os
+    import re
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    pkg = os.path.dirname(os.path.abspath(spec.origin))
+    path = os.path.join(pkg, "_version.py")
+    if os.path.isfile(path):
+        m = re.search(r"^__version__ = version = ['\"]([^'\"]+)['\"]", open(path).read(), re.M)
+        if m:
+            return m.group(1)
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("vllm")
+    except PackageNotFoundError:
+        return None
+    here = os.path.abspath(str(dist.locate_file(os.path.join("vllm", "__init__.py"))))
+    return dist.version if here == os.path.abspath(spec.origin) else None
+
+
+def evidence_release(version: Optional[str] = None) -> str:
+    """The supported release whose recorded evidence (guard regexes, launch recipes, kernel
+    inventory) applies to vLLM ``version`` (default: the source read): its own release when it is
+    supported, else the newest release diffed, so a newer tree is read against the newest
+    evidence and what moved shows up as stale evidence or open rows, never as silently accepted."""
+    from .. import versions
+
+    rel = versions.release(source_version() if version is None else version)
+    return rel if rel in versions.SUPPORTED else versions.NEWEST_DIFFED
+
+
+@dataclass(frozen=True)
+class Releases:
+    """The vLLM releases a piece of evidence was read from: ``first`` to ``last`` (inclusive; ''
+    leaves that end open). Not the patch table's ``until`` / ``since`` tuples, which are taken from
+    ``SUPPORTED``: an open span keeps applying to a release added later, and evidence read from a
+    release that is not supported (yet) never applies to one that is."""
+
+    first: str = ""
+    last: str = ""
+
+    def __contains__(self, release: str) -> bool:
+        from .. import versions
+
+        k = versions.key(release)
+        return (not self.first or versions.key(self.first) <= k) and (not self.last or k <= versions.key(self.last))
+
+
+def since(release: str) -> Releases:
+    return Releases(first=release)
+
+
+def until(release: str) -> Releases:
+    return Releases(last=release)
+
+
+ANY = Releases()
+
+
+def for_release(choices, version: Optional[str] = None):
+    """The value of ``choices`` ({Releases: value}) recorded for ``evidence_release(version)``."""
+    rel = evidence_release(version)
+    for releases, value in choices.items():
+        if rel in releases:
+            return value
+    raise KeyError(f"no evidence recorded for vLLM {rel} (recorded: {sorted(map(str, choices))})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
@@ -27,7 +28,7 @@ FOLLOW = (
 # is followed: V4.1-Flash's registered class builds it.
 EXCLUDE_PARTS = (".amd", ".xpu", ".cpu", ".vl_stub", ".mm_preprocess", "rocm")
 
-# Capability helpers with a known value on sm_8x with vLLM 0.33.0 installed, for guard evaluation.
+# Capability helpers with a known value on sm_8x with a vLLM wheel installed, for guard evaluation.
 # has_*: module-existence checks (the wheel vendors DeepGEMM and depends on nvidia-cutlass-dsl).
 GUARD_VALUES = {
     "has_deep_gemm": True, "has_cutedsl": True, "is_cuda": True,
@@ -452,9 +453,7 @@ def _v32_capability_guards(arch: int) -> None:
     """DeepSeek-V3.2 / GLM-5 sm_90+ fast paths, each read from vLLM's source:
     ``DeepSeekV2FusedQkvAProjLinear._use_min_latency_gemm`` needs capability 9.0 or the 10.x family
     (deepseek_v2.py; dsv3_fused_a_gemm), and GLM-5.2's ``_low_latency_table()`` returns None off
-    10.3 / 10.7 (deepseek_v32/nvidia/glm52_low_latency_gemm.py)."""
-    import re
-
+    the sm_100-family capabilities it lists (deepseek_v32/nvidia/glm52_low_latency_gemm.py)."""
     if arch >= 90:
         return
     path = module_path("vllm.model_executor.models.deepseek_v2")
@@ -468,17 +467,74 @@ def _v32_capability_guards(arch: int) -> None:
                f"is_device_capability_family(100) (vllm/model_executor/models/deepseek_v2.py:{line}): False on sm_8x")
         GUARD_ATTRS["_use_min_latency_gemm"] = (False, why)
         GUARD_WHY["_use_min_latency_gemm"] = why
-    path = module_path("vllm.models.deepseek_v32.nvidia.glm52_low_latency_gemm")
-    text = open(path).read() if path else ""
-    m = re.search(r"def _low_latency_table\(\)[^\n]*\n(\s*\"\"\".*\"\"\"\n)?"
-                  r"\s*if current_platform\.is_device_capability\(\(10, 7\)\):\n\s*return \w+\n"
-                  r"\s*if current_platform\.is_device_capability\(\(10, 3\)\):\n\s*return \w+\n\s*return None\n", text)
-    if m:
-        line = text[: m.start()].count("\n") + 1
-        GUARD_NONE["_low_latency_table"] = (
-            f"_low_latency_table() returns None unless the capability is 10.3 or 10.7 "
-            f"(vllm/models/deepseek_v32/nvidia/glm52_low_latency_gemm.py:{line})")
-        GUARD_WHY["_low_latency_table"] = GUARD_NONE["_low_latency_table"]
+    table = _none_below(arch, "vllm.models.deepseek_v32.nvidia.glm52_low_latency_gemm", "_low_latency_table")
+    if table:
+        GUARD_NONE["_low_latency_table"] = table
+        GUARD_WHY["_low_latency_table"] = table
+
+
+def _none_below(arch: int, module: str, name: str) -> Optional[str]:
+    """Why ``module.name()`` returns None on sm_<arch>, or None when its source does not show it: its
+    body (docstring aside) is only ``if current_platform.is_device_capability((M, m)): return X``
+    statements and a final ``return None``, and no listed capability is sm_<arch>'s."""
+    path = module_path(module)
+    fn = next((n for n in ast.parse(open(path).read()).body if isinstance(n, ast.FunctionDef) and n.name == name),
+              None) if path else None
+    if fn is None:
+        return None
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+        else fn.body
+    if not body or ast.unparse(body[-1]) != "return None":
+        return None
+    caps = []
+    for st in body[:-1]:
+        test = ast.unparse(st.test) if isinstance(st, ast.If) else ""
+        m = re.fullmatch(r"current_platform\.is_device_capability\(\((\d+), (\d+)\)\)", test)
+        if not (m and not st.orelse and len(st.body) == 1 and isinstance(st.body[0], ast.Return)):
+            return None
+        caps.append((int(m.group(1)), int(m.group(2))))
+    if (arch // 10, arch % 10) in caps:
+        return None
+    rel = "vllm/" + path.split("/vllm/", 1)[-1]
+    return (f"{name}() returns None unless the capability is "
+            f"{' or '.join(f'{a}.{b}' for a, b in caps)} ({rel}:{fn.lineno})")
+
+
+def _derived_false(module: str) -> Dict[str, str]:
+    """Functions of ``module`` that return False on sm_8x, read from source: a body (docstring
+    aside) that is one ``return a and b and ...`` with a term known False there (GUARD_VALUES, or
+    another function of the module found so, to a fixpoint). name -> why."""
+    path = module_path(module)
+    if not path:
+        return {}
+    funcs = {n.name: n for n in ast.parse(open(path).read()).body if isinstance(n, ast.FunctionDef)}
+    rel = "vllm/" + path.split("/vllm/", 1)[-1]
+    out: Dict[str, str] = {}
+    chain: Dict[str, List[str]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for name, fn in funcs.items():
+            body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+            if name in out or len(body) != 1 or not isinstance(body[0], ast.Return):
+                continue
+            ret = body[0].value
+            if not (isinstance(ret, ast.BoolOp) and isinstance(ret.op, ast.And)):
+                continue
+            for term in ret.values:
+                f = term.func if isinstance(term, ast.Call) else None
+                called = f.id if isinstance(f, ast.Name) else (f.attr if isinstance(f, ast.Attribute) else None)
+                if called in out or (called in GUARD_VALUES and GUARD_VALUES[called] is False):
+                    chain[name] = [f"{name}() ({rel}:{fn.lineno})"] + chain.get(called, [ast.unparse(term)[:80]])
+                    out[name] = " needs ".join(chain[name]) + ": False on sm_8x"
+                    changed = True
+                    break
+    return out
+
+
+# Modules whose sm_100-only predicates gate serve-path calls (``_derived_false``): vLLM 0.34's fused
+# MQA + top-k prefill kernel (use_fused_mqa_topk -> fused_mqa_topk_available -> capability family 100).
+_DERIVED_FALSE_MODULES = ("vllm.model_executor.kernels.attention.dsa.fused_mqa_topk",)
 
 
 def _cooperative_topk_gate() -> Optional[str]:
@@ -609,12 +665,12 @@ def _capability_gates(path: str, classes: Set[str]) -> Dict[str, Tuple[int, int]
 
 def _mxfp8_fuse_default(arch: int = 80) -> Optional[Tuple[bool, str]]:
     """V4.1 ``can_fuse_query_quant(linears)`` (common/ops/query_quant.py) is True only when every
-    linear runs a FlashInfer MXFP8 kernel class it names; when each named class's ``is_supported``
-    requires a capability above ``arch``, the predicate is False on sm_<arch>. Read from source;
-    None when the source no longer says so."""
+    linear runs one of the MXFP8 kernel classes it names (imported inside it: FlashInfer's, and from
+    vLLM 0.34 the torch ``_scaled_mm`` one); when each named class's ``is_supported`` requires a
+    capability above ``arch``, the predicate is False on sm_<arch>. Read from source; None when the
+    source no longer says so."""
     qpath = module_path("vllm.models.deepseek_v41.common.ops.query_quant")
-    kpath = module_path("vllm.model_executor.kernels.linear.mxfp8.flashinfer")
-    if not qpath or not kpath:
+    if not qpath:
         return None
     fn = next((n for n in ast.parse(open(qpath).read()).body
                if isinstance(n, ast.FunctionDef) and n.name == "can_fuse_query_quant"), None)
@@ -622,18 +678,33 @@ def _mxfp8_fuse_default(arch: int = 80) -> Optional[Tuple[bool, str]]:
             or ast.unparse(fn.body[-1].value.func) != "all":
         return None
     named = {n.id for n in ast.walk(fn.body[-1]) if isinstance(n, ast.Name) and n.id.endswith("LinearKernel")}
-    gates = _capability_gates(kpath, named)
-    if not named or set(gates) != named or any(cap <= arch for cap, _ in gates.values()):
+    where = {a.asname or a.name: imp.module for imp in ast.walk(fn) if isinstance(imp, ast.ImportFrom)
+             for a in imp.names if imp.module}
+    if not named or not named <= set(where):
+        return None
+    gates: Dict[str, Tuple[int, int, str]] = {}
+    for module in sorted({where[c] for c in named}):
+        kpath = module_path(module)
+        if not kpath:
+            return None
+        for cls, (cap, line) in _capability_gates(kpath, {c for c in named if where[c] == module}).items():
+            gates[cls] = (cap, line, kpath)
+    if set(gates) != named or any(cap <= arch for cap, _, _ in gates.values()):
         return None
     rel = lambda p: "vllm/" + p.split("/vllm/", 1)[-1]  # noqa: E731
     return False, (f"can_fuse_query_quant() ({rel(qpath)}:{fn.lineno}) requires every linear to run "
-                   + " or ".join(f"{c} (is_supported needs capability >= {cap // 10}.{cap % 10}, "
-                                 f"{rel(kpath)}:{line})" for c, (cap, line) in sorted(gates.items()))
+                   + " or ".join(f"{c} (is_supported needs capability >= {cap // 10}.{cap % 10} on CUDA, "
+                                 f"{rel(path)}:{line})" for c, (cap, line, path) in sorted(gates.items()))
                    + ": False on sm_8x")
 
 
 def init_guards(arch: int = 80) -> None:
     _v32_capability_guards(arch)
+    if arch < 90:
+        for module in _DERIVED_FALSE_MODULES:
+            for name, why in _derived_false(module).items():
+                GUARD_VALUES[name] = False
+                GUARD_WHY[name] = why
     got = _mega_moe_default()
     if got is not None:
         GUARD_ATTRS["use_native_mega_moe"] = got
