@@ -1,4 +1,4 @@
-"""Build a tiny random-weight DeepSeek-V4.1 / V4 model with vLLM 0.33.0's own classes and bind its
+"""Build a tiny random-weight DeepSeek-V4.1 / V4 model with vLLM's own classes and bind its
 KV caches with vLLM's own planner and binder (as ``EngineCore._initialize_kv_caches`` and the V2
 runner's ``initialize_kv_cache`` do). Nothing here is hand-made except the config values.
 """

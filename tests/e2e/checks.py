@@ -284,6 +284,36 @@ class Checker:
         self.results.append(res)
         return res
 
+    # -------------------------------------------------------------- mHC boundaries (V4)
+    def check_mhc_boundaries(self, step, calls: List[dict]) -> List[dict]:
+        """Every V4 mHC boundary vLLM ran this step (the stand-ins' recorded calls: the post of one
+        sublayer fused with the pre of the next, ``standins.BOUNDARIES``), from its own inputs:
+        the new streams are ``mhc_expand`` of the block output with the incoming post / comb
+        mixes; the outgoing pre / post / comb are ``mhc_coeffs`` of those streams (teacher-forced
+        on vLLM's bf16 streams) and the next sublayer's input their collapse, RMS-normed."""
+        sites = {}
+        for i, layer in enumerate(self.m.model.layers):
+            sites[layer.hc_attn_fn.data_ptr()] = (i, "attn", layer.hc_attn_base, layer.hc_attn_scale, layer.attn_norm)
+            sites[layer.hc_ffn_fn.data_ptr()] = (i, "ffn", layer.hc_ffn_base, layer.hc_ffn_scale, layer.ffn_norm)
+        eps, hc_eps, iters = self.cfg["rms_norm_eps"], self.cfg["hc_eps"], self.cfg["hc_sinkhorn_iters"]
+        out = []
+        for c in calls:
+            i, side, base, scale, norm = sites[c["fn"].data_ptr()]
+            T, n, d = c["residual"].shape
+            new_ref = O.mhc_expand(_w(c["x"]), _w(c["residual"]), _w(c["post_in"]).reshape(T, n), _w(c["comb_in"]))
+            streams = _w(c["new_res"]).reshape(T, n, d)
+            pre, post, comb = O.mhc_coeffs(streams, _w(c["fn"]), _w(base), _w(scale), hc_eps, eps, iters)
+            inp_ref = O.rms_norm(O.mhc_collapse(streams, pre), _w(norm.weight), eps)
+            res = dict(step=step.name, layer=i, kind="mhc", side=side, tokens=T, in_place=c["in_place"])
+            for name, got, ref in (("streams", streams, new_ref), ("post", _w(c["post"]).reshape(T, n), post),
+                                   ("comb", _w(c["comb"]).reshape(T, n, n), comb),
+                                   ("input", _w(c["layer_input"]).reshape(T, d), inp_ref)):
+                res[f"{name}_cos"] = cosine(got, ref)
+                res[f"{name}_rel"] = float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+            self.results.append(res)
+            out.append(res)
+        return out
+
     # -------------------------------------------------------------- logits
     def check_logits(self, step, hidden, logits):
         lm = _w(self.m.lm_head.weight)

@@ -1,4 +1,4 @@
-"""End-to-end driver for DeepSeek-V3.2: vLLM 0.33.0's own ``DeepseekV32ForCausalLM``
+"""End-to-end driver for DeepSeek-V3.2: vLLM's own ``DeepseekV32ForCausalLM``
 with the plugin, on a tiny checkpoint written by transformers and read by vLLM's loader; every
 step's logits against transformers' model in float64 on the same weights."""
 
@@ -64,10 +64,14 @@ def prepare(device: str, cache_dtype: str, family: str = "v32") -> dict:
     # originals still bound: raise the moment the run reaches one
     import tripwire
     from dsv4_ops.vllm import plugin as _plugin
+    import driver
+    driver.mark("imports")
     report["tripwire"] = tripwire.install(family, _plugin.STATE.originals, models=("v32", "glm5"))
+    driver.mark("tripwire")
     ckpt = v32_checkpoint.write(family)
     cfg = dict(architectures=[v32_checkpoint.FAMILIES[family][1]])
     b = build.build(cfg, device, model_dir=ckpt, cache_dtype=cache_dtype)
+    driver.mark("build")
     cc = b.vllm_config.cache_config
     report["model_type"] = b.vllm_config.model_config.hf_config.model_type
     report["resolved"] = dict(block_size=cc.block_size, cache_dtype=str(cc.cache_dtype),
@@ -84,6 +88,7 @@ def prepare(device: str, cache_dtype: str, family: str = "v32") -> dict:
     mqa.install(type(b.model.model.layers[0].self_attn.impl))
     oracle = v32_checkpoint.oracle(ckpt, fp8_latent=str(cc.cache_dtype) == "fp8_ds_mla", family=family)
     report["checks"] = []
+    driver.mark("oracle")
     return dict(report=report, built=b, choice=choice, mqa=mqa, oracle=oracle, runner=steps.Scheduler(b))
 
 
@@ -128,13 +133,16 @@ def finish(ctx: dict) -> dict:
     import tripwire
 
     report, b, choice = ctx["report"], ctx["built"], ctx["choice"]
-    report["mqa"] = ctx["mqa"].results
-    report["indexer_choice"] = choice.results
+    report["mqa"] = list(ctx["mqa"].results)
+    report["indexer_choice"] = list(choice.results)
     report["index_topk"] = choice.topk
     report["ops_called"] = dict(counters.OPS)
     report["tripped"] = list(tripwire.TRIPPED)
     report["triton_launches"] = dict(tripwire.LAUNCHES)
     report["standin_calls"] = dict(standins.CALLS)
+    import driver
+    driver.mark("steps")
+    report["phases"] = dict(driver.PHASES)
     report["indexer_layers"] = [i for i, l in enumerate(b.model.model.layers)
                                 if getattr(l.self_attn, "indexer", None) is not None]
     report["impl_classes"] = sorted({type(l.self_attn.impl).__module__ + "." + type(l.self_attn.impl).__name__
@@ -142,20 +150,55 @@ def finish(ctx: dict) -> dict:
     return report
 
 
-def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40) -> dict:
+def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40, long_prompt_len: int = 0) -> dict:
+    """The four steps on two requests (request 0's prompt ``prompt_len``), checked; with
+    ``long_prompt_len``, then the same four steps on two new requests of the same built model
+    whose first prompt is that long (past index_topk: the indexer selects), reported apart as
+    ``report["long"]`` (its attention and indexer choice are checked, not its logits: the float64
+    indexer may choose other keys than vLLM's E4M3 one on close scores)."""
     import torch
 
     ctx = prepare(device, cache_dtype, family)
-    report, choice, sch = ctx["report"], ctx["choice"], ctx["runner"]
+    report = ctx["report"]
     seed = int(os.environ.get("DSV4_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
     report["seed"] = seed
     g = torch.Generator().manual_seed(seed)
+    run_plan(ctx, g, (0, 1), prompt_len, logits=True)
+    finish(ctx)
+    if long_prompt_len:
+        import tripwire
+
+        # the recorders' lists start empty for the second plan; the first plan's stay in the report
+        for rec in (ctx["mqa"].results, ctx["choice"].results):
+            rec.clear()
+        launches, tripped = dict(tripwire.LAUNCHES), len(tripwire.TRIPPED)
+        run_plan(ctx, g, (2, 3), long_prompt_len, logits=False)
+        report["long"] = dict(
+            model=family, seed=seed, prompt_len=long_prompt_len, index_topk=ctx["choice"].topk,
+            mqa=list(ctx["mqa"].results), indexer_choice=list(ctx["choice"].results),
+            indexer_layers=report["indexer_layers"], tripwire=report["tripwire"],
+            tripped=tripwire.TRIPPED[tripped:],
+            triton_launches={k: v - launches.get(k, 0) for k, v in tripwire.LAUNCHES.items() if v > launches.get(k, 0)})
+        import driver
+        driver.mark("long")
+        report["phases"] = dict(driver.PHASES)
+    return report
+
+
+def run_plan(ctx: dict, g, rids, prompt_len: int, logits: bool) -> None:
+    """prefill, mixed, decode1, decode2 on two new requests ``rids`` (the first's prompt
+    ``prompt_len``, the second's 12); the recorders check every step, and with ``logits`` every
+    step's logits are checked against the float64 oracle."""
+    import torch
+
+    choice, sch = ctx["choice"], ctx["runner"]
+    r0, r1 = rids
     P0, P1 = prompt_len, 12   # a prompt longer than index_topk (128) makes the indexer choose
     vocab = 512
-    sch.add(0, torch.randint(2, vocab, (P0 + 4,), generator=g).tolist())
-    sch.add(1, torch.randint(2, vocab, (P1 + 4,), generator=g).tolist())
-    plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
-            ("decode2", [(0, 1), (1, 1)])]
+    sch.add(r0, torch.randint(2, vocab, (P0 + 4,), generator=g).tolist())
+    sch.add(r1, torch.randint(2, vocab, (P1 + 4,), generator=g).tolist())
+    plan = [("prefill", [(r0, P0)]), ("mixed", [(r0, 1), (r1, P1)]), ("decode1", [(r0, 1), (r1, 1)]),
+            ("decode2", [(r0, 1), (r1, 1)])]
     for name, schedule in plan:
         t = time.time()
         starts = {rid: sch.requests[rid].computed for rid, _ in schedule}
@@ -163,11 +206,11 @@ def run(device: str, cache_dtype: str, family: str = "v32", prompt_len: int = 40
         for rid, n in schedule:
             sch._ensure_blocks(sch.requests[rid], sch.requests[rid].computed + n)
         choice.set_step(name, toks, {rid: list(sch.requests[rid].blocks[0]) for rid, _ in schedule})
-        hidden, logits, bt = sch.step(schedule)
-        check_logits(ctx, name, [(rid, sch.requests[rid].tokens[: starts[rid] + n], starts[rid], n)
-                                 for rid, n in schedule], logits)
+        hidden, step_logits, bt = sch.step(schedule)
+        if logits:
+            check_logits(ctx, name, [(rid, sch.requests[rid].tokens[: starts[rid] + n], starts[rid], n)
+                                     for rid, n in schedule], step_logits)
         print(f"step {name} {time.time() - t:.1f}s", flush=True)
-    return finish(ctx)
 
 
 def main(argv=None):
@@ -177,11 +220,13 @@ def main(argv=None):
     ap.add_argument("--family", default="v32", choices=("v32", "glm5"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompt-len", type=int, default=40, help="request 0's prompt (> 128: the indexer selects)")
+    ap.add_argument("--long-prompt-len", type=int, default=0,
+                    help="then a second plan on the same model whose first prompt is this long (report['long'])")
     a = ap.parse_args(argv)
     import driver
 
     driver.setup(a.device)
-    report = run(a.device, a.cache_dtype, a.family, a.prompt_len)
+    report = run(a.device, a.cache_dtype, a.family, a.prompt_len, a.long_prompt_len)
     text = json.dumps(report, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

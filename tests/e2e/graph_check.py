@@ -1,4 +1,4 @@
-"""FULL CUDA-graph capture of the uniform decode step (H200 only), as vLLM 0.33.0 replays it:
+"""FULL CUDA-graph capture of the uniform decode step (H200 only), as vLLM replays it:
 per-step inputs in persistent device buffers (as the V2 runner keeps them), vLLM's metadata
 builders run into them each step, one ``torch.cuda.graph`` over the whole model forward (our
 decode attention and indexer inside), then every later step: eager first, replay second on the

@@ -7,6 +7,16 @@ Two defects, both measured (`tests/e2e/test_interpreter_patch.py`):
 - ``cast_impl`` truncates fp32 -> bf16 instead of rounding to nearest even.
 Only these two paths change; every other cast (fp8 encode included) stays as the interpreter has
 it, which is why no fp8 Triton kernel may be used as a stand-in.
+
+Two costs without an effect are dropped (the kernels compute the same values):
+- ``InterpreterOptions`` has ``sanitize_overflow=True`` with ``debug=False``, so every integer
+  add / sub / mul is recomputed in int64 and range-checked for a ``device_assert`` that
+  ``debug=False`` then discards (``TritonSemantic.device_assert`` returns before emitting it).
+  With ``debug`` off, ``sanitize_overflow`` is turned off.
+- each call of a ``@triton.jit`` device function inside a launch patches ``triton.language``
+  again (``InterpretedFunction.__call__`` -> ``_patch_lang``: the same modules, the same
+  members, already patched by the launch, ``GridExecutor.__call__``, until it restores them).
+  Inside a launch that second patching is skipped; outside one it runs as before.
 """
 
 from __future__ import annotations
@@ -56,3 +66,78 @@ def apply() -> None:
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
     builder._dsv4_e2e_patched = True
+    _no_discarded_overflow_checks(interp)
+    _patch_lang_once_a_launch(interp)
+
+
+def _no_discarded_overflow_checks(interp) -> None:
+    """``sanitize_overflow`` off wherever ``debug`` is off (see the module doc): on the options of
+    the interpreter's builder (one instance, made at import) and of any later one."""
+    import dataclasses
+
+    def quiet(options):
+        return options if options.debug else dataclasses.replace(options, sanitize_overflow=False)
+
+    interp.interpreter_builder.options = quiet(interp.interpreter_builder.options)
+    orig_init = interp.InterpreterBuilder.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self.options = quiet(self.options)
+
+    interp.InterpreterBuilder.__init__ = __init__
+
+
+def _patch_lang_once_a_launch(interp) -> None:
+    """A launch (``GridExecutor.__call__``) patches the ``triton.language`` modules its kernel's
+    globals name (``tl`` and / or ``tl.core``) through ``_patch_lang`` and restores them when the
+    grid is done; a device-function call inside the launch whose globals name no other of those
+    modules gets an empty scope instead of patching the same members again (one that names
+    another, e.g. ``tl.core`` where the kernel had only ``tl``, patches as before). ``_patch_lang``
+    is looked up as a module global at each call, so rebinding it reaches both callers."""
+    import inspect
+    import threading
+
+    import triton.language as tl
+
+    if not all(hasattr(interp, n) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return   # another interpreter layout: left as it is
+    orig_patch_lang = interp._patch_lang
+    orig_grid_call = interp.GridExecutor.__call__
+    state = threading.local()
+
+    def langs(fn) -> set:   # the modules _patch_lang patches for fn
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in [tl, tl.core]}
+
+    def _patch_lang(fn):
+        if getattr(state, "launch_pending", False):     # the launch's own patching: real, and tracked
+            state.launch_pending = False
+            scope = orig_patch_lang(fn)
+            orig_restore = scope.restore
+
+            def restore():
+                try:
+                    orig_restore()
+                finally:
+                    state.patched = None
+
+            scope.restore = restore
+            state.patched = langs(fn)
+            return scope
+        patched = getattr(state, "patched", None)
+        if patched is not None:                          # inside that launch
+            need = langs(fn)
+            if need <= patched:
+                return interp._LangPatchScope()
+            patched |= need
+        return orig_patch_lang(fn)
+
+    def grid_call(self, *args, **kwargs):
+        state.launch_pending = getattr(state, "patched", None) is None
+        try:
+            return orig_grid_call(self, *args, **kwargs)
+        finally:
+            state.launch_pending = False
+
+    interp._patch_lang = _patch_lang
+    interp.GridExecutor.__call__ = grid_call

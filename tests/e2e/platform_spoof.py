@@ -50,6 +50,18 @@ def enable_cuda_answers() -> None:
     cls.is_cuda_alike = lambda self: True
 
 
+def inspect_models_in_process() -> None:
+    """vLLM inspects a lazily registered model class (its interfaces) in a fresh subprocess that
+    imports vLLM again (15-40 s on 2 cores) unless its model-info cache holds the class at this
+    source's hash; that cache keeps one file a class whatever the vLLM release, so two releases
+    used in turn on one machine miss it at each switch. Here the model modules are imported and no
+    CUDA runtime is touched, so the inspection runs in this process: the same code on the class an
+    A100 resolves (a subprocess would not have the platform's answers)."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+
+
 def cpu_cuda_attention_selector() -> None:
     """On the CPU run, vLLM's attention-backend selector asks the CUDA platform's rules (the
     priority lists of ``CudaPlatformBase.get_attn_backend_cls``, which read the spoofed
@@ -233,10 +245,9 @@ def gpu_after_import() -> None:
     the stand-ins)."""
     import sys
 
-    from vllm.model_executor.models import registry
     from vllm.utils import import_utils
 
-    registry._run_in_subprocess = lambda fn: fn()
+    inspect_models_in_process()
     orig = import_utils.has_deep_gemm
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("vllm") and getattr(mod, "has_deep_gemm", None) is orig:

@@ -1,5 +1,5 @@
 """V4.1's decoder-side SWA bounded replay sub-batch for the scheduler-driven e2e, prepared as
-vLLM 0.33.0's ``DeepseekV41ModelState._prepare_replay_batch`` does in an eager step (no PCP, no
+vLLM's ``DeepseekV41ModelState._prepare_replay_batch`` does in an eager step (no PCP, no
 DP, no replay CUDA graph):
 
 - per request ``kept = min(query_len, window)`` rows (no prompt logprobs: nothing keeps all rows);

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own ``Scheduler`` and KV-cache manager drive the model e2e (run by
+"""vLLM's own ``Scheduler`` and KV-cache manager drive the model e2e (run by
 test_e2e_sched.py in a subprocess; it reads the JSON report).
 
 The model, its KV caches and the per-layer float64 checks are the model e2e's (``driver.py`` /
@@ -56,6 +56,19 @@ class ReqState:
     sampled: List[int] = field(default_factory=list)
 
 
+def _block_table_width_fn():
+    """vLLM's ``get_block_table_width`` (the runner's block-table width rule): in
+    ``v1/worker/block_table.py`` with the V1 model runner, in ``v1/kv_cache_interface.py`` where
+    that module is gone."""
+    try:
+        from vllm.v1.worker.block_table import get_block_table_width
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm.v1.worker.block_table":
+            raise
+        from vllm.v1.kv_cache_interface import get_block_table_width
+    return get_block_table_width
+
+
 class Bridge:
     """vLLM's Scheduler over the built model's KV-cache config; ``batch()`` is the runner's input
     preparation. ``num_blocks``: the scheduler's block pool (<= the bound caches' blocks: every id
@@ -69,12 +82,13 @@ class Bridge:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.v1.worker.block_table import get_block_table_width
         from vllm.utils.hashing import get_hash_fn_by_name
 
+        get_block_table_width = _block_table_width_fn()
         self.b = built
         vc = built.vllm_config
-        assert vc.use_v2_model_runner, "this bridge prepares inputs as the V2 runner does"
+        # the bridge prepares inputs as the V2 runner does (where vLLM has no other runner, no flag)
+        assert getattr(vc, "use_v2_model_runner", True), "this bridge prepares inputs as the V2 runner does"
         assert num_blocks <= built.kv_cache_config.num_blocks, (num_blocks, built.kv_cache_config.num_blocks)
         sc = vc.scheduler_config
         sc.max_num_batched_tokens = max_num_batched_tokens
@@ -161,9 +175,11 @@ class Bridge:
                 ev["hits"].append(dict(rid=nr.req_id, computed=nr.num_computed_tokens,
                                        replay_start=nr.replay_start))
         cr = so.scheduled_cached_reqs
+        # V2 sends resumed requests as new ones (vLLM without the V1 runner has no such field)
+        resumed_cached = set(getattr(cr, "resumed_req_ids", ()) or ())
         for i, rid in enumerate(cr.req_ids):
             st = self.states[rid]
-            assert rid not in cr.resumed_req_ids, "V2 sends resumed requests as new ones"
+            assert rid not in resumed_cached, "V2 sends resumed requests as new ones"
             st.computed = cr.num_computed_tokens[i]
             nb = cr.new_block_ids[i]
             if nb is not None:
@@ -244,6 +260,8 @@ class Bridge:
 
     def finish_step(self, so, bt, logits) -> dict:
         """Greedy tokens of the requests whose prefill this step completed, fed to the scheduler."""
+        import dataclasses
+
         from vllm.v1.outputs import ModelRunnerOutput
 
         vocab = self.b.vllm_config.model_config.get_vocab_size()
@@ -261,8 +279,11 @@ class Bridge:
                 tokens[rid] = tok
             else:
                 sampled.append([])                # a partial prefill samples nothing
-        mro = ModelRunnerOutput(req_ids=list(bt["order"]), req_id_to_index={r: i for i, r in enumerate(bt["order"])},
-                                sampled_token_ids=sampled)
+        out = dict(req_ids=list(bt["order"]), sampled_token_ids=sampled)
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+            # where the scheduler finds a request's row through this map (else by req_ids' order)
+            out["req_id_to_index"] = {r: i for i, r in enumerate(bt["order"])}
+        mro = ModelRunnerOutput(**out)
         self.sched.update_from_output(so, mro)
         for rid, st in self.states.items():      # the runner's tokens are the scheduler's
             req = self.sched.requests.get(rid)
@@ -415,7 +436,10 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     if device == "cpu":
         import platform_spoof
         platform_spoof.cpu_vllm_streams()
+    import driver
+    driver.mark("imports")
     report["tripwire"] = tripwire.install(model, plugin.STATE.originals)
+    driver.mark("tripwire")
     import counters   # the checks read the indexer's E4M3 q from the op counters (as in driver.py)
     from dsv4_ops.vllm import attention as ampere_attention
     import vllm.models.deepseek_v4.nvidia.model  # noqa: F401
@@ -425,6 +449,7 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     counters.install_ops()
     cfg = build.CONFIGS[model]
     b = build.build(cfg, device)
+    driver.mark("build")
     sc = SCENARIOS[model]
     bridge = Bridge(b, num_blocks or sc["num_blocks"] or b.kv_cache_config.num_blocks, sc["budget"])
     report["bridge"] = bridge.config
@@ -445,7 +470,10 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
     replay = replay_pass.ReplayPass(b) if getattr(b.model, "decoder_replay_layers", None) is not None else None
     report["replay_steps"] = []
 
+    standins.RECORD_BOUNDARIES = model == "v4"   # V4's mHC boundaries, checked in float64
+
     def on_step(name, so, bt):
+        standins.BOUNDARIES.clear()
         kept = replay.prepare(bt) if replay is not None else None
         try:
             hidden, logits = runner.forward(bt, hook=lambda batch: rec.begin(name, batch))
@@ -482,12 +510,15 @@ def run_v4(model: str, device: str, dry: bool, num_blocks: int) -> dict:
             chk.check_moe(step, lr)
         chk.check_logits(step, hidden, logits)
         chk.check_first_mhc(step, every[0])
+        chk.check_mhc_boundaries(step, standins.BOUNDARIES)
+        standins.BOUNDARIES.clear()
         rec.steps.clear()            # the records are checked; keep memory flat
         return logits
 
     report["replay_rows_not_compared"] = 0
     report["replay_rows_full_window"] = []
     report["steps"] = run_steps(bridge, on_step)
+    driver.mark("steps")
     report["features"] = feature_counts(report["steps"])
     report["checks"] = chk.results
     report["standin_calls"] = dict(standins.CALLS)
@@ -620,6 +651,8 @@ def main(argv=None):
     else:
         report = run_v4(a.model, a.device, a.dry, a.num_blocks)
     report["seconds"] = round(time.time() - t0, 1)
+    driver.mark("finish")
+    report["phases"] = dict(driver.PHASES)
     text = json.dumps(report, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

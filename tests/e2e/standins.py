@@ -24,6 +24,7 @@ oracle's MoE), so a stand-in that were wrong would fail the test rather than pas
 | ``_C.weak_ref_tensor`` (GPU only: CUDA-graph outputs) | an owning alias |
 | ``_C.cutlass_scaled_mm_supports_*`` | the sm_80 answer (False) |
 | ``aten::mm.dtype`` (CPU only) | fp32 upcast + mm |
+| mHC TileLang wrappers (``mhc_pre_tilelang``, ``mhc_fused_post_pre_tilelang`` and its ``_reuse_residual`` form, V4.1's delayed ones, ``hc_head``) | vLLM's torch references (``kernels/mhc/torch.py``) + the collapsed input's RMSNorm; the reuse form writes the new residual into its input where vLLM's dispatch does |
 """
 
 from __future__ import annotations
@@ -422,13 +423,74 @@ def _mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_e
     return post, comb, _rms(layer_input, norm_weight, norm_eps) if norm_weight is not None else layer_input
 
 
-def _mhc_fused_post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
-                        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1,
-                        norm_weight=None, norm_eps=1e-6):
+def _post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
+              hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps):
     new_res = _mhc_post(x, residual, post_layer_mix, comb_res_mix)
     post, comb, layer_input = _mhc_pre(new_res, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
                                        hc_post_mult_value, sinkhorn_repeat, norm_weight=norm_weight, norm_eps=norm_eps)
     return new_res, post, comb, layer_input
+
+
+def _mhc_fused_post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
+                        hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1,
+                        norm_weight=None, norm_eps=1e-6):
+    rec = _boundary_inputs(x, residual, post_layer_mix, comb_res_mix, fn)
+    out = _post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
+                    hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_weight, norm_eps)
+    _record_boundary(rec, out, in_place=False)
+    return out
+
+
+def _mhc_fused_post_pre_reuse_residual(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps,
+                                       hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1,
+                                       tile_n=1, norm_weight=None, norm_eps=1e-6):
+    """``mhc_fused_post_pre_tilelang_reuse_residual``: the values of ``mhc_fused_post_pre_tilelang``;
+    where vLLM's dispatch runs the separate post kernel (``mhc_fused_post_pre_split_config`` is
+    None: more tokens than the fused kernel takes), the new residual is written into ``residual``'s
+    storage and returned as that tensor, as vLLM's kernel does, so a caller that still read the old
+    residual reads the new one here too."""
+    from vllm.model_executor.kernels.mhc.tilelang_kernels import mhc_fused_post_pre_split_config
+
+    rec = _boundary_inputs(x, residual, post_layer_mix, comb_res_mix, fn)
+    new_res, post, comb, layer_input = _post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base,
+                                                 rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                                                 sinkhorn_repeat, norm_weight, norm_eps)
+    hc, hidden = residual.shape[-2], residual.shape[-1]
+    in_place = mhc_fused_post_pre_split_config(residual.numel() // (hc * hidden), hidden, hc) is None
+    if in_place:
+        residual.copy_(new_res)
+        new_res = residual
+    CALLS[f"mhc.fused_post_pre_reuse_residual.{'in_place' if in_place else 'fresh'}"] += 1
+    out = (new_res, post, comb, layer_input)
+    _record_boundary(rec, out, in_place)
+    return out
+
+
+# V4's mHC boundaries (the post of one sublayer fused with the pre of the next), recorded for the
+# float64 check (checks.Checker.check_mhc_boundaries) while RECORD_BOUNDARIES is on; the inputs are
+# cloned before the call, since the reuse-residual form overwrites its residual
+RECORD_BOUNDARIES = False
+BOUNDARIES: list = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _boundary_inputs(x, residual, post_layer_mix, comb_res_mix, fn):
+    if not RECORD_BOUNDARIES or _capturing():
+        return None
+    return dict(fn=fn, x=x.detach().clone(), residual=residual.detach().clone(),
+                post_in=post_layer_mix.detach().clone(), comb_in=comb_res_mix.detach().clone())
+
+
+def _record_boundary(rec, out, in_place):
+    if rec is None:
+        return
+    new_res, post, comb, layer_input = out
+    rec.update(new_res=new_res.detach().clone(), post=post.detach().clone(), comb=comb.detach().clone(),
+               layer_input=layer_input.detach().clone(), in_place=in_place)
+    BOUNDARIES.append(rec)
 
 
 def _hc_head(hs_flat, fn, hc_scale, hc_base, rms_eps, hc_eps):
@@ -555,7 +617,8 @@ def _install_tilelang_kernels_module() -> None:
 MHC_STANDINS = {"mhc_pre_tilelang": _mhc_pre, "mhc_fused_post_pre_tilelang": _mhc_fused_post_pre,
                 "hc_head_fused_kernel_tilelang": _hc_head, "_MHC_PRE_BIG_FUSE_TILELANG_KERNEL": _PreBigFuse(),
                 "mhc_pre_delayed_tilelang": _mhc_pre_delayed, "mhc_post_tilelang": _mhc_post,
-                "mhc_fused_post_pre_delayed_tilelang": _mhc_fused_post_pre_delayed}
+                "mhc_fused_post_pre_delayed_tilelang": _mhc_fused_post_pre_delayed,
+                "mhc_fused_post_pre_tilelang_reuse_residual": _mhc_fused_post_pre_reuse_residual}
 
 
 def install_mhc() -> list:

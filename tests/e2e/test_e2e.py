@@ -1,4 +1,4 @@
-"""End to end: vLLM 0.33.0's own DeepSeek-V4.1 and DeepSeek-V4 model code runs forward with the
+"""End to end: vLLM's own DeepSeek-V4.1 and DeepSeek-V4 model code runs forward with the
 plugin on the Ampere path (the platform answers as an A100: capability 8.0, 108 SMs, its name),
 every layer checked against a float64 oracle teacher-forced from its captured input.
 
@@ -25,7 +25,9 @@ vLLM's E4M3 q (itself checked against the float64 q); sparse attention with the 
 request's window and the compressed entries the indexer chose (read from the bytes in the
 caches); inverse RoPE + grouped wo_a + wo_b; MoE teacher-forced on vLLM's experts, whose choice
 must equal the oracle's wherever the router margin is clear (hash layers: the tid2eid table);
-layer 0's input from the embedding through the first-layer mHC and attn_norm; the LM head.
+layer 0's input from the embedding through the first-layer mHC and attn_norm; V4's every later
+mHC boundary (new streams, mixes, the next sublayer's normed input) from its own inputs; the LM
+head.
 Writer and reader are pinned separately: ``writer_checks.py`` recomputes, from the layers' inputs
 of every step, what the compressed-KV and indexer-K caches must hold (pooling, RMSNorm, RoPE at
 the window's first token) and checks the decoded bytes entry by entry (E4M3 + bf16 bound), while
@@ -41,7 +43,8 @@ C++ top-k ops (masked torch top-k, vLLM's "torch" branch semantics), the indexer
 sqrtsoftplus router, ``moe_align_block_size`` / ``moe_sum``, ``silu_and_mul_with_clamp``,
 RMSNorm, the cutlass capability probes (sm_80 answers), ``aten::mm.dtype`` on the CPU, the TileLang
 mHC wrappers (vLLM's torch references ``mhc_pre_delayed_torch`` / ``mhc_pre_torch`` /
-``mhc_post_torch`` + the collapsed input's RMSNorm; V4's first-layer broadcast wrapper is kept and
+``mhc_post_torch`` + the collapsed input's RMSNorm; the reuse-residual form writes its new streams
+into the old ones' storage where vLLM's dispatch does; V4's first-layer broadcast wrapper is kept and
 only its TileLang epilogue kernel is stood in for, so the plugin's prenorm-GEMM row runs), FlashMLA's pure-Python ``get_mla_metadata`` (an empty struct), and
 no-op CUDA streams on the CPU. The Triton interpreter is patched for bf16 ``tl.dot`` and
 fp32->bf16 rounding (``interpreter_patch.py``). No vLLM fp8 Triton kernel is used as a stand-in.
@@ -54,8 +57,12 @@ What this cannot prove: kernel numerics on sm_80 (on the CPU every dsv4_ampere o
 reference; the kernels are proven by the AOT, H200 and reference legs), CUDA-graph capture (the
 H200 test below does it for V4.1), Marlin / MXFP4 weights (the model is bf16), Engram (no Engram
 layer yet) and its UVA tables, MTP / next_n > 1 and the DSpark draft, the TileLang mHC kernels
-(and V4.1's mHC prenorm-GEMM row behind them), stream-ordering races, the later-layer mHC mixes
-(only layer 0's is checked against the oracle).
+(and V4.1's mHC prenorm-GEMM row behind them), stream-ordering races, V4.1's delayed mHC mixes
+past layer 0 (V4's are checked against the oracle).
+
+One driver process a model: V4.1's also runs, on the same built model and on requests of their own,
+the two forced decode routes and the two deliberately broken replacements (``driver.Run``), so
+vLLM's import and the build (about half of a run on 2 cores) are paid once.
 """
 
 import json
@@ -65,9 +72,15 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="the end-to-end test needs vllm==0.33.0 (pip install dsv4-ops[test])")
+pytest.importorskip("vllm", reason="the end-to-end test needs vLLM (pip install dsv4-ops[test])")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    from .shared_report import session_report
+except ImportError:  # tests/e2e collected as a rootdir (no package), or imported by path
+    sys.path.insert(0, HERE)
+    from shared_report import session_report
 
 # Patch-table rows a model's run does not reach, and why (every other row of the model must run).
 _COMMON_OFF = {
@@ -81,14 +94,21 @@ _COMMON_OFF = {
     "vllm.models.deepseek_v4.quant_config.DeepseekV4FP8Config.get_quant_method": "bf16 weights (no quant config)",
     "vllm.models.deepseek_v41.quant_config.DeepseekV4FP8Config.get_quant_method": "bf16 weights (no quant config)",
 }
+# vLLM 0.34's grouped wo_a entry points: their callers on CUDA are the attention classes' own
+# ``_o_proj`` (V4: nvidia/flashmla.py; V4.1: nvidia/ops/o_proj.py dsv41_o_proj from
+# nvidia/flashmla.py, and the SM100 specialized decode), which the Ampere attention overrides
+# (its ``_o_proj`` row), the FlashInfer backends (not chosen on sm_80) and LoRA's wrapper of the
+# layer (no LoRA here)
+_GROUPED_WO_A = {f"vllm.models.deepseek_v4.common.grouped_wo_a.DeepseekV4GroupedWoA.{m}":
+                 "its callers are the _o_proj the Ampere attention overrides" for m in ("grouped_input", "grouped_forward")}
 NOT_ON_PATH = {
-    "v41": dict(_COMMON_OFF, **{
+    "v41": dict(_COMMON_OFF, **_GROUPED_WO_A, **{
         "vllm.models.deepseek_v41.common.engram.ParallelEngramEmbedding.lookup": "no Engram layer in the tiny config",
         "vllm.utils.deep_gemm.tf32_hc_prenorm_gemm": "behind V4.1's TileLang mHC wrappers, which are stood in for",
         "vllm.model_executor.kernels.mhc.tilelang._hc_prenorm_gemm_outputs":
             "behind V4.1's TileLang mHC wrappers, which are stood in for",
     }),
-    "v4": dict(_COMMON_OFF, **{
+    "v4": dict(_COMMON_OFF, **_GROUPED_WO_A, **{
         "vllm.utils.deep_gemm.tf32_hc_prenorm_gemm": "V4's first layer reaches the wrapper row "
                                                      "(_hc_prenorm_gemm_outputs) instead",
     }),
@@ -105,9 +125,10 @@ STEPS = ("prefill", "mixed", "decode1", "decode2")
 WRITERS = {"v41": ({1, 3}, {1, 3}), "v4": ({1, 2, 3}, {1, 3})}
 ATTN_COS, MOE_COS, LOGITS_COS = 0.9999, 0.9999, 0.9999
 REL_MAX = 0.02          # max |vLLM - oracle| over max |oracle|: bf16 activations and weights
+MHC_COEFF_REL = 1e-5    # the mHC mixes: fp32 from the same bf16 streams as the oracle's (measured <= 3e-7)
 
 
-def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
+def run_driver(tmp_path, model="v41", device="cpu", timeout=1800, **env):
     tag = "_private_graphs" if env.get("DSV4_AMPERE_DECODE_GRAPHS") == "1" else ""
     tag += f"_{env['DSV4_AMPERE_DECODE_KERNEL']}" if env.get("DSV4_AMPERE_DECODE_KERNEL") else ""
     out = tmp_path / f"e2e_{model}_{device}{tag}.json"
@@ -122,11 +143,36 @@ def run_driver(tmp_path, model="v41", device="cpu", timeout=900, **env):
     return proc, report
 
 
-@pytest.fixture(scope="module", params=["v41", "v4"])
-def report(request, tmp_path_factory):
-    proc, rep = run_driver(tmp_path_factory.mktemp("e2e"), model=request.param)
-    assert proc.returncode == 0 and rep is not None, proc.stderr[-6000:]
-    return rep
+def _model_report(tmp_path_factory, model, **env):
+    def make():
+        proc, rep = run_driver(tmp_path_factory.mktemp("e2e"), model=model, **env)
+        assert proc.returncode == 0 and rep is not None, proc.stderr[-6000:]
+        return rep
+
+    return session_report(tmp_path_factory, f"model_{model}", make)
+
+
+# One driver process a model: its import and build (half of a run on 2 cores) are paid once. Under
+# pytest-xdist ``--dist loadgroup`` every test of one report runs on one worker (the module fixture
+# is not computed twice); the reports are independent, so the groups run in parallel.
+V41_GROUP, V4_GROUP = pytest.mark.xdist_group("e2e_model_v41"), pytest.mark.xdist_group("e2e_model_v4")
+
+
+@pytest.fixture(scope="module")
+def report_v41(tmp_path_factory):
+    """V4.1's run, then on the same built model (fresh requests and blocks each) the forced decode
+    routes and the deliberately broken replacements (driver.Run)."""
+    return _model_report(tmp_path_factory, "v41", DSV4_E2E_EXTRAS="routes,mutations")
+
+
+@pytest.fixture(scope="module")
+def report_v4(tmp_path_factory):
+    return _model_report(tmp_path_factory, "v4")
+
+
+@pytest.fixture(params=[pytest.param("v41", marks=V41_GROUP), pytest.param("v4", marks=V4_GROUP)])
+def report(request):
+    return request.getfixturevalue(f"report_{request.param}")
 
 
 def test_default_serve_configuration(report):
@@ -197,6 +243,31 @@ def test_first_layer_mhc_matches_the_oracle(report):
         assert c["cos"] >= ATTN_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
 
 
+def test_every_v4_mhc_boundary_matches_the_oracle(report):
+    """V4's mHC boundaries past the first (the post of every sublayer fused with the pre of the
+    next: 2 a layer, less layer 0's attention side, which is the first-layer broadcast) against
+    the float64 mhc_expand / mhc_coeffs / collapse + RMSNorm, from each call's own inputs. Where
+    vLLM writes the new streams into the old ones' storage (the reuse-residual form, over the fused
+    kernel's token limit) that path ran too. V4.1's boundaries are the delayed form, not this math:
+    its rows must be absent."""
+    rows = [c for c in report["checks"] if c["kind"] == "mhc"]
+    if report["model"] != "v4":
+        assert rows == [] and report["standin_calls"].get("mhc.pre_delayed", 0) > 0, rows
+        return
+    n = LAYERS["v4"]["n"]
+    assert sorted((c["step"], c["layer"], c["side"]) for c in rows) == sorted(
+        (s, i, side) for s in STEPS for i in range(n) for side in ("attn", "ffn") if (i, side) != (0, "attn"))
+    for c in rows:
+        assert c["streams_cos"] >= ATTN_COS and c["streams_rel"] <= REL_MAX, c
+        assert c["input_cos"] >= ATTN_COS and c["input_rel"] <= REL_MAX, c
+        # fp32 coefficients from the same bf16 streams
+        assert c["post_rel"] <= MHC_COEFF_REL and c["comb_rel"] <= MHC_COEFF_REL, c
+    if "vllm.models.deepseek_v4.nvidia.model.mhc_fused_post_pre_tilelang_reuse_residual" in report["mhc_standins"]:
+        # the model calls the reuse-residual form: the 136-token prefill over the fused kernel's
+        # limit writes in place, the smaller steps do not
+        assert any(c["in_place"] for c in rows) and not all(c["in_place"] for c in rows), rows
+
+
 def test_logits_match_the_oracle(report):
     for c in [c for c in report["checks"] if c["kind"] == "logits"]:
         assert c["cos"] >= LOGITS_COS and c["max_abs"] <= REL_MAX * c["ref_max"], c
@@ -228,36 +299,44 @@ def _failures(report):
     return bad
 
 
-def test_a_broken_replacement_fails(tmp_path):
+@V41_GROUP
+def test_a_broken_replacement_fails(report_v41):
     """An off-by-one in the sparse-prefill index mapping must show in the attention checks."""
-    proc, report = run_driver(tmp_path, DSV4_E2E_MUTATE="topk_off_by_one", DSV4_E2E_STEPS="prefill")
-    assert proc.returncode == 0 and report is not None, proc.stderr[-4000:]
-    assert report["mutation"].startswith("topk_off_by_one") and not report["mutation"].endswith("(0 bindings)")
-    assert _failures(report), "the off-by-one went unnoticed"
+    m = report_v41["mutations"]["topk_off_by_one"]
+    assert m["error"] == "", m.get("traceback")
+    assert m["mutation"].startswith("topk_off_by_one") and not m["mutation"].endswith("(0 bindings)"), m["mutation"]
+    assert {c["step"] for c in m["checks"] if c["kind"].startswith("attn")} == {"prefill"}, m["checks"]
+    assert _failures(m), "the off-by-one went unnoticed"
 
 
-def test_an_unpatched_by_name_import_fails(tmp_path):
-    proc, report = run_driver(tmp_path, DSV4_E2E_MUTATE="unpatched_import", DSV4_E2E_STEPS="prefill")
-    assert proc.returncode != 0
-    assert "DeadOnSm80" in proc.stderr and "indexer_k_norm_rope_store" in proc.stderr, proc.stderr[-3000:]
+@V41_GROUP
+def test_an_unpatched_by_name_import_fails(report_v41):
+    """An original the plugin replaced, bound again by name in a vLLM module, stops the forward at
+    its first call with the tripwire's error."""
+    m = report_v41["mutations"]["unpatched_import"]
+    assert m["error"].startswith("DeadOnSm80"), m
+    assert "indexer_k_norm_rope_store" in m["traceback"] and m["tripped"], m
 
 
 REPORT_CHECKS = (test_default_serve_configuration, test_every_attention_layer_matches_the_oracle,
                  test_every_cache_entry_is_the_float64_one,
                  test_indexer_choice_is_the_oracles, test_every_moe_matches_the_oracle,
-                 test_first_layer_mhc_matches_the_oracle, test_logits_match_the_oracle,
+                 test_first_layer_mhc_matches_the_oracle, test_every_v4_mhc_boundary_matches_the_oracle,
+                 test_logits_match_the_oracle,
                  test_every_plugin_row_on_the_path_ran, test_no_dead_kernel_ran_and_the_tripwire_fires)
 
 
+@V41_GROUP
 @pytest.mark.parametrize("kernel", ["v3", "tiles"])
-def test_forced_decode_routes_inside_vllms_forward(tmp_path, kernel):
+def test_forced_decode_routes_inside_vllms_forward(report_v41, kernel):
     """The default run takes auto's route for the tiny model (the paged op, one launch, no
     workspace); these runs force the other two through vLLM's own V4.1 forward
-    (DSV4_AMPERE_DECODE_KERNEL): v3, the paged op's 16-byte-vector form, and tiles, the workspace
-    step (gather both caches, then attention over the workspace). Every attention row must still
-    match the oracle, and the ops called must be the forced route's."""
-    proc, rep = run_driver(tmp_path, model="v41", DSV4_AMPERE_DECODE_KERNEL=kernel)
-    assert proc.returncode == 0 and rep is not None, proc.stderr[-6000:]
+    (DSV4_AMPERE_DECODE_KERNEL), on requests of their own on the same built model: v3, the paged
+    op's 16-byte-vector form, and tiles, the workspace step (gather both caches, then attention
+    over the workspace). Every attention row must still match the oracle, and the ops called
+    must be the forced route's."""
+    rep = report_v41["routes"][kernel]
+    assert rep["tripped"] == [], rep["tripped"]
     ops = rep["ops_called"]
     if kernel == "v3":
         assert ops.get("dsv4_decode_fused_out", 0) > 0 and "dsv4_decode_gather" not in ops, ops
@@ -282,7 +361,7 @@ def test_h200_real_kernels_and_decode_graph(tmp_path, model, private_graphs):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     if model == "v4":
-        # vLLM 0.33.0 runs V4's mHC boundaries as TileLang kernels on every CUDA GPU (the plugin
+        # vLLM runs V4's mHC boundaries as TileLang kernels on every CUDA GPU (the plugin
         # replaces only the first layer's DeepGEMM prenorm GEMM); a serving host has tilelang
         # (vLLM's CUDA requirement), the H200 image here does not: V4 on a GPU needs it
         pytest.importorskip("tilelang", reason="vLLM's V4 mHC kernels are TileLang's (not in this image)")

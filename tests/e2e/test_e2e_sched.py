@@ -1,4 +1,4 @@
-"""End to end with vLLM 0.33.0's own scheduler: its ``Scheduler`` and KV-cache manager (prefix
+"""End to end with vLLM's own scheduler: its ``Scheduler`` and KV-cache manager (prefix
 caching on, chunked prefill with a small ``max_num_batched_tokens``, a small block pool) decide
 every step of the model e2e for DeepSeek-V4.1, V4 and V3.2; ``sched_driver.py`` turns each
 ``SchedulerOutput`` into the step's inputs as the V2 GPU model runner does, runs vLLM's model with
@@ -38,12 +38,13 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="the end-to-end test needs vllm==0.33.0 (pip install dsv4-ops[test])")
+pytest.importorskip("vllm", reason="the end-to-end test needs vLLM (pip install dsv4-ops[test])")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import test_e2e as v4_e2e  # noqa: E402  (bounds of the model e2e)
+from shared_report import session_report  # noqa: E402
 
 
 def run_sched(tmp_path, model):
@@ -54,22 +55,31 @@ def run_sched(tmp_path, model):
     return json.loads(out.read_text())
 
 
+def _report(tmp_path_factory, model):
+    return session_report(tmp_path_factory, f"sched_{model}",
+                          lambda: run_sched(tmp_path_factory.mktemp("e2e_sched"), model))
+
+
+# one scheduler run a model; under pytest-xdist ``--dist loadgroup`` its tests stay on one worker
+GROUPS = {m: pytest.mark.xdist_group(f"e2e_sched_{m}") for m in ("v41", "v4", "v32")}
+
+
 @pytest.fixture(scope="module")
 def report_v41(tmp_path_factory):
-    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v41")
+    return _report(tmp_path_factory, "v41")
 
 
 @pytest.fixture(scope="module")
 def report_v4(tmp_path_factory):
-    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v4")
+    return _report(tmp_path_factory, "v4")
 
 
 @pytest.fixture(scope="module")
 def report_v32(tmp_path_factory):
-    return run_sched(tmp_path_factory.mktemp("e2e_sched"), "v32")
+    return _report(tmp_path_factory, "v32")
 
 
-@pytest.fixture(params=["v41", "v4", "v32"])
+@pytest.fixture(params=[pytest.param(m, marks=g) for m, g in GROUPS.items()])
 def report(request):
     return request.getfixturevalue(f"report_{request.param}")
 
@@ -126,6 +136,9 @@ def _every_step_passed_the_oracle(report):
         assert sum(c["kind"] == "moe" for c in rows) == n_layers, (step, rows)
         assert sum(c["kind"] == "logits" for c in rows) == 1 and sum(c["kind"] == "mhc_first" for c in rows) == 1
         assert {c["layer"] for c in rows if c["kind"] == "indexer"} == set(v4_e2e.LAYERS[model]["indexer"]), step
+        # V4's mHC boundaries past the first-layer broadcast, each against float64 (V4.1's delayed
+        # form has none)
+        assert sum(c["kind"] == "mhc" for c in rows) == (2 * n_layers - 1 if model == "v4" else 0), (step, rows)
     for c in checks:
         if c["kind"].startswith("attn"):
             assert c["topk_out_of_range"] == 0 and c["writer_err"] <= 1.0, (seed, c)
@@ -135,6 +148,10 @@ def _every_step_passed_the_oracle(report):
         elif c["kind"] == "moe":
             assert c["choice_mismatch"] == 0, (seed, c)
             assert c["cos"] >= v4_e2e.MOE_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], (seed, c)
+        elif c["kind"] == "mhc":
+            assert c["streams_cos"] >= v4_e2e.ATTN_COS and c["streams_rel"] <= v4_e2e.REL_MAX, (seed, c)
+            assert c["input_cos"] >= v4_e2e.ATTN_COS and c["input_rel"] <= v4_e2e.REL_MAX, (seed, c)
+            assert c["post_rel"] <= v4_e2e.MHC_COEFF_REL and c["comb_rel"] <= v4_e2e.MHC_COEFF_REL, (seed, c)
         else:
             assert c["cos"] >= v4_e2e.LOGITS_COS and c["max_abs"] <= v4_e2e.REL_MAX * c["ref_max"], (seed, c)
     # the indexer's long path ran (more compressed entries than top-k) and was checked
@@ -154,6 +171,7 @@ def _writers_passed(report) -> list:
     return rows
 
 
+@GROUPS["v41"]
 def test_every_step_passed_the_oracle_v41(report_v41):
     report = report_v41
     _every_step_passed_the_oracle(report)
@@ -171,6 +189,7 @@ def test_every_step_passed_the_oracle_v41(report_v41):
     assert sum(c["writer_padded"] for c in rows) > 0   # the hit's window happened and was set aside
 
 
+@GROUPS["v4"]
 def test_every_step_passed_the_oracle_v4(report_v4):
     """V4 has no SWA bounded replay: every row of every layer is compared, each within its
     rounding-model bound, and every compressed-KV / indexer-K entry a step closes (C4A windows cut
@@ -189,6 +208,7 @@ def test_every_step_passed_the_oracle_v4(report_v4):
     assert sum(c["comp_written"] for c in rows) > 10 * sum(c["writer_unseen"] for c in rows), rows
 
 
+@GROUPS["v32"]
 def test_every_step_passed_the_oracle_v32(report_v32):
     import test_e2e_v32 as v32_e2e
 
@@ -226,6 +246,7 @@ def test_no_dead_kernel_ran(report):
     assert report["tripwire"]["dead_rows"] > 0
 
 
+@GROUPS["v41"]
 def test_v41_decoder_replay_pass(report_v41):
     """The replay sub-batch ran in every step that trims a prefill, on the kept rows only, through
     the plugin's attention and the decoder-replay KV write, and was checked layer by layer."""

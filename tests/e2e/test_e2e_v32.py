@@ -1,4 +1,4 @@
-"""End to end, DeepSeek-V3.2 and GLM-5: vLLM 0.33.0's own ``DeepseekV32ForCausalLM`` (its
+"""End to end, DeepSeek-V3.2 and GLM-5: vLLM's own ``DeepseekV32ForCausalLM`` (its
 CUDA model class, chosen as on an A100; GLM-5's ``GlmMoeDsaForCausalLM`` is the same class) with the
 plugin on the CPU: a tiny checkpoint written by
 transformers and read by vLLM's loader, vLLM's attention-backend selector answering for sm_80
@@ -10,9 +10,10 @@ prefill / mixed / decode steps of tests/e2e/steps.py. Checked in float64:
 - every sparse-MLA call against softmax(scale q.k) v over the keys decoded from the cache bytes.
 index_topk (128) exceeds every sequence of these runs, so the indexer selects every causal key and
 the choice cannot differ from the oracle's on near-ties (checked: each query attends to all its
-causal keys); a fourth run with a 170-token prompt checks the indexer's choice past top-k against
-the float64 top-k of its scores over the cache bytes; tokens whose float64 expert choice is a
-near-tie are left out of the logits comparison and counted."""
+causal keys); in the fp8 V3.2 run, a second plan on the same built model (two new requests, the
+first with a 170-token prompt) checks the indexer's choice past top-k against the float64 top-k
+of its scores over the cache bytes; tokens whose float64 expert choice is a near-tie are left out
+of the logits comparison and counted. One driver process a built model (three a version)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    from .shared_report import session_report
+except ImportError:  # tests/e2e collected as a rootdir (no package), or imported by path
+    sys.path.insert(0, HERE)
+    from shared_report import session_report
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
@@ -48,7 +55,7 @@ MODEL_TYPES = {"v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
 RESOLVED = {"fp8": "fp8_ds_mla"}
 
 
-def run_driver(tmp_dir, family, cache, device="cpu", prompt_len=40):
+def run_driver(tmp_dir, family, cache, device="cpu", prompt_len=40, long_prompt_len=0):
     out = tmp_dir / f"e2e_{family}_{cache}_{device}_p{prompt_len}.json"
     if os.environ.get("DSV4_E2E_REPORT_DIR"):   # the device script brings the report back
         import pathlib
@@ -56,17 +63,45 @@ def run_driver(tmp_dir, family, cache, device="cpu", prompt_len=40):
         out = pathlib.Path(os.environ["DSV4_E2E_REPORT_DIR"]) / out.name
     proc = subprocess.run([sys.executable, os.path.join(HERE, "driver_v32.py"), "--device", device,
                            "--family", family, "--cache-dtype", cache, "--prompt-len", str(prompt_len),
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                           "--long-prompt-len", str(long_prompt_len), "--out", str(out)],
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=[("v32", "auto"), ("v32", "fp8_ds_mla"), ("glm5", "fp8")],
-                ids=lambda p: "-".join(p))
-def report(request, tmp_path_factory):
-    family, cache = request.param
-    return run_driver(tmp_path_factory.mktemp("e2e_v32"), family, cache)
+# One driver process a built model (its import and build are half of a run on 2 cores). Under
+# pytest-xdist ``--dist loadgroup`` the tests of one report run on one worker, so its module
+# fixture runs once; the reports are independent, so the groups run in parallel.
+GROUPS = {c: pytest.mark.xdist_group(f"e2e_{'_'.join(c)}") for c in (("v32", "auto"), ("v32", "fp8_ds_mla"),
+                                                                    ("glm5", "fp8"))}
+LONG_PROMPT = 170   # past index_topk (128, the least vLLM's top-k kernel takes): the indexer selects
+
+
+def _report(tmp_path_factory, family, cache, **kw):
+    return session_report(tmp_path_factory, f"{family}_{cache}",
+                          lambda: run_driver(tmp_path_factory.mktemp("e2e_v32"), family, cache, **kw))
+
+
+@pytest.fixture(scope="module")
+def report_v32_auto(tmp_path_factory):
+    return _report(tmp_path_factory, "v32", "auto")
+
+
+@pytest.fixture(scope="module")
+def report_v32_fp8_ds_mla(tmp_path_factory):
+    """Then, on the same built model, a plan whose first prompt is LONG_PROMPT tokens
+    (``report["long"]``, see report_long)."""
+    return _report(tmp_path_factory, "v32", "fp8_ds_mla", long_prompt_len=LONG_PROMPT)
+
+
+@pytest.fixture(scope="module")
+def report_glm5_fp8(tmp_path_factory):
+    return _report(tmp_path_factory, "glm5", "fp8")
+
+
+@pytest.fixture(params=[pytest.param(c, marks=m) for c, m in GROUPS.items()], ids=lambda p: "-".join(p))
+def report(request):
+    return request.getfixturevalue("report_" + "_".join(request.param))
 
 
 def test_vllm_picks_the_plugin_backend_and_cache(report):
@@ -114,12 +149,14 @@ def test_every_cache_row_is_the_float64_one(report):
         assert c["index_written"] == (c["tokens"] if c["layer"] in report["indexer_layers"] else 0), c
 
 
-@pytest.fixture(scope="module")
-def report_long(tmp_path_factory):
+@pytest.fixture
+def report_long(report_v32_fp8_ds_mla):
     """V3.2 with a 170-token prompt: past index_topk (128, the least vLLM's top-k kernel takes), so
     the indexer selects; transformers' float64 indexer may pick other keys than vLLM's E4M3 one
-    on close scores, so this run's logits are not compared (its attention and choice are)."""
-    return run_driver(tmp_path_factory.mktemp("e2e_v32_long"), "v32", "fp8_ds_mla", prompt_len=170)
+    on close scores, so this plan's logits are not compared (its attention and choice are)."""
+    rep = report_v32_fp8_ds_mla["long"]
+    assert rep["prompt_len"] == LONG_PROMPT, rep["prompt_len"]
+    return rep
 
 
 def _check_indexer_choice(rep, long):
@@ -144,6 +181,7 @@ def test_the_indexer_attends_to_every_causal_key_below_top_k(report):
     _check_indexer_choice(report, long=False)
 
 
+@GROUPS[("v32", "fp8_ds_mla")]
 def test_the_indexer_choice_is_the_float64_top_k(report_long):
     """Past top-k: the rows each query attends to are the float64 top-k of the indexer scores
     (teacher-forced on vLLM's E4M3 q and the K cache bytes), at every step; the attention over
