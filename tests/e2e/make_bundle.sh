@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# Build .e2e_bundle/ (ignored, never committed) for tests/e2e/gpu_run.sh: vLLM 0.33.0's Python
-# sources (from `pip download`), the cp312 wheels the H200 image lacks, and the audits' JSON.
-# E2E_BUNDLE: another (ignored) folder, e.g. the engine run's carry folder (tests/e2e/engine/device.sh).
+# Build .e2e_bundle/ (ignored, never committed) for tests/e2e/gpu_run.sh and the engine run
+# (tests/e2e/engine/device.sh): one supported vLLM release's Python sources (from its wheel), the
+# cp312 wheels the H200 image lacks, and the audits' JSON for that release.
+#   E2E_VLLM: the vLLM release (default: the newest of dsv4_ops.vllm.versions.SUPPORTED), e.g. 0.33.0
+#   E2E_VLLM_WHEEL: that release's wheel already on disk (else `pip download --no-deps vllm==$E2E_VLLM`)
+#   E2E_VLLM_PYTHONPATH: where that release imports from on this machine, when it is not the
+#     installed vLLM (the audits import it); default .ci/vllm-$E2E_VLLM when that exists
+#     (`python -m dsv4_ops.tools.install_vllm $E2E_VLLM --target .ci/vllm-$E2E_VLLM`)
+#   E2E_BUNDLE: another (ignored) folder, e.g. the engine run's carry folder (tests/e2e/engine/prepare_carry.sh)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+V="${E2E_VLLM:-$(python3 -c 'from dsv4_ops.vllm import versions; print(versions.SUPPORTED[-1])')}"
+python3 -c "import sys; from dsv4_ops.vllm import versions; sys.exit(0 if '$V' in versions.SUPPORTED else 'E2E_VLLM=$V: not a supported vLLM release ' + str(versions.SUPPORTED))"
+# where release $V imports from here (the audits read it): checked before anything is downloaded
+IV=$(python3 -c "from importlib.metadata import version; print(version('vllm'))" 2>/dev/null || true)
+VP="${E2E_VLLM_PYTHONPATH:-}"
+if [ -z "$VP" ] && [ "$IV" != "$V" ] && [ -d ".ci/vllm-$V" ]; then VP="$PWD/.ci/vllm-$V"; fi
+VPP="${VP:+$VP${PYTHONPATH:+:}}${PYTHONPATH:-}"
+GOT=$(PYTHONPATH="$VPP" python3 -c "from importlib.metadata import version; print(version('vllm'))" 2>/dev/null || true)
+[ "$GOT" = "$V" ] || { echo "make_bundle: vLLM $V does not import here (found '${GOT}'): set E2E_VLLM_PYTHONPATH" >&2; exit 1; }
 B="${E2E_BUNDLE:-.e2e_bundle}"; mkdir -p "$B/whl" "$B/dl"
-python3 -m pip download -q --no-deps vllm==0.33.0 -d "$B/dl"
-python3 - "$B" <<'PY'
+rm -f "$B/dl"/vllm-*.whl
+if [ -n "${E2E_VLLM_WHEEL:-}" ]; then cp "$E2E_VLLM_WHEEL" "$B/dl/"; else python3 -m pip download -q --no-deps "vllm==$V" -d "$B/dl"; fi
+python3 - "$B" "$V" <<'PY'
 import io, sys, tarfile, zipfile, glob
-b = sys.argv[1]
-z = zipfile.ZipFile(glob.glob(f"{b}/dl/vllm-0.33.0-*.whl")[0])
+b, v = sys.argv[1:3]
+z = zipfile.ZipFile(glob.glob(f"{b}/dl/vllm-{v}-*.whl")[0])
 with tarfile.open(f"{b}/vllm_py.tar.xz", "w:xz") as t:
     for nm in z.namelist():
         if (nm.startswith("vllm/") and nm.endswith(".py")) or nm.endswith(("dist-info/METADATA", "dist-info/entry_points.txt")):
             data = z.read(nm); ti = tarfile.TarInfo(nm); ti.size = len(data); t.addfile(ti, io.BytesIO(data))
 PY
+echo "$V" > "$B/vllm_version.txt"   # device.sh checks the unpacked sources against it
 rm -rf "$B/dl"
+# the wheels (the same set serves 0.33.0 and 0.34.0: their requirement lists differ only in pins
+# of packages the image has or that never load on this path)
 P=""; for n in 17 24 27 28 31 34 35 39; do P="$P --platform manylinux_2_${n}_x86_64"; done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
   --platform manylinux2014_x86_64 --platform any -d "$B/whl" pydantic==2.13.4 pydantic_core==2.46.4 \
@@ -32,5 +51,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   watchfiles==1.3.0 python-multipart==0.0.34 jmespath==1.1.0 supervisor==4.3.0
 # transformers: the V3.2 / GLM-5 oracle's modeling code (the image's 5.17 predates the version the test extra pins)
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$B/whl" transformers==5.20.2
-dsv4-ops audit-vllm --model both --json > "$B/audit.json"
-python3 -c "from dsv4_ops.vllm import audit; audit.run(models=('v32', 'glm5'), cache='$B/audit_v32.json')" > /dev/null
+# the audits, read from the same release's source ($VPP above)
+PYTHONPATH="$VPP" python3 -m dsv4_ops.tools.cli audit-vllm --model both --json > "$B/audit.json" \
+  || { [ -s "$B/audit.json" ] && echo "make_bundle: vLLM $V's audit has open rows (audit.json written; the tripwire reads it)" >&2; }
+PYTHONPATH="$VPP" python3 -c "from dsv4_ops.vllm import audit; audit.run(models=('v32', 'glm5'), cache='$B/audit_v32.json')" > /dev/null

@@ -282,6 +282,11 @@ def manifest(kind: str, cfg: dict) -> dict:
 
 # DSpark parameters the draft shares with the target (aliased by vLLM's speculator; not in mtp.*)
 DSPARK_ALIASED = ("model.embed_tokens.weight", "lm_head.weight")
+# vLLM 0.34.0's DSpark draft projects the main model's hidden state for every stage at once
+# (``DSparkDeepseekV4Model.context_wkv_proj``, a MergedColumnParallelLinear of one ``head_dim``
+# block per stage); its loader fills it from the checkpoint's ``mtp.{i}.attn.wkv.weight``
+# (``_duplicate_context_wkv_weights``): no tensor of its own in the checkpoint
+DSPARK_CONTEXT_WKV = "model.context_wkv_proj."
 
 
 def _dspark_ckpt_name(name: str, cfg: dict) -> str:
@@ -362,14 +367,23 @@ def write_v4(man: dict, d: str, seed: int = 0) -> dict:
         build.init_weights(shell, seed + 1)
         _stable_routing(shell, seed + 1)
         msizes = {e["name"]: e["sizes"] for e in man["mtp"]}
+        derived, written = [], {}
         for name, p in shell.named_parameters():
             if cfg.get("n_mtp_layers") and name in DSPARK_ALIASED:
+                continue
+            if name.startswith(DSPARK_CONTEXT_WKV):
+                derived.append(name)
                 continue
             params["mtp:" + name] = p.detach().clone()
             for vname, t in _unfuse(name, p.detach(), cfg, msizes.get(name)):
                 ck = _mtp_ckpt_name(vname, cfg)
                 assert ck not in tensors, ck
                 tensors[ck] = t.contiguous().clone()
+                written[vname] = tensors[ck]
+        for name in derived:   # what vLLM's loader makes of the stages' wkv weights
+            suffix = name[len(DSPARK_CONTEXT_WKV):]
+            params["mtp:" + name] = torch.cat([written[f"model.layers.{i}.attn.wkv.{suffix}"]
+                                              for i in range(cfg["n_mtp_layers"])])
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     return params
 
@@ -477,7 +491,10 @@ def verify_dspark_spec(d: str) -> dict:
         h = sc.draft_model_config.hf_config
         out[str(k)] = dict(method=sc.method, use_dspark=sc.use_dspark(), k=sc.num_speculative_tokens,
                            draft_model=sc.model, arch=sc.draft_model_config.architectures[0],
-                           target_layer_ids=list(h.dspark_target_layer_ids), parallel=sc.parallel_drafting)
+                           target_layer_ids=list(h.dspark_target_layer_ids),
+                           # vLLM 0.34.0: the setting is deprecated (None), DFlash / DSpark always draft in parallel
+                           parallel=(sc.parallel_drafting if sc.parallel_drafting is not None
+                                     else sc.method in ("dflash", "dspark")))
     return dict(dir=d + "#spec", spec=out, mismatched=[])
 
 

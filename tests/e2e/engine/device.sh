@@ -11,7 +11,7 @@
 #      v4m5=v4:eager:mtp:5 v32e=v32:eager v41s=v41:eager:serve"
 #   E2E_RUN_TIMEOUT: seconds per run (default 150); E2E_TOTAL: seconds for the whole script (default
 #   480): a run gets at most what is left of it (minus 25 s for the summary), none when under 30 s;
-#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2..E2E_RUNS4, E2E_EXTRA2, E2E_LANE2_DELAY: more lanes (below)
+#   E2E_EXTRA: JSON of more LLM(...) kwargs; E2E_RUNS2..E2E_RUNS6, E2E_EXTRA2, E2E_LANE2_DELAY: more lanes (below)
 set -u -o pipefail
 OUT="${OUT:-/tmp/dsv4_out}"; mkdir -p "$OUT"
 R=/tmp/e2e_runs; mkdir -p "$R"   # every log and report; $OUT gets SUMMARY.md, setup.txt and runs.tgz (few files come back)
@@ -25,6 +25,11 @@ if [ "${E2E_USE_INSTALLED:-0}" != 1 ]; then
 fi
 python3 -m pip install -q --no-index --no-deps --target /tmp/e2e_site "$(python3 tests/e2e/a100_platform/make_wheel.py /tmp/e2e_whl)" >> "$R/pip.log" 2>&1 || { tail -5 "$R/pip.log"; exit 1; }
 python3 -c "import tarfile; tarfile.open('$B/vllm_py.tar.xz').extractall('/tmp/e2e_vllm')" || exit 1
+# the release the bundle carries (tests/e2e/make_bundle.sh, E2E_VLLM): its dist-info is what vLLM and
+# the plugin's version check read
+VV=$(ls -d /tmp/e2e_vllm/vllm-*.dist-info | sed 's|.*/vllm-||; s|\.dist-info||')
+echo "vLLM $VV (bundle: $(cat "$B/vllm_version.txt" 2>/dev/null || echo '?'))" | tee "$OUT/setup.txt"
+[ ! -f "$B/vllm_version.txt" ] || [ "$(cat "$B/vllm_version.txt")" = "$VV" ] || { echo "bundle mismatch"; exit 1; }
 export PYTHONPATH=/tmp/e2e_site:/tmp/e2e_vllm:$PWD/tests/e2e:$PWD/tests/e2e/engine PYTHONUNBUFFERED=1
 export DSV4_E2E_A100=1 DSV4_AMPERE_IMPL=portable VLLM_LOGGING_LEVEL=INFO VLLM_ALLOW_INSECURE_SERIALIZATION=1
 # flashinfer is not on the image (a CUDA install of vLLM has it): vLLM's top-k/top-p sampler
@@ -35,7 +40,7 @@ PREWARM=$!
 export DSV4_E2E_AUDIT_JSON="$PWD/$B/audit.json" DSV4_E2E_AUDIT_JSON_V32="$PWD/$B/audit_v32.json"
 CK=/tmp/e2e_ckpt
 python3 tests/e2e/engine/checkpoints.py "$CK" ${E2E_MODELS:-v41 v41x v4 v32} --from-manifest "$B/manifest.json" > "$R/ckpt.log" 2>&1 || { tail -20 "$R/ckpt.log"; exit 1; }
-wait $PREWARM; echo "model-info prewarm rc=$? ($(grep -c cached "$R/prewarm.log") cached)" | tee "$OUT/setup.txt"
+wait $PREWARM; echo "model-info prewarm rc=$? ($(grep -c cached "$R/prewarm.log") cached)" | tee -a "$OUT/setup.txt"
 echo "setup $(( $(date +%s) - T0 )) s" | tee -a "$OUT/setup.txt"
 python3 -c "
 from importlib.metadata import entry_points as e
@@ -75,8 +80,8 @@ lane() {   # $1: the runs, one after another; $2: JSON of more LLM(...) kwargs f
 # same reason (reported as measured).
 X2='{"kv_cache_memory_bytes": 4294967296}'; X2=${E2E_EXTRA2:-$X2}
 LANES=()
-# lanes 3 and 4 likewise (E2E_RUNS3, E2E_RUNS4), started two and three delays later
-for n in 2 3 4; do
+# lanes 3 to 6 likewise (E2E_RUNS3 .. E2E_RUNS6), each started one delay after the one before
+for n in 2 3 4 5 6; do
   v="E2E_RUNS$n"
   if [ -n "${!v:-}" ]; then ( sleep $(( (n - 1) * ${E2E_LANE2_DELAY:-40} )); lane "${!v}" "$X2" ) & LANES+=($!); fi
 done
