@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm==0.33.0 (pip install dsv4-ops[test])")
+pytest.importorskip("vllm", reason="needs vLLM (pip install dsv4-ops[test])")
+# the checkpoints are written once a module (``written``); under pytest-xdist --dist loadgroup
+# this module's tests stay on one worker, which writes them once
+pytestmark = pytest.mark.xdist_group("e2e_engine_checkpoints")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "checkpoints.py")

@@ -13,6 +13,10 @@ import sys
 
 import pytest
 
+# the distribution is installed once a module (``site``); under pytest-xdist --dist loadgroup
+# this module's tests stay on one worker, which installs it once
+pytestmark = pytest.mark.xdist_group("e2e_engine_platform")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 E2E = os.path.dirname(HERE)
 DIST = os.path.join(E2E, "a100_platform")
