@@ -211,10 +211,14 @@ def test_ref_paged_vs_vllm_torch(next_n, per_row):
     q, cache, w, ctx, bt = _paged_case(B, next_n, H, bs, nb, ctxs, per_row, seed=next_n)
     max_len = 40
     ours = ref_paged_mqa_logits(q, cache.unsqueeze(-2), w, ctx, bt, max_len)
-    if next_n == 1:
+    from dsv4_ops.vllm import versions
+    from dsv4_ops.vllm.table import installed_release
+
+    if next_n == 1 or versions.key(installed_release()) >= versions.key("0.34.0"):
+        # vLLM 0.34's next_n > 1 branch reads the page as the store kernels write it, as next_n == 1 does
         theirs_cache = cache.unsqueeze(-2).contiguous()
     else:
-        # vLLM's next_n > 1 branch reads each row as [128 codes | 4 scale bytes] (DeepGEMM's
+        # vLLM 0.33's next_n > 1 branch reads each row as [128 codes | 4 scale bytes] (DeepGEMM's
         # test layout), not the store kernels' data-rows-then-scales page: hand it that form.
         nbk = cache.shape[0]
         blk = torch.arange(nbk)[:, None].expand(nbk, bs)

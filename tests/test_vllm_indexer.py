@@ -136,7 +136,12 @@ def test_pack_seq_wrapper_packs_bytes():
 
 
 def test_patch_rows_match_installed_vllm():
-    for row in vi.PATCHES:
+    from dsv4_ops.vllm.table import installed_release
+
+    release = installed_release()
+    rows = [row for row in vi.PATCHES if row.applies_to(release)]
+    assert {r.qualname for r in rows} >= {r.qualname for r in vi.PATCHES if not r.versions}
+    for row in rows:
         mod = importlib.import_module(row.module)
         obj = mod
         for part in row.symbol.split("."):
@@ -144,5 +149,9 @@ def test_patch_rows_match_installed_vllm():
         params = tuple(p for p in inspect.signature(obj).parameters if p not in ("self", "cls"))
         assert params == row.params, row.qualname
         if not row.wraps:
-            mine = tuple(inspect.signature(row.replacement).parameters)
-            assert mine == row.params, f"{row.qualname}: replacement takes {mine}"
+            sig = inspect.signature(row.replacement).parameters
+            mine = tuple(sig)
+            # vLLM's parameters in its order; a later release's extra (defaulted) ones may follow
+            assert mine[:len(row.params)] == row.params, f"{row.qualname}: replacement takes {mine}"
+            extra = [n for n in mine[len(row.params):] if sig[n].default is inspect.Parameter.empty]
+            assert not extra, f"{row.qualname}: replacement requires {extra}, which vLLM {release} does not pass"

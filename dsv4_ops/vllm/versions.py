@@ -51,7 +51,7 @@ def install_advice() -> str:
     plain pip install does not work where it does not."""
     cmds = "; ".join(f"vLLM {r}: {install_command(r)}" for r in reversed(SUPPORTED))
     notes = "; ".join(f"a plain `pip install vllm=={r}` fails: it pins {name}=={pin}, which the package index does "
-                      f"not serve; the installer puts {name} {sub} in its place"
+                      f"not serve; the installer installs the vLLM wheel with --no-deps, then its requirements with {name} {sub}"
                       for r, (name, pin, sub) in UNAVAILABLE_PINS.items() if r in SUPPORTED)
     return f"install a supported release ({cmds})" + (f" -- {notes}" if notes else "")
 
