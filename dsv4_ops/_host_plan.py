@@ -301,6 +301,23 @@ class _CountPlainLaunches:
         return False
 
 
+def _learn(names: List[object]) -> None:
+    """Add environment variables to every key. The plans already recorded did not read them (else
+    they would be known), so each stays valid under the variables' current values: its key is
+    extended with them, not dropped (a dropped key would leave its plan unreachable and recorded
+    again)."""
+    if not names:
+        return
+    at = 2 + len(_ENV_KEYS)  # _key: (device, override, env values..., arguments...)
+    env = _ENVIRON if _ENVIRON is not None else os.environ
+    values = tuple(env.get(e) for e in names)
+    _ENV_KEYS.extend(names)
+    for t in _TABLES:
+        old = list(t.items())
+        t.clear()
+        t.update((k[:at] + values + k[at:], v) for k, v in old)
+
+
 def _record(fn, args):
     """Run fn(*args) under the recorder; returns (its result, a _Plan or None)."""
     global _ENVIRON
@@ -324,9 +341,7 @@ def _record(fn, args):
                 env_saved.clear()
                 env_saved.update(env_log)
     if env_log is not None:
-        for k in sorted(env_log.read, key=repr):
-            if k not in _ENV_KEYS:
-                _ENV_KEYS.append(k)
+        _learn([k for k in sorted(env_log.read, key=repr) if k not in _ENV_KEYS])
     if not rec.ok:
         return result, None, rec.why
     if plain.count or sum(k.stats["slow"] for k in _launch._REGISTRY.values()) != slow0:

@@ -387,6 +387,32 @@ def test_replay_keys_on_the_forced_decode_config(mocked_launches, monkeypatch, o
     assert len(plans) == 2
 
 
+def test_a_variable_learnt_later_keeps_the_recorded_plans(mocked_launches, monkeypatch):
+    """A recording that reads a variable no earlier recording read adds it to every key: the plans
+    recorded before stay reachable (replayed, not recorded again), under the variable's value."""
+    from dsv4_ops import _host_plan
+    from dsv4_ops.registration import library
+
+    impl = library.cuda_impl("dsv4_decode_fused_out")
+    monkeypatch.setattr(_host_plan, "_ENV_KEYS", list(_host_plan._ENV_KEYS))
+    for i in range(2):  # run, record
+        impl(*_fused_inputs(1, 8, 512, 128, seed=i))
+    plans = [p for p in impl.plans.values() if isinstance(p, _host_plan._Plan)]
+    assert len(plans) == 1
+    name = "DSV4_AMPERE_TEST_LEARNT"
+    monkeypatch.setenv(name, "x")
+    _host_plan._learn([os.environ.encodekey(name)])
+    r0, n0 = _host_plan.STATS["replay"], _host_plan.STATS["record"]
+    impl(*_fused_inputs(1, 8, 512, 128, seed=2))
+    assert (_host_plan.STATS["replay"] - r0, _host_plan.STATS["record"] - n0) == (1, 0)
+    assert [p for p in impl.plans.values() if isinstance(p, _host_plan._Plan)] == plans
+    monkeypatch.setenv(name, "y")  # another value: a new key (first sight, then recorded)
+    for i in range(2):
+        impl(*_fused_inputs(1, 8, 512, 128, seed=i))
+    assert _host_plan.STATS["record"] - n0 == 1
+    assert len([p for p in impl.plans.values() if isinstance(p, _host_plan._Plan)]) == 2
+
+
 def test_recording_refuses_copies_views_and_torch_kernels(mocked_launches):
     """A launcher that makes a tensor other than torch.empty / new_empty (a copy, a view, an
     in-place op) is never replayed: it runs every call."""
