@@ -33,6 +33,7 @@ VLLM_RELEASE_FILES = frozenset({
     "test_vllm_plugin.py", "test_vllm_v32_plugin.py", "test_vllm_indexer.py", "test_audit_vllm.py",
     "test_audit_v32.py", "test_warm_set.py", "test_engram_plugin.py", "test_pp_partition.py", "test_doctor.py",
     "test_decode_graph.py", "test_wo_a_formats.py", "test_e2e.py", "test_e2e_v32.py", "test_e2e_sched.py",
+    "test_e2e_multirank.py",
 })
 
 

@@ -1,0 +1,541 @@
+"""One rank of a multi-rank end-to-end run (tensor and / or pipeline parallel) on the CPU: vLLM's
+own ``init_distributed_environment`` / ``initialize_model_parallel`` over gloo, vLLM's sharded
+layers, all-reduces and pipeline stages, the plugin on the Ampere path, every layer this rank
+holds checked against the float64 oracle (tests/e2e/checks.py) on this rank's own share.
+
+test_e2e_multirank.py starts one process a rank (``python multirank.py --rank R ...``); the
+one-rank reference run of the same layout (``--tp 1 --pp 1 --write-ckpt``) first writes the
+checkpoint every run loads with vLLM's own loader (engine/checkpoints.py: the original DeepSeek
+tensor names), so vLLM's weight loaders shard it and all runs hold the same weights.
+
+What a rank checks, per step and layer it holds:
+- attention: the rank's partial output (its heads' attention through its wo_a groups and its
+  columns of wo_b: the input of the wo_b all-reduce) against the oracle on the same weights,
+  row by row within the rounding-model bound (bounds.py); the all-reduced output against the
+  float64 sum of every rank's partial (``reduce_ratio``); how many TP all-reduces the layer ran;
+- the rank's weights are the checkpoint's rows for its heads / groups / expert columns / vocab
+  slice (``shards``), so a rank that computes right on the wrong heads fails;
+- the indexer (replicated: every rank all its heads), the MoE (the rank's partial, its expert
+  columns), layer 0's mHC input from the whole embedding, the logits from the whole LM head;
+- the run's logits (and the indexer's choices) go into the report: the test compares them with
+  the one-rank run's and across ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "engine"))
+
+import driver  # noqa: E402
+
+SEED = 1234            # the requests' tokens: the same in every run of a layout
+PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_ids")
+
+SITE = [None]          # (layer, "attn" | "ffn") while that sublayer runs on this rank
+ALLREDUCES: dict = {}  # site -> [(input, output)] of the TP group's all-reduces this step
+
+
+def model_config(model: str, engram: bool) -> dict:
+    """The tiny config of tests/e2e/build.py; ``engram``: with V4.1's Engram layer (layer 1,
+    engine/checkpoints.engram_keys), under the architecture name vLLM resolves Engram for."""
+    import build
+    import checkpoints
+
+    cfg = dict(build.CONFIGS[model])
+    if engram:
+        cfg = dict(cfg, architectures=["DeepseekV41ForCausalLM"], **checkpoints.engram_keys(cfg))
+    return cfg
+
+
+def install_tp_standins() -> None:
+    """Stand-ins for the C++ ops only tensor parallelism reaches (the audit keeps them on sm_80),
+    in torch, counted like tests/e2e/standins.py's: ``_C.vocab_parallel_embedding`` (the
+    vocab-parallel embedding's fused lookup: the rank's rows, zero for ids another rank owns)."""
+    import torch
+    import standins
+
+    def vocab_parallel_embedding(out, input_ids, weight, org_start: int, org_end: int, org_padding: int,
+                                 added_start: int, added_end: int) -> None:
+        ids = input_ids.long()
+        org = (ids >= org_start) & (ids < org_end)
+        added = (ids >= added_start) & (ids < added_end)
+        local = torch.where(org, ids - org_start, ids - added_start + (org_end - org_start) + org_padding)
+        local = torch.where(org | added, local, torch.zeros_like(local))
+        out.copy_(weight[local] * (org | added)[:, None].to(weight.dtype))
+
+    standins._define(standins._lib("_C"), "_C",
+                     "vocab_parallel_embedding(Tensor! out, Tensor input_ids, Tensor weight, int org_start, "
+                     "int org_end, int org_padding, int added_start, int added_end) -> ()",
+                     vocab_parallel_embedding)
+
+
+def install_allreduce_recorder() -> None:
+    """Record every tensor-parallel all-reduce (vLLM's ``GroupCoordinator.all_reduce``, which
+    ``tensor_model_parallel_all_reduce`` calls) with the sublayer that ran it."""
+    from vllm.distributed import parallel_state as ps
+
+    orig = ps.GroupCoordinator.all_reduce
+
+    def all_reduce(self, input_):
+        before = input_.detach().clone()   # before the call: a communicator may reduce in place
+        out = orig(self, input_)
+        if self is ps._TP:
+            ALLREDUCES.setdefault(SITE[0] or ("other",), []).append((before, out.detach().clone()))
+        return out
+
+    ps.GroupCoordinator.all_reduce = all_reduce
+
+
+def plant(kind: str, rank: int) -> str:
+    """Deliberate bugs of a multi-rank layout (test_e2e_multirank.py shows each one fails)."""
+    if not kind:
+        return ""
+    if kind == "head_offset":
+        # rank 1 loads rank 0's query heads: wq_b's column-parallel shard taken at offset 0
+        from vllm.model_executor.layers import linear
+
+        orig = linear.ColumnParallelLinear.weight_loader
+
+        def weight_loader(self, param, loaded_weight, *a, **k):
+            if rank == 1 and self.prefix.endswith(".attn.wq_b"):
+                saved = self.tp_rank
+                self.tp_rank = 0
+                try:
+                    return orig(self, param, loaded_weight, *a, **k)
+                finally:
+                    self.tp_rank = saved
+            return orig(self, param, loaded_weight, *a, **k)
+
+        linear.ColumnParallelLinear.weight_loader = weight_loader
+        return "rank 1 loads wq_b rows of heads 0.. (rank 0's)"
+    if kind == "o_proj_twice":
+        # the plugin's o_proj all-reduces its output, then vLLM's wo_b all-reduces again
+        from dsv4_ops.vllm import attention as va
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        good = va.ampere_o_proj
+
+        def twice(*a, **k):
+            return tensor_model_parallel_all_reduce(good(*a, **k))
+
+        va.ampere_o_proj = twice
+        return "o_proj all-reduces before wo_b's own all-reduce"
+    if kind == "engram_vocab_start":
+        # rank 1's Engram table shard starts at rank 0's rows
+        from vllm.models.deepseek_v41.common import engram
+
+        cls = engram.ParallelEngramEmbedding
+        orig_init = cls.__init__
+
+        def __init__(self, *a, **k):
+            orig_init(self, *a, **k)
+            if rank == 1:
+                self.vocab_start_idx = 0
+
+        cls.__init__ = __init__
+        return "rank 1's Engram vocab start = 0"
+    if kind == "stage2_no_input_ids":
+        return "the second stage runs without input_ids"
+    raise ValueError(f"unknown plant {kind!r}")
+
+
+class Recorder:
+    """capture.Recorder over the layers this stage holds, and the all-reduce sites."""
+
+    def __new__(cls, model):
+        import capture
+
+        class _R(capture.Recorder):
+            def __init__(self, model):
+                self.model = model
+                self.steps, self.current, self._handles = [], None, []
+                m = model.model
+                for i in range(m.start_layer, m.end_layer):
+                    self._hook_layer(i, m.layers[i])
+                    self._hook_site(i, m.layers[i])
+
+            def _hook_site(self, i, layer):
+                for kind, mod in (("attn", layer.attn), ("ffn", layer.ffn)):
+                    def pre(mod_, args, kwargs, kind=kind):
+                        SITE[0] = (i, kind)
+
+                    def post(mod_, args, kwargs, out):
+                        SITE[0] = None
+
+                    self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                    self._handles.append(mod.register_forward_hook(post, with_kwargs=True))
+
+        return _R(model)
+
+
+def make_checker(model, cfg, tp_group):
+    """checks.Checker on this rank's share: the attention and MoE checks on the partial each
+    sublayer hands the all-reduce, the LM head and embedding gathered whole."""
+    import torch
+    import checks
+    import oracle as O
+
+    F64 = torch.float64
+    tp = tp_group.world_size
+
+    def gather(w):
+        return tp_group.all_gather(w.detach().contiguous(), dim=0) if tp > 1 else w.detach()
+
+    def summed(t):
+        s = t.detach().to(F64).clone()
+        if tp > 1:
+            torch.distributed.all_reduce(s, group=tp_group.cpu_group)
+        return s
+
+    class MRChecker(checks.Checker):
+        def __init__(self):
+            super().__init__(model, cfg)
+            m = model.model
+            self.head = gather(model.lm_head.weight).to(F64) if hasattr(model, "lm_head") and \
+                type(model.lm_head).__name__ != "PPMissingLayer" else None
+            self.embed = gather(m.embed_tokens.weight).to(F64) if type(m.embed_tokens).__name__ != "PPMissingLayer" \
+                else None
+
+        def _reduce(self, step, site, got_out):
+            calls = step.allreduces.get(site, [])
+            if tp == 1:
+                return got_out, dict(allreduces=len(calls), reduce_ratio=0.0)
+            assert calls, f"{site}: no tensor-parallel all-reduce ran"
+            partial = calls[0][0]
+            # every rank's partial summed in float64; the all-reduce rounds each partial sum to bf16
+            s, mag = summed(partial), summed(partial.to(F64).abs())
+            err = (got_out.detach().to(F64) - s).abs() / ((tp - 1) * 2.0 ** -8 * mag + 1e-30)
+            return partial, dict(allreduces=len(calls), reduce_ratio=float(err.max()))
+
+        def check_attention(self, step, rec):
+            attn = self.m.model.layers[rec.layer].attn
+            partial, red = self._reduce(step, (rec.layer, "attn"), rec.out)
+            res = super().check_attention(step, dataclasses.replace(rec, out=partial))
+            res.update(red, heads=[tp_group.rank_in_group * attn.n_local_heads,
+                                   (tp_group.rank_in_group + 1) * attn.n_local_heads])
+            return res
+
+        def check_moe(self, step, rec):
+            partial, red = self._reduce(step, (rec.layer, "ffn"), rec.ffn_out)
+            res = super().check_moe(step, dataclasses.replace(rec, ffn_out=partial))
+            res.update(red)
+            return res
+
+        def check_logits(self, step, hidden, logits):
+            ref = hidden.cpu().to(F64) @ self.head.T
+            got = logits.cpu().to(F64)[:, : self.head.shape[0]]
+            res = dict(step=step.name, layer=-1, kind="logits", tokens=got.shape[0], cos=checks.cosine(got, ref),
+                       max_abs=float((got - ref).abs().max()), ref_max=float(ref.abs().max()),
+                       argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean()))
+            self.results.append(res)
+            return res
+
+        def check_first_mhc(self, step, rec):
+            layer = self.m.model.layers[0]
+            x = self.embed[step.batch["input_ids"].cpu()]
+            T, D = x.shape
+            streams = x[:, None, :].expand(T, self.cfg["hc_mult"], D)
+            if self.v4:
+                pre, _, _ = O.mhc_coeffs(streams, checks._w(layer.hc_attn_fn), checks._w(layer.hc_attn_base),
+                                         checks._w(layer.hc_attn_scale), self.cfg["hc_eps"], self.cfg["rms_norm_eps"],
+                                         self.cfg["hc_sinkhorn_iters"])
+                x = O.mhc_collapse(streams, pre)
+            ref = O.rms_norm(x, checks._w(layer.attn_norm.weight), self.cfg["rms_norm_eps"])
+            got = rec.x.cpu().to(F64)
+            res = dict(step=step.name, layer=0, kind="mhc_first", tokens=T, cos=checks.cosine(got, ref),
+                       max_abs=float((got - ref).abs().max()), ref_max=float(ref.abs().max()))
+            self.results.append(res)
+            return res
+
+    return MRChecker()
+
+
+def shard_checks(model, cfg, ckpt: str, tp_rank: int, tp: int) -> list:
+    """Each attention layer's query heads, sink, wo_a groups and wo_b columns, the experts'
+    intermediate columns and the vocab slices this rank holds are the checkpoint's at this rank's
+    offset (vLLM's loaders did the sharding; a wrong offset would still pass the oracle checks,
+    which use the rank's own weights)."""
+    import torch
+    from safetensors.torch import load_file
+
+    ck = load_file(os.path.join(ckpt, "model.safetensors"))
+    m = model.model
+    out = []
+
+    def same(name, got, want):
+        ok = tuple(got.shape) == tuple(want.shape) and bool(torch.equal(got.detach().cpu().to(want.dtype), want))
+        out.append(dict(param=name, ok=ok))
+
+    def rows(t, n):   # rank's slice of dim 0 into tp parts of n
+        return t[tp_rank * n:(tp_rank + 1) * n]
+
+    for i in range(m.start_layer, m.end_layer):
+        a, f = m.layers[i].attn, m.layers[i].ffn
+        hl, d, g, r = a.n_local_heads, a.head_dim, a.n_local_groups, a.o_lora_rank
+        same(f"layers.{i}.attn.wq_b", a.wq_b.weight, rows(ck[f"layers.{i}.attn.wq_b.weight"], hl * d))
+        same(f"layers.{i}.attn.attn_sink", a.attn_sink[:hl].float(), rows(ck[f"layers.{i}.attn.attn_sink"].float(), hl))
+        same(f"layers.{i}.attn.wo_a", a.wo_a.weight, rows(ck[f"layers.{i}.attn.wo_a.weight"], g * r))
+        wo_b = ck[f"layers.{i}.attn.wo_b.weight"]
+        same(f"layers.{i}.attn.wo_b", a.wo_b.weight, wo_b[:, tp_rank * g * r:(tp_rank + 1) * g * r])
+        ex = f.experts.routed_experts
+        n = ex.w2_weight.shape[-1]
+        same(f"layers.{i}.ffn.experts.0.w1", ex.w13_weight[0, :n], rows(ck[f"layers.{i}.ffn.experts.0.w1.weight"], n))
+        same(f"layers.{i}.ffn.experts.0.w2", ex.w2_weight[0],
+             ck[f"layers.{i}.ffn.experts.0.w2.weight"][:, tp_rank * n:(tp_rank + 1) * n])
+        if getattr(m.layers[i], "engram", None) is not None:
+            e = m.layers[i].engram.embed_tokens
+            out.append(dict(param=f"layers.{i}.engram.embed_tokens", ok=True,
+                            shape=list(e.weight.shape), attrs={k: v for k, v in vars(e).items()
+                                                               if isinstance(v, int) and not k.startswith("_")}))
+    if type(m.embed_tokens).__name__ != "PPMissingLayer":
+        v = m.embed_tokens.weight.shape[0]
+        same("embed", m.embed_tokens.weight, rows(ck["embed.weight"], v))
+    if hasattr(model, "lm_head") and type(model.lm_head).__name__ != "PPMissingLayer":
+        v = model.lm_head.weight.shape[0]
+        same("head", model.lm_head.weight, rows(ck["head.weight"], v))
+    return out
+
+
+def forward(sch, bt, hook, no_input_ids: bool):
+    """Scheduler.forward with vLLM's pipeline hand-off: a stage after the first receives the
+    previous stage's ``IntermediateTensors`` (``recv_tensor_dict``), a stage before the last sends
+    its own (``send_tensor_dict``), as vLLM's GPU worker does. Returns (hidden, logits) on the last
+    stage, (None, None) elsewhere."""
+    import torch
+    from vllm.distributed import get_pp_group, get_tp_group
+    from vllm.forward_context import set_forward_context
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.worker.gpu import attn_utils
+
+    b = sch.b
+    md = attn_utils.build_attn_metadata(
+        attn_groups=b.attn_groups, num_reqs=bt["num_reqs"], num_tokens=bt["num_tokens"],
+        query_start_loc_gpu=bt["query_start_loc_gpu"], query_start_loc_cpu=bt["query_start_loc_cpu"],
+        max_query_len=bt["max_query_len"], seq_lens=bt["seq_lens"], max_seq_len=bt["max_seq_len"],
+        block_tables=bt["block_tables"], slot_mappings=bt["slot_mappings"], kv_cache_config=b.kv_cache_config,
+        seq_lens_cpu_upper_bound=bt["seq_lens"].cpu(), positions=bt["positions"],
+        is_prefilling=bt["is_prefilling"], req_idx=bt["req_idx"])
+    by_layer = attn_utils.build_slot_mappings_by_layer(bt["slot_mappings"], b.kv_cache_config)
+    pp = get_pp_group()
+    with torch.no_grad(), set_forward_context(md, b.vllm_config, num_tokens=bt["num_tokens"], slot_mapping=by_layer):
+        hook(bt)
+        it = None
+        if not pp.is_first_rank:
+            it = IntermediateTensors(pp.recv_tensor_dict(all_gather_group=get_tp_group()))
+        ids = None if (no_input_ids and not pp.is_first_rank) else bt["input_ids"]
+        kw = {}
+        depth = getattr(b.model, "token_lookback_depth", 0)
+        if depth:
+            kw["lookback_token_ids"] = lookback(sch, bt, depth)
+        out = b.model(input_ids=ids, positions=bt["positions"], intermediate_tensors=it, **kw)
+        if not pp.is_last_rank:
+            assert isinstance(out, IntermediateTensors), type(out)
+            pp.send_tensor_dict(out.tensors, all_gather_group=get_tp_group())
+            return None, None
+        hidden = out[0] if isinstance(out, tuple) else out
+        return hidden, b.model.compute_logits(hidden)
+
+
+def build_at(model_cls, vllm_config, partition: str) -> str:
+    """Build this stage's model class again, in this PP process, at ``partition``: the error that
+    stops it ('' if it builds)."""
+    import torch
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    saved = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+    try:
+        with set_default_torch_dtype(torch.bfloat16):
+            model_cls(vllm_config=vllm_config, prefix="illegal")
+        return ""
+    except Exception as exc:  # noqa: BLE001 (the test reads which error)
+        return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"[:1500]
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION")
+        else:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = saved
+
+
+def lookback(sch, bt, depth: int):
+    """What V4.1's model state hands an Engram model (``_gather_lookback_kernel``): per request of
+    the batch, the ``depth`` tokens before its first scheduled one, nearest first, -1 before the
+    request's start; rows past the batch -1."""
+    import torch
+
+    out = torch.full((sch.b.vllm_config.scheduler_config.max_num_seqs, depth), -1, dtype=torch.int32)
+    for row, (rid, n) in enumerate(bt["schedule"]):
+        req = sch.requests[rid]
+        for k in range(depth):
+            pos = req.computed - 1 - k
+            if pos >= 0:
+                out[row, k] = req.tokens[pos]
+    return out.to(sch.b.device)
+
+
+def run_plan(model_name, cfg, b, no_input_ids: bool) -> dict:
+    import torch
+    import standins
+    import steps
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    rec = Recorder(b.model)
+    sch = steps.Scheduler(b)
+    chk = make_checker(b.model, cfg, get_tp_group())
+    chk.fwd_ctx = b.vllm_config.compilation_config.static_forward_context
+    g = torch.Generator().manual_seed(SEED)
+    P0, P1 = (40, 24) if model_name == "v41" else (136, 24)
+    vocab = cfg["vocab_size"]
+    sch.add(0, torch.randint(2, vocab, (P0 + 12,), generator=g).tolist())
+    sch.add(1, torch.randint(2, vocab, (P1 + 12,), generator=g).tolist())
+    plan = [("prefill", [(0, P0)]), ("mixed", [(0, 1), (1, P1)]), ("decode1", [(0, 1), (1, 1)]),
+            ("decode2", [(0, 1), (1, 1)])]
+    pp = get_pp_group()
+    trace = []
+    standins.RECORD_BOUNDARIES = model_name == "v4"
+    for name, schedule in plan:
+        t = time.time()
+        standins.BOUNDARIES.clear()
+        ALLREDUCES.clear()
+        bt = sch.batch(schedule)
+        hidden, logits = forward(sch, bt, lambda batch, n=name: rec.begin(n, batch), no_input_ids)
+        for rid, n in schedule:
+            sch.requests[rid].computed += n
+        step = rec.current
+        step.allreduces = dict(ALLREDUCES)
+        for i, lr in sorted(step.layers.items()):
+            chk.check_attention(step, lr)
+            chk.check_indexer(step, lr)
+            chk.check_moe(step, lr)
+        if pp.is_first_rank:
+            chk.check_first_mhc(step, step.layers[0])
+        if standins.BOUNDARIES:   # V4's (recorded for V4 only; this harness runs V4 at TP only)
+            chk.check_mhc_boundaries(step, standins.BOUNDARIES)
+        entry = dict(step=name, topk={i: lr.topk.tolist() for i, lr in step.layers.items() if lr.topk is not None},
+                     allreduce_sites={f"{k[0]}:{k[1]}" if len(k) == 2 else k[0]: len(v) for k, v in ALLREDUCES.items()})
+        if pp.is_last_rank:
+            assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
+            chk.check_logits(step, hidden, logits)
+            entry["logits"] = logits.float().cpu().tolist()
+        trace.append(entry)
+        print(f"rank step {name} {time.time() - t:.1f}s", flush=True)
+    standins.RECORD_BOUNDARIES = False
+    return dict(checks=chk.results, trace=trace)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="v41")
+    ap.add_argument("--engram", action="store_true")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--init", default=None, help="tcp://127.0.0.1:PORT (every rank the same)")
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by --write-ckpt)")
+    ap.add_argument("--write-ckpt", action="store_true", help="write the checkpoint first (a one-rank run)")
+    ap.add_argument("--partition", default=None, help="VLLM_PP_LAYER_PARTITION")
+    ap.add_argument("--illegal-partition", default=None,
+                    help="after the run, build the model again at this VLLM_PP_LAYER_PARTITION (must be refused)")
+    ap.add_argument("--plant", default=os.environ.get("DSV4_E2E_MR_PLANT", ""))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    if a.partition:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = a.partition
+    report = dict(model=a.model, engram=a.engram, tp=a.tp, pp=a.pp, rank=a.rank, partition=a.partition,
+                  plant=a.plant, pid=os.getpid())
+    try:
+        _run(a, report)
+    except BaseException as exc:  # noqa: BLE001 (the test reads which error stopped the rank)
+        import traceback
+
+        report["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        report["traceback"] = traceback.format_exc()[-6000:]
+        raise
+    finally:
+        report["phases"] = dict(driver.PHASES)
+        with open(a.out + ".tmp", "w") as f:
+            json.dump(report, f, default=str)
+        os.replace(a.out + ".tmp", a.out)
+
+
+def _run(a, report) -> None:
+    driver.setup("cpu")
+    import build
+    import counters
+    import platform_spoof
+    import standins
+    import tripwire
+    from dsv4_ops.vllm import attention as ampere_attention
+    from dsv4_ops.vllm import plugin
+    import vllm.models.deepseek_v41.nvidia.model  # noqa: F401
+    import vllm.models.deepseek_v4.nvidia.model  # noqa: F401
+
+    standins.install_mhc()
+    standins.install_flashmla_metadata()
+    platform_spoof.cpu_vllm_streams()
+    tripwire.install(a.model, plugin.STATE.originals)
+    flashmla = {"v41": "vllm.models.deepseek_v41.nvidia.flashmla", "v4": "vllm.models.deepseek_v4.nvidia.flashmla"}
+    counters.install(a.model, [ampere_attention.make_ampere_attention_cls(
+        sys.modules[flashmla[a.model]].DeepseekV4FlashMLAAttention)])
+    counters.install_ops()
+    install_tp_standins()
+    install_allreduce_recorder()
+    report["planted"] = plant(a.plant, a.rank)
+    driver.mark("imports")
+    cfg = model_config(a.model, a.engram)
+    done = os.path.join(a.ckpt, "DONE")
+    if a.write_ckpt:
+        import checkpoints
+
+        checkpoints.write_v4(checkpoints.manifest(a.model, cfg), a.ckpt, seed=0)
+        open(done, "w").close()
+        driver.mark("checkpoint")
+    else:
+        t0 = time.time()
+        while not os.path.exists(done):
+            if time.time() - t0 > 600:
+                raise TimeoutError(f"no checkpoint at {a.ckpt}")
+            time.sleep(0.5)
+        driver.mark("wait_checkpoint")
+
+    def adjust(vc):
+        if vc.engram_config is not None:   # the table in ordinary memory (the engine: pinned, UVA)
+            from vllm.config import EngramConfig
+
+            vc.engram_config = EngramConfig(cpu_offload=False)
+
+    import checkpoints
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if cfg["architectures"][0] == "DeepseekV41ForCausalLM":
+        # vLLM's name for the VL wrapper; the text class, as the engine's platform entry point maps it
+        ModelRegistry.register_model(cfg["architectures"][0], build.TEXT_MODELS["DeepseekV41LLMForCausalLM"])
+    with checkpoints._cpu_device_queries():
+        b = build.build(cfg, "cpu", model_dir=a.ckpt, tp=a.tp, pp=a.pp, rank=a.rank, init_method=a.init,
+                        adjust=adjust)
+    driver.mark("build")
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    m = b.model.model
+    report["layers"] = [m.start_layer, m.end_layer]
+    report["tp_rank"], report["pp_rank"] = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    report["shards"] = shard_checks(b.model, cfg, a.ckpt, get_tp_group().rank_in_group, a.tp)
+    report.update(run_plan(a.model, cfg, b, a.plant == "stage2_no_input_ids"))
+    if a.illegal_partition:
+        report["illegal_partition"] = build_at(type(m), b.vllm_config, a.illegal_partition)
+    driver.mark("steps")
+    report["tripped"] = list(tripwire.TRIPPED)
+    report["ops_called"] = dict(counters.OPS)
+    report["standin_calls"] = dict(standins.CALLS)
+
+
+if __name__ == "__main__":
+    main()
