@@ -99,22 +99,23 @@ def plant(kind: str, rank: int) -> str:
     if not kind:
         return ""
     if kind == "head_offset":
-        # rank 1 loads rank 0's query heads: wq_b's column-parallel shard taken at offset 0
+        # rank 1 loads rank 0's query heads: wq_b's column-parallel shard taken at offset 0 (the
+        # unquantized linears load through weight_loader_v2, which slices at the parameter's tp_rank)
         from vllm.model_executor.layers import linear
 
-        orig = linear.ColumnParallelLinear.weight_loader
+        orig = linear.ColumnParallelLinear.weight_loader_v2
 
-        def weight_loader(self, param, loaded_weight, *a, **k):
+        def weight_loader_v2(self, param, loaded_weight, *a, **k):
             if rank == 1 and self.prefix.endswith(".attn.wq_b"):
-                saved = self.tp_rank
-                self.tp_rank = 0
+                saved = param.tp_rank
+                param.tp_rank = 0
                 try:
                     return orig(self, param, loaded_weight, *a, **k)
                 finally:
-                    self.tp_rank = saved
+                    param.tp_rank = saved
             return orig(self, param, loaded_weight, *a, **k)
 
-        linear.ColumnParallelLinear.weight_loader = weight_loader
+        linear.ColumnParallelLinear.weight_loader_v2 = weight_loader_v2
         return "rank 1 loads wq_b rows of heads 0.. (rank 0's)"
     if kind == "o_proj_twice":
         # the plugin's o_proj all-reduces its output, then vLLM's wo_b all-reduces again
