@@ -186,14 +186,23 @@ def test_indexer_q_quant_ties(interpret):
     H = 4
     T = -(-g.shape[0] // H)
     g = torch.cat([g, g[:T * H - g.shape[0]]]).reshape(T, H, 64)
-    # RoPE dims: pairs (x0, x1) with x1 half an ulp of x0 (x0 with even and odd bf16 mantissas)
-    base = torch.tensor([1.0, 1.0078125, 1.015625, 1.0234375, 3.0, 3.03125, 0.5, 0.50390625])
-    x0 = base.repeat(4)[:32]
-    ulp = torch.tensor([2.0 ** (math.frexp(float(v))[1] - 8) for v in x0])
-    x1 = ulp / 2
-    pairs = torch.stack([x0, x1], -1).reshape(64)
-    nope_max = g.abs().amax(-1, keepdim=True)
-    rope = (pairs.double() * (nope_max / 8).clamp(min=2.0 ** -20)).to(torch.bfloat16).double()  # below the amax
+    # RoPE dims: pairs (x0, x1) with x0 an E4M3 midpoint at the head's scale that rounds down to its
+    # even code, and x1 half a bf16 ulp of x0: x0 + x1 (the odd dim, cos = sin = 1) is a bf16 tie whose
+    # even neighbour is x0 (then the E4M3 tie, down) and whose odd one lies above the E4M3 midpoint
+    # (a code up): the bf16 rounding shows in the stored code.
+    down = MIDS[(e4m3(MIDS) == e4m3(MIDS * (1 - 2 ** -20))) & (MIDS > 2.0 ** -6)]
+    rope = torch.zeros(T, H, 64, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            amax = float(g[t, h].abs().max())
+            scale = 2.0 ** exponent(amax)
+            cand = down[down * scale * (1 + 2 ** -7) <= amax]
+            if not len(cand):  # the all-zero head
+                continue
+            x0 = cand[torch.arange(32) % len(cand)] * scale
+            ulp = torch.tensor([2.0 ** (math.frexp(float(v))[1] - 8) for v in x0])
+            rope[t, h, 0::2], rope[t, h, 1::2] = x0, ulp / 2
+    assert torch.equal(rope.to(torch.bfloat16).double(), rope)
     q = torch.cat([g, rope], -1)
     q = q.to(torch.bfloat16)
     cs = torch.zeros(2, 64)
@@ -214,7 +223,7 @@ def test_indexer_q_quant_ties(interpret):
     v[..., 64::2], v[..., 65::2] = r0, r1
     moved = (r0 != (a0 * cos.float() - a1 * sin.float()).double()).sum() + \
         (r1 != (a0 * sin.float() + a1 * cos.float()).double()).sum()
-    assert int(moved) > 0  # the rotation's bf16 rounding is exercised
+    assert int(moved) >= T * 8  # the rotation's bf16 rounding is exercised, at ties
     es = torch.tensor([[exponent(float(v[t, h].abs().max())) for h in range(H)] for t in range(T)])
     scale = torch.exp2(es.double())
     codes = e4m3(v / scale[..., None])

@@ -13,7 +13,8 @@ every value of every axis appears; ``DSV4_GRID_ALL=1`` runs every row (slow, for
 The scan is built here, not from the set's own call list: the rows a request has (1 and k + 1 with
 speculation), the window widths a decode passes (the window, and DSpark's non-causal draft block
 ceil((window + k) / 64) * 64), every layer kind, with and without SWA lengths, token counts 1..40
-and every 7th up to the batch limit, the indexer's decode logits at each count. The set is built
+and every 7th up to the batch limit, the indexer's decode logits at each count for every row count a request has (called here with
+the test's own next_n, as vLLM's sparse indexer calls it). The set is built
 from the shapes alone (``shapes_from_vllm_config`` is tested in test_warm_set.py).
 """
 
@@ -34,7 +35,7 @@ SMS = (16, 56, 72, 82, 84, 104, 108, 112, 132)
 LENS = (4096, 32768, 131072, 1 << 20)
 SPECS = (("none", 0), ("mtp", 1), ("mtp", 3), ("dspark", 1), ("dspark", 3), ("dspark", 5))
 MODELS = ("v4", "v41")
-MAX_TOKENS = 96
+MAX_TOKENS = 64
 WINDOW = 128
 
 
@@ -42,10 +43,16 @@ def _row(i):
     return (TPS[i % 4], SMS[(2 * i) % len(SMS)], LENS[(i + i // 4) % 4], SPECS[i % 6], MODELS[(i // 6 + i) % 2])
 
 
+# Rows where DSpark's draft width (192 at window 128) changes a decode plan, found by scanning the
+# whole grid's decode steps with and without that width (the sample above holds none of them):
+# V4 at TP 8 and 4K at every SM count, V4.1 at TP 2 on 112 SMs, V4 / V4.1 at TP 4 and 8 on 16 or 56.
+WIDTH_ROWS = [(8, 132, 4096, ("dspark", 3), "v4"), (2, 112, 32768, ("dspark", 5), "v41"),
+              (4, 16, 1 << 20, ("dspark", 1), "v41")]
+
 if os.environ.get("DSV4_GRID_ALL") == "1":
     GRID = list(itertools.product(TPS, SMS, LENS, SPECS, MODELS))
 else:
-    GRID = [_row(i) for i in range(12)]
+    GRID = [_row(i) for i in range(12)] + WIDTH_ROWS
 
 
 def test_the_sample_covers_every_value():
@@ -70,8 +77,27 @@ def scan_calls(shapes, spec):
     kinds = shapes.decode_layer_kinds()
     calls = [functools.partial(ws.decode_step, shapes, T, K1, "portable", with_len, "auto", ratio, K2)
              for T in counts for K1, ratio in kinds for K2 in widths for with_len in (False, True)]
-    calls += [functools.partial(ws.indexer_calls, shapes, T, "portable") for T in counts]
+    rows = (1, 1 + k) if k else (1,)
+    calls += [functools.partial(decode_logits, shapes, T, n) for T in counts for n in rows if T % n == 0]
     return calls
+
+
+def decode_logits(shapes, T, next_n):
+    """The decode indexer's logits of T query rows, next_n a request: context lengths [B] and, with
+    next_n > 1, [B, next_n]; max_model_len / ratio columns; block_size / ratio tokens a cache block."""
+    import torch
+
+    from dsv4_ops.vllm import indexer as vidx
+
+    B, Hi, D = T // next_n, shapes.index_heads, ws.INDEXER_DIM
+    for ratio in shapes.index_ratios:
+        bs = max(1, shapes.block_size // ratio)
+        cols = -(-shapes.max_model_len // ratio)
+        cache = ws._meta((shapes.num_blocks, bs, 1, D + 4), torch.uint8)
+        for ctx in {(B,), (B, next_n) if next_n > 1 else (B,)}:
+            vidx.fp8_fp4_paged_mqa_logits((ws._meta((B, next_n, Hi, D), torch.float8_e4m3fn), None), cache,
+                                          ws._meta((T, Hi), torch.float32), ws._meta(ctx, torch.int32),
+                                          ws._meta((B, -(-cols // bs)), torch.int32), None, cols)
 
 
 @pytest.mark.parametrize("tp,sms,max_model_len,spec,model", GRID,
