@@ -28,12 +28,14 @@ VARIANTS = ("portable", "native")
 
 # Test files whose outcome depends on the installed vLLM release (they import it, read its source
 # or run its model code): CI runs the whole suite on the newest supported release, then these
-# (`pytest -m vllm_release`) on every other supported release (.ci/run).
+# (`pytest -m vllm_release`) on every other supported release (.ci/run). A file whose other tests
+# never reach vLLM's code marks its release-dependent tests alone (@pytest.mark.vllm_release).
 VLLM_RELEASE_FILES = frozenset({
     "test_vllm_plugin.py", "test_vllm_v32_plugin.py", "test_vllm_indexer.py", "test_audit_vllm.py",
-    "test_audit_v32.py", "test_warm_set.py", "test_engram_plugin.py", "test_pp_partition.py", "test_doctor.py",
+    "test_audit_v32.py", "test_engram_plugin.py", "test_pp_partition.py", "test_doctor.py",
     "test_decode_graph.py", "test_wo_a_formats.py", "test_e2e.py", "test_e2e_v32.py", "test_e2e_sched.py",
-    "test_e2e_multirank.py",
+    "test_e2e_multirank.py", "test_refusals.py", "test_doctor_values.py",
+    "test_platform_plugin.py", "test_standins_engine.py",
 })
 
 

@@ -429,6 +429,7 @@ def test_the_drafts_widths_are_warm(model):
     assert seen - ws.build(shapes, 64, sms=108, mode="auto").keys, "the scan cannot fail"
 
 
+@pytest.mark.vllm_release  # the rest of this file traces our entry points only: one vLLM release is enough
 def test_vllm_jit_warmup_compiles_the_warm_set(monkeypatch):
     """The wrapped JitWarmupRegistry.warmup adds one kernel whose keys are the warm set and
     compiles each through warm_keys.compile_jit (stubbed: no GPU); a compile error aborts."""
