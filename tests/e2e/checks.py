@@ -22,6 +22,17 @@ F64 = torch.float64
 MARGIN = 2e-2   # router-key gap above which vLLM's bf16 choice must equal the oracle's
 
 
+def route_check(used: torch.Tensor, chosen: torch.Tensor, margin: torch.Tensor, cut: float = MARGIN):
+    """The e2e's rule for a discontinuous expert choice: where the float64 router margin (the
+    k-th minus the (k+1)-th key) is above ``cut``, bf16 router noise cannot reorder the keys, so
+    vLLM's experts ``used`` [T, k] must be the oracle's ``chosen`` [T, k] (any order); below it
+    either choice is valid and the oracle goes on with vLLM's (teacher-forced). Returns
+    (mismatched rows among the clear ones, the clear mask [T])."""
+    clear = margin > cut
+    differs = (used.long().sort(1).values != chosen.long().sort(1).values).any(1)
+    return int((differs & clear).sum()), clear
+
+
 def _w(t: torch.Tensor) -> torch.Tensor:
     """A parameter or captured tensor as a float64 CPU tensor (the oracle runs on the CPU)."""
     return t.detach().cpu().to(F64)
@@ -250,8 +261,7 @@ class Checker:
         if tid2eid is not None and rec.ffn_ids is not None:   # hash routing: the table decides
             chosen = tid2eid.detach().cpu().long()[rec.ffn_ids.cpu().long()][:, : used.shape[1]]
             margin = torch.full((x.shape[0],), float("inf"), dtype=F64)
-        clear = margin > MARGIN
-        mismatch = int((used.sort(1).values != chosen.sort(1).values).any(1)[clear].sum())
+        mismatch, clear = route_check(used, chosen, margin)
         scores = O.router_scores(x.to(F64) @ _w(ffn.gate.weight).T, cfg["scoring_func"])
         out, _ = O._moe_combine(x.to(F64), scores, used, experts, shared, cfg["routed_scaling_factor"],
                                 cfg["norm_topk_prob"], cfg["swiglu_limit"], cfg["swiglu_limit"])

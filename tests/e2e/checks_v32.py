@@ -187,3 +187,60 @@ class IndexerChoice:
         self.results.append(dict(kind="indexer", step=self.step, layer=li, tokens=T, checked=checked,
                                  mismatched=mismatched, long_rows=long_rows, ties=ties,
                                  outside_request=outside))
+
+
+class RouteRecorder:
+    """vLLM's expert choice, as the oracle is teacher-forced on it: each MoE layer's router
+    (``_compute_routing`` of the layer's FusedMoE router, wrapped, not replaced) keeps the last
+    forward's expert ids [T, k] and router logits [T, E] in ``last`` {layer: (ids, logits)}.
+    ``remember`` files a step's rows under each token's prefix (the tokens up to and including
+    it: a prefix-cache hit reads KV another request computed from the same tokens; a preempted
+    request's recomputation files anew), ``forced`` lays them out for one request's oracle pass."""
+
+    def __init__(self, model):
+        self.last: Dict[int, tuple] = {}
+        self.by_prefix: Dict[tuple, Dict[int, torch.Tensor]] = {}
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            routers = {id(m.router): m.router for m in layer.modules()
+                       if hasattr(getattr(m, "router", None), "_compute_routing")}
+            assert len(routers) <= 1, f"layer {i}: {len(routers)} routers"
+            for r in routers.values():
+                self._wrap(i, r)
+                self.layers.append(i)
+
+    def _wrap(self, i: int, router) -> None:
+        orig = router._compute_routing
+
+        def compute(hidden_states, router_logits, indices_type, **kw):
+            weights, ids = orig(hidden_states, router_logits, indices_type, **kw)
+            self.last[i] = (ids.detach().cpu().long(), router_logits.detach().cpu().float())
+            return weights, ids
+
+        router._compute_routing = compute
+
+    def remember(self, rows: List[tuple]) -> None:
+        """rows: [(the request's tokens up to this row, position)] in batch order, one a row of the
+        last forward."""
+        for i in self.layers:
+            assert self.last[i][0].shape[0] >= len(rows), (i, self.last[i][0].shape, len(rows))
+        for t, (tokens, pos) in enumerate(rows):
+            self.by_prefix[tuple(tokens[:pos + 1])] = {i: (self.last[i][0][t], self.last[i][1][t]) for i in self.layers}
+        self.last = {}
+
+    def forced(self, tokens: List[int], k: int) -> Dict[int, torch.Tensor]:
+        """{layer: vLLM's experts [len(tokens), k]}; -1 rows where no recorded step computed that
+        token (the oracle keeps its own choice there)."""
+        out = {i: torch.full((len(tokens), k), -1, dtype=torch.long) for i in self.layers}
+        for p in range(len(tokens)):
+            got = self.by_prefix.get(tuple(tokens[:p + 1]))
+            if got is not None:
+                for i in self.layers:
+                    out[i][p] = got[i][0]
+        return out
+
+    def router_logits(self, tokens: List[int], start: int) -> Dict[int, torch.Tensor]:
+        """{layer: vLLM's router logits [len(tokens) - start, E] f32} of rows recorded for
+        positions start.. of ``tokens``."""
+        rows = [self.by_prefix[tuple(tokens[:p + 1])] for p in range(start, len(tokens))]
+        return {i: torch.stack([r[i][1] for r in rows]) for i in self.layers}

@@ -101,7 +101,15 @@ def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
     report, row = ctx["report"], 0
     fp8 = report.get("resolved", {}).get("cache_dtype") == "fp8_ds_mla"
     cut = ctx.get("route_margin", ROUTE_MARGIN_FP8 if fp8 else ROUTE_MARGIN)
+    routes = ctx.get("routes")
+    if routes is not None:
+        routes.remember([(tokens, start + j) for _, tokens, start, n in rows for j in range(n)])
     for rid, tokens, start, n in rows:
+        if routes is not None:
+            got = logits[row:row + n].double().cpu()
+            row += n
+            report["checks"].append(dict(step=name, rid=rid, tokens=n, **teacher_forced(ctx, tokens, start, got, cut)))
+            continue
         ref, margin = v32_checkpoint.oracle_logits(ctx["oracle"], tokens)
         # near-ties among the earlier tokens of the request: one that routed differently changed
         # their KV, which these rows attend to (reported: the scheduled test bounds them apart)
@@ -124,6 +132,47 @@ def check_logits(ctx: dict, name: str, rows: list, logits) -> None:
         report["checks"].append(dict(step=name, rid=rid, tokens=n, near_ties=near_ties, context_ties=context_ties,
                                      cos=cos, rel_max=rel,
                                      argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean())))
+
+
+def teacher_forced(ctx: dict, tokens: list, start: int, got, cut: float) -> dict:
+    """One request's rows [start, len(tokens)) of a step against the oracle teacher-forced on
+    vLLM's expert choice (checks_v32.RouteRecorder): at every MoE layer, a token whose float64
+    routing margin is at most ``cut`` takes vLLM's experts (either choice is valid there: bf16
+    router noise may reorder keys that close); every other token of the step must have chosen the
+    oracle's experts (checks.route_check, the V4 e2e's rule). Every row is compared."""
+    import torch
+    import checks
+    import v32_checkpoint
+
+    k = int(ctx["oracle"].config.num_experts_per_tok)
+    forced = ctx["routes"].forced(tokens, k)
+    ref, margin = v32_checkpoint.oracle_logits(ctx["oracle"], tokens, forced, cut)
+    mismatch = step_forced = context_forced = 0
+    key_spread, flips = 0.0, []
+    vllm_logits = ctx["routes"].router_logits(tokens, start)
+    for i, r in ctx["oracle"]._routes.items():
+        used = forced[i][start:]
+        assert bool((used >= 0).all()), f"layer {i}: vLLM's choice of a row of this step was not recorded"
+        m, clear = checks.route_check(used, r["own"][start:], r["margin"][start:], cut)
+        assert torch.equal(r["taken"][start:], ~clear), f"layer {i}: a near-tie row of this step not teacher-forced"
+        mismatch += m
+        step_forced += int((~clear).sum())
+        context_forced += int(r["taken"][:start].sum())
+        # vLLM's router keys minus the oracle's (the bias cancels): two experts' keys can trade places
+        # only where the margin is below the spread of that difference over the row's experts
+        err = vllm_logits[i].double().sigmoid() - r["logits"][start:].double().sigmoid()
+        key_spread = max(key_spread, float((err.max(-1).values - err.min(-1).values).max()))
+        differs = (used.sort(1).values != r["own"][start:].long().sort(1).values).any(1)
+        flips += [round(float(v), 5) for v in r["margin"][start:][differs]]
+    ref = ref[start:]
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    return dict(near_ties=0, context_ties=int((margin[:start] <= cut).sum()), route_mismatch=mismatch,
+                teacher_forced=step_forced, context_forced=context_forced,
+                route_rows=len(forced) * (len(tokens) - start),
+                margins=[round(float(v), 5) for v in margin[start:]], key_spread=key_spread, flips=flips,
+                cos=cos, rel_max=rel,
+                argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).double().mean()))
 
 
 def finish(ctx: dict) -> dict:

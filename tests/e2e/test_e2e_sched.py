@@ -208,6 +208,14 @@ def test_every_step_passed_the_oracle_v4(report_v4):
     assert sum(c["comp_written"] for c in rows) > 10 * sum(c["writer_unseen"] for c in rows), rows
 
 
+# The share of routed V3.2 rows the oracle may teacher-force (margin <= sched_driver.ROUTE_CUT_V32):
+# the tiny random router's 8 sigmoid keys sit close, so 31-45% of a run's 163 rows fell within 0.05
+# over fresh seeds (0.39 pooled; rows are not independent: a preempted request recomputes its
+# chunk). A margin computed too small (or a cut too wide) forces most rows and leaves vLLM's
+# choice unchecked; this keeps it checked on at least 45% of the rows.
+TEACHER_FORCED_MAX = 0.55
+
+
 @GROUPS["v32"]
 def test_every_step_passed_the_oracle_v32(report_v32):
     import test_e2e_v32 as v32_e2e
@@ -216,20 +224,26 @@ def test_every_step_passed_the_oracle_v32(report_v32):
 
     steps = _steps(report)
     cos_min, rel_max = v32_e2e.LOGITS_BOUNDS[report["resolved"]["cache_dtype"]]
-    # every scheduled request of every step has its logits checked against transformers in float64
+    # every scheduled request of every step has every row of its logits checked against transformers
+    # in float64, teacher-forced on vLLM's experts where the routing margin is within the cut
     want = {(s["step"], rid) for s in steps for rid, _ in s["schedule"]}
     assert {(c["step"], c["rid"]) for c in report["checks"]} == want
-    compared = sum(c["tokens"] - c["near_ties"] for c in report["checks"])
-    assert compared >= 0.6 * sum(c["tokens"] for c in report["checks"]), report["checks"]
+    assert report["moe_layers"] == [1], report["moe_layers"]   # first_k_dense_replace 1 of 2 layers
+    checks, seed = report["checks"], report.get("seed")   # DSV4_E2E_SEED=seed replays the run
+    assert all(not c.get("skipped") and c["near_ties"] == 0 for c in checks), checks
+    # past the cut, vLLM's experts are the oracle's (any flip there is a routing or router-input bug)
+    assert all(c["route_mismatch"] == 0 for c in checks), (seed, checks)
+    # the choice checked for most tokens: teacher-forced at most TEACHER_FORCED_MAX of the routed rows
+    forced, routed = sum(c["teacher_forced"] for c in checks), sum(c["route_rows"] for c in checks)
+    assert 0 < routed and forced <= TEACHER_FORCED_MAX * routed, (seed, forced, routed)
     # Rows of a later step attend to the KV of the request's earlier tokens; where one of those was a
     # routing near-tie the row gets v32_e2e.CONTEXT_TIE_BOUNDS (why: there); every sparse-MLA call
     # below is held to the strict float64 bound whatever the routing did.
-    strict = [c for c in report["checks"] if not c.get("skipped") and not c["context_ties"]]
-    assert strict, report["checks"]  # the first chunk of every request has no earlier tokens
-    for c in report["checks"]:
-        if not c.get("skipped"):
-            lo, hi = (cos_min, rel_max) if not c["context_ties"] else v32_e2e.CONTEXT_TIE_BOUNDS
-            assert c["cos"] >= lo and c["rel_max"] <= hi, c
+    strict = [c for c in checks if not c["context_ties"]]
+    assert strict, checks  # the first chunk of every request has no earlier tokens
+    for c in checks:
+        lo, hi = (cos_min, rel_max) if not c["context_ties"] else v32_e2e.CONTEXT_TIE_BOUNDS
+        assert c["cos"] >= lo and c["rel_max"] <= hi, (seed, c)
     # every sparse-MLA call (2 layers a step) against float64 over the cache bytes
     assert len(report["mqa"]) == 2 * len(steps), report["mqa"]
     for r in report["mqa"]:

@@ -85,36 +85,89 @@ def fp8_ds_mla_roundtrip(latent: torch.Tensor) -> torch.Tensor:
 def oracle(model_dir: str, fp8_latent: bool = False, family: str = "v32"):
     """transformers' model on the checkpoint's weights, in float64 (eval mode). fp8_latent: the
     attention's KV latent (kv_a_layernorm's output) goes through the fp8_ds_mla record's
-    rounding, as every key and value vLLM reads from that cache does."""
+    rounding, as every key and value vLLM reads from that cache does. Each router's output goes
+    through ``_route_hook`` (margins; vLLM's choice where ``oracle_logits`` is given one)."""
+    import functools
+
     _, model_cls, _ = _classes(family)
     m = model_cls.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager",
                                                attn_implementation="eager")
-    m._route_margins = []
-    for layer in m.model.layers:
+    m._route_margins, m._routes, m._forced_routes, m._route_cut = [], {}, {}, 0.0
+    for i, layer in enumerate(m.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:
-            gate.register_forward_hook(lambda mod, inp, out, m=m: m._route_margins.append(route_margin(mod, out[0])))
+            gate.register_forward_hook(functools.partial(_route_hook, m, i))
     if fp8_latent:
         for layer in m.model.layers:
             layer.self_attn.kv_a_layernorm.register_forward_hook(lambda mod, inp, out: fp8_ds_mla_roundtrip(out))
     return m.eval()
 
 
+def _route_hook(model, layer: int, gate, inp, out):
+    logits, _, own = out
+    margin = route_margin(gate, logits)
+    model._route_margins.append(margin)
+    forced = model._forced_routes.get(layer)
+    if forced is None:
+        model._routes[layer] = dict(own=own, used=own, margin=margin, logits=logits,
+                                    taken=torch.zeros_like(margin, dtype=torch.bool))
+        return None
+    weights, ids, taken = force_route(gate, logits, own, forced, margin, model._route_cut)
+    model._routes[layer] = dict(own=own, used=ids, margin=margin, logits=logits, taken=taken)
+    return logits, weights, ids
+
+
+def force_route(gate, router_logits: torch.Tensor, own: torch.Tensor, forced: torch.Tensor, margin: torch.Tensor,
+                cut: float):
+    """The oracle's routing teacher-forced where its choice is a near-tie: a token whose margin is
+    at most ``cut`` and whose vLLM choice is known (``forced`` [T, k], rows of -1 unknown) takes
+    vLLM's experts, weighed as the router weighs its own (the uncorrected sigmoid scores of the
+    chosen experts, renormalised, times routed_scaling_factor); every other token keeps ``own``.
+    Returns (weights [T, k], ids [T, k], taken [T] bool)."""
+    taken = (forced >= 0).all(-1) & (margin <= cut)
+    ids = torch.where(taken[:, None], forced.to(own.device, own.dtype), own)
+    scores = router_logits.view(-1, router_logits.shape[-1]).sigmoid()
+    weights = scores.gather(1, ids)
+    if gate.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * gate.routed_scaling_factor, ids, taken
+
+
 def route_margin(gate, router_logits: torch.Tensor) -> torch.Tensor:
-    """Per token, the gap between the last chosen and the first unchosen bias-corrected routing
-    score (sigmoid + e_score_correction_bias, the score noaux_tc selects by; n_group = 1)."""
+    """Per token, how far the choice is from flipping: the gap between the last chosen and the
+    first unchosen bias-corrected routing score (sigmoid + e_score_correction_bias, the key
+    noaux_tc selects by) among the experts of the kept groups, and with more groups than
+    ``topk_group`` also the gap between the last kept and the first dropped group's score (the
+    sum of its top two keys), as vLLM's grouped_topk selects."""
     s = router_logits.double().sigmoid().view(-1, router_logits.shape[-1]) + gate.e_score_correction_bias.double()
+    T, E = s.shape
+    G, kg = gate.num_group, gate.topk_group
+    group_gap = torch.full((T,), float("inf"), dtype=s.dtype)
+    if G > kg:
+        group = s.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+        srt = group.sort(dim=-1, descending=True)
+        group_gap = srt.values[:, kg - 1] - srt.values[:, kg]
+        keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, srt.indices[:, :kg], True)
+        s = s.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
     top = s.topk(gate.top_k + 1, dim=-1).values
-    return top[:, gate.top_k - 1] - top[:, gate.top_k]
+    return torch.minimum(top[:, gate.top_k - 1] - top[:, gate.top_k], group_gap)
 
 
-def oracle_logits(model, tokens):
+def oracle_logits(model, tokens, forced=None, cut: float = 0.0):
     """float64 logits [len(tokens), vocab] of one request's full causal forward (no cache), and
-    per position the smallest routing margin over the MoE layers (route_margin)."""
+    per position the smallest routing margin over the MoE layers (route_margin). ``forced``
+    {MoE layer: vLLM's experts [len(tokens), k], -1 rows unknown}: the oracle takes them where
+    its margin is at most ``cut`` (force_route); ``model._routes`` then holds per layer the
+    oracle's own choice, the one it used, the margins and the router logits."""
     model._route_margins.clear()
-    with torch.no_grad():
-        ids = torch.tensor([tokens], dtype=torch.int64)
-        logits = model(input_ids=ids, use_cache=False).logits[0]
+    model._routes = {}
+    model._forced_routes, model._route_cut = forced or {}, cut
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([tokens], dtype=torch.int64)
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+    finally:
+        model._forced_routes = {}
     margin = torch.stack(model._route_margins).min(0).values if model._route_margins else \
         torch.full((len(tokens),), float("inf"), dtype=torch.float64)
     return logits, margin
