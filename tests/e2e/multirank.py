@@ -3,10 +3,12 @@ own ``init_distributed_environment`` / ``initialize_model_parallel`` over gloo, 
 layers, all-reduces and pipeline stages, the plugin on the Ampere path, every layer this rank
 holds checked against the float64 oracle (tests/e2e/checks.py) on this rank's own share.
 
-test_e2e_multirank.py starts one process a rank (``python multirank.py --rank R ...``); the
-one-rank reference run of the same layout (``--tp 1 --pp 1 --write-ckpt``) first writes the
-checkpoint every run loads with vLLM's own loader (engine/checkpoints.py: the original DeepSeek
-tensor names), so vLLM's weight loaders shard it and all runs hold the same weights.
+One process a rank: ``python multirank.py --rank R ...`` runs one; test_e2e_multirank.py runs
+``python multirank.py --jobs FILE``, which imports vLLM and sets up the harness once and forks
+every rank of every layout from there (``run_jobs``). The one-rank reference run of a model
+(``--tp 1 --pp 1 --write-ckpt``) first writes the checkpoint every run of that model loads with
+vLLM's own loader (engine/checkpoints.py: the original DeepSeek tensor names), so vLLM's weight
+loaders shard it and all runs hold the same weights.
 
 What a rank checks, per step and layer it holds:
 - attention: the rank's partial output (its heads' attention through its wo_a groups and its
@@ -450,8 +452,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.partition:
         os.environ["VLLM_PP_LAYER_PARTITION"] = a.partition
-    report = dict(model=a.model, engram=a.engram, tp=a.tp, pp=a.pp, rank=a.rank, partition=a.partition,
-                  plant=a.plant, pid=os.getpid())
+    import vllm
+
+    report = dict(vllm=vllm.__version__, model=a.model, engram=a.engram, tp=a.tp, pp=a.pp, rank=a.rank,
+                  partition=a.partition, plant=a.plant, pid=os.getpid())
     try:
         _run(a, report)
     except BaseException as exc:  # noqa: BLE001 (the test reads which error stopped the rank)
@@ -467,28 +471,58 @@ def main(argv=None) -> None:
         os.replace(a.out + ".tmp", a.out)
 
 
-def _run(a, report) -> None:
+PREPARED = [False]
+
+
+def prepare() -> None:
+    """What every rank sets up the same way, whatever its model and layout: the CPU harness
+    (driver.setup: vLLM's import, the platform answers, the plugin), the model modules and the
+    model-independent stand-ins. Done once a process; under ``--jobs`` once in the parent, whose
+    forks inherit it (vLLM's import is most of a rank process's start on 2 cores)."""
+    if PREPARED[0]:
+        return
     driver.setup("cpu")
-    import build
-    import counters
+    import build  # noqa: F401
+    import capture  # noqa: F401
+    import checkpoints  # noqa: F401
+    import checks  # noqa: F401
+    import counters  # noqa: F401
+    import oracle  # noqa: F401
     import platform_spoof
     import standins
-    import tripwire
-    from dsv4_ops.vllm import attention as ampere_attention
-    from dsv4_ops.vllm import plugin
+    import steps  # noqa: F401
+    import tripwire  # noqa: F401
+    import safetensors.torch  # noqa: F401
     import vllm.models.deepseek_v41.nvidia.model  # noqa: F401
     import vllm.models.deepseek_v4.nvidia.model  # noqa: F401
+    import vllm.models.deepseek_v41.nvidia.flashmla  # noqa: F401
+    import vllm.models.deepseek_v4.nvidia.flashmla  # noqa: F401
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: F401
+    from vllm.v1.worker.gpu import attn_utils  # noqa: F401
 
     standins.install_mhc()
     standins.install_flashmla_metadata()
     platform_spoof.cpu_vllm_streams()
+    install_tp_standins()
+    install_allreduce_recorder()
+    driver.mark("prepare")
+    PREPARED[0] = True
+
+
+def _run(a, report) -> None:
+    prepare()
+    import build
+    import counters
+    import standins  # noqa: F401
+    import tripwire
+    from dsv4_ops.vllm import attention as ampere_attention
+    from dsv4_ops.vllm import plugin
+
     tripwire.install(a.model, plugin.STATE.originals)
     flashmla = {"v41": "vllm.models.deepseek_v41.nvidia.flashmla", "v4": "vllm.models.deepseek_v4.nvidia.flashmla"}
     counters.install(a.model, [ampere_attention.make_ampere_attention_cls(
         sys.modules[flashmla[a.model]].DeepseekV4FlashMLAAttention)])
     counters.install_ops()
-    install_tp_standins()
-    install_allreduce_recorder()
     report["planted"] = plant(a.plant, a.rank)
     driver.mark("imports")
     cfg = model_config(a.model, a.engram)
@@ -538,5 +572,79 @@ def _run(a, report) -> None:
     report["standin_calls"] = dict(standins.CALLS)
 
 
+def run_jobs(path: str) -> None:
+    """Every rank of every group named in the jobs file, one forked process each, from this one
+    process after ``prepare()``: vLLM is imported once, not once a rank. The file: ``jobs``
+    [{name, group, argv, log}], ``timeout`` (s), ``summary`` (where each rank's exit status and wall
+    time go). A rank that dies leaves its group's peers blocked in gloo: they are killed a few
+    seconds later (time to write their reports), the other groups go on."""
+    import signal
+
+    spec = json.load(open(path))
+    prepare()
+    import torch
+
+    # a child that inherits a started OpenMP pool hangs at its first parallel region: the set-up
+    # runs no parallel op, and each rank runs on one thread (no parallel region at all)
+    zygote_threads = len(os.listdir("/proc/self/task"))
+    # the inherited objects out of the collector's reach: a collection in a rank would otherwise
+    # touch (and so copy) every page of the parent's heap
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    t0 = time.time()
+    live, done, failed_at = {}, {}, {}
+    for job in spec["jobs"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:   # the rank
+            rc = 1
+            try:
+                # killed with the parent (a test timeout or interrupt kills the parent only)
+                import ctypes
+
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+                fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                # one thread a rank: the ranks outnumber the cores (threads would only contend)
+                torch.set_num_threads(1)
+                driver.PHASES.clear()
+                driver._last[0] = time.time()
+                main(job["argv"])
+                rc = 0
+            except BaseException:  # noqa: BLE001 (main wrote the report; the log gets the traceback)
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        live[pid] = job
+    while live:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            job = live.pop(pid)
+            rc = os.waitstatus_to_exitcode(status)
+            done[job["name"]] = dict(rc=rc, wall_s=round(time.time() - t0, 1))
+            if rc != 0:
+                failed_at.setdefault(job["group"], time.time())
+            continue
+        time.sleep(0.2)
+        now = time.time()
+        for pid, job in live.items():
+            if now - t0 > spec["timeout"] or now - failed_at.get(job["group"], now + 1) > 5:
+                os.kill(pid, signal.SIGKILL)
+    with open(spec["summary"], "w") as f:
+        json.dump(dict(ranks=done, prepare_s=driver.PHASES.get("setup", 0) + driver.PHASES.get("prepare", 0),
+                       zygote_threads=zygote_threads), f)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--jobs"]:
+        run_jobs(sys.argv[2])
+    else:
+        main()

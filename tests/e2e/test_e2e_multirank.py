@@ -1,23 +1,26 @@
 """End to end at more than one rank on the CPU: vLLM's DeepSeek-V4.1 (with its Engram layer) at
-tensor parallel 2 and at pipeline parallel 2, one process a rank (``multirank.py``), vLLM's own
+tensor parallel 2 and at pipeline parallel 2, and DeepSeek-V4 at tensor parallel 2, one process a
+rank (``multirank.py``, all forked from one process that imported vLLM once), vLLM's own
 ``init_distributed_environment`` / ``initialize_model_parallel`` over gloo, its sharded layers,
 all-reduces and pipeline hand-off (``send_tensor_dict`` / ``recv_tensor_dict`` of the
 ``IntermediateTensors``), the plugin on the Ampere path.
 
-Every run loads one checkpoint (written by the one-rank run, engine/checkpoints.py) with vLLM's
-loader, so vLLM's weight loaders do the sharding and all runs hold the same weights; the requests
-are the same (multirank.SEED). Per rank (each its own share, against the float64 oracle):
-attention rows within the rounding-model bound on the rank's own heads (the partial sum the rank
-hands wo_b's all-reduce), the all-reduced output against the float64 sum of every rank's partial,
+Every run of a model loads one checkpoint (written by that model's one-rank run,
+engine/checkpoints.py) with vLLM's loader, so vLLM's weight loaders do the sharding and all runs
+hold the same weights; the requests are the same (multirank.SEED). Per rank (each its own share,
+against the float64 oracle): attention rows within the rounding-model bound on the rank's own
+heads (the partial sum the rank hands wo_b's all-reduce), the all-reduced output against the float64 sum of every rank's partial,
 one all-reduce a sublayer, the indexer's choice, the MoE partial, the first-layer input from the
 whole embedding, the logits from the whole LM head, and the rank's weights equal to the
 checkpoint's rows at its offset. Across runs: TP ranks agree with each other; TP 2's logits agree
 with the one-rank run's (different reduction order: bf16 rounding, and indexer near-ties that go
-the other way); PP 2's are bitwise the one-rank run's (no arithmetic changes). The plugin refuses
-an illegal pipeline boundary at model build in a real PP process.
+the other way); PP 2's are bitwise the one-rank run's (no arithmetic changes). V4's ranks also
+check every mHC boundary (test_e2e.py's check) on the all-reduced streams. The plugin refuses an
+illegal pipeline boundary at model build in a real PP process.
 
 Layouts vLLM's code cannot run on this CPU, and the planted bugs and how each fails: MULTIRANK.md.
-Planted bugs run with DSV4_E2E_PLANTS=1 (each a group of rank processes of its own).
+Planted bugs run with DSV4_E2E_PLANTS=1 (each a group of rank processes of its own, forked with
+the others).
 """
 
 import json
@@ -38,10 +41,9 @@ import test_e2e as one_rank  # noqa: E402  (the model e2e's bounds)
 pytestmark = [pytest.mark.vllm_release, pytest.mark.xdist_group("e2e_multirank")]
 
 STEPS = ("prefill", "mixed", "decode1", "decode2")
-V41_LAYERS = 5
 # TP 2 against the one-rank run, per token (the runs round differently: the all-reduce sums two bf16
-# partials where one rank sums in fp32; through 5 layers of mHC streams that moves the logits by up
-# to ~2% of their range): 1 - cos within RUN_COS_GAP where no layer's indexer chose differently for
+# partials where one rank sums in fp32; through 4-5 layers of mHC streams that moves the logits by
+# up to ~2% of their range): 1 - cos within RUN_COS_GAP where no layer's indexer chose differently for
 # the token, within TIE_COS_GAP where one did (a near-tie, e.g. entries scored 0 by every head, taken
 # the other way moves the attention by a whole key)
 RUN_COS_GAP, TIE_COS_GAP = 3e-3, 0.1
@@ -49,60 +51,73 @@ ENGRAM_LAYER = 1
 PARTITION, ILLEGAL_PARTITION = "1,4", "2,3"   # stage 2 = layers 1-4: the Engram layer, all KV sources
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(out_dir, name, world, args, env=None) -> list:
-    """Start ``world`` rank processes of one group; returns [(proc, report path, log path)]."""
-    init = f"tcp://127.0.0.1:{_port()}"
-    procs = []
-    for r in range(world):
-        out = os.path.join(out_dir, f"{name}_{r}.json")
-        log = open(os.path.join(out_dir, f"{name}_{r}.log"), "w")
-        cmd = [sys.executable, os.path.join(HERE, "multirank.py"), "--rank", str(r), "--init", init, "--out", out, *args]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {}))),
-                      out, log.name))
-    return procs
-
-
-def _collect(procs, timeout=900) -> list:
-    """Wait for a group; a rank that dies leaves the others blocked in gloo: kill them."""
-    t0 = time.time()
+def _ports(n: int) -> list:
+    """n distinct free ports (held open together, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
     try:
-        while any(p.poll() is None for p, _, _ in procs):
-            if time.time() - t0 > timeout or any(p.poll() not in (None, 0) for p, _, _ in procs):
-                time.sleep(5)   # the failing rank's peers: a moment to write their reports
-                break
-            time.sleep(0.5)
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
     finally:
-        for p, _, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    reports = []
-    for p, out, log in procs:
-        rep = json.load(open(out)) if os.path.exists(out) else {"error": f"no report (rc {p.returncode})"}
-        rep["returncode"] = p.returncode
-        rep["log_tail"] = open(log).read()[-3000:]
-        reports.append(rep)
-    return reports
+        for s in socks:
+            s.close()
+
+
+def _launch(out_dir, groups, timeout=900) -> dict:
+    """Run every group's ranks, one process each, forked from one ``multirank.py --jobs``
+    process (vLLM imported once). ``groups``: {name: (world, args)}; returns {name: [report of
+    rank r]}, a rank's report with its exit status and log tail."""
+    jobs = []
+    for (name, (world, args)), port in zip(groups.items(), _ports(len(groups))):
+        for r in range(world):
+            out = os.path.join(out_dir, f"{name}_{r}.json")
+            jobs.append(dict(name=f"{name}_{r}", group=name, out=out, log=os.path.join(out_dir, f"{name}_{r}.log"),
+                             argv=["--rank", str(r), "--init", f"tcp://127.0.0.1:{port}", "--out", out, *args]))
+    spec = os.path.join(out_dir, "jobs.json")
+    summary = os.path.join(out_dir, "summary.json")
+    with open(spec, "w") as f:
+        json.dump(dict(jobs=jobs, timeout=timeout, summary=summary), f)
+    with open(os.path.join(out_dir, "jobs.log"), "w") as log:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "multirank.py"), "--jobs", spec], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout + 120)
+    ranks = json.load(open(summary))["ranks"] if os.path.exists(summary) else {}
+    zlog = open(os.path.join(out_dir, "jobs.log")).read()[-3000:]
+    out = {name: [] for name in groups}
+    for job in jobs:
+        rep = json.load(open(job["out"])) if os.path.exists(job["out"]) else \
+            {"error": f"no report (jobs process rc {proc.returncode}: {zlog})"}
+        rep["returncode"] = ranks.get(job["name"], {}).get("rc")
+        rep["log_tail"] = open(job["log"]).read()[-3000:] if os.path.exists(job["log"]) else ""
+        out[job["group"]].append(rep)
+    return out
+
+
+def _v41(ckpt, *extra):
+    return ["--model", "v41", "--engram", "--ckpt", ckpt, *extra]
+
+
+def _v4(ckpt, *extra):
+    return ["--model", "v4", "--ckpt", ckpt, *extra]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The one-rank run (writes the checkpoint), TP 2 and PP 2, all started at once (the groups
-    wait for the checkpoint after their imports)."""
+    """Every layout's ranks at once, forked from one process: V4.1 + Engram one rank (writes its
+    checkpoint), TP 2, PP 2; V4 one rank (writes its checkpoint), TP 2; with DSV4_E2E_PLANTS=1 the
+    planted-bug groups too. The groups wait for their model's checkpoint."""
     d = str(tmp_path_factory.mktemp("multirank"))
-    ckpt = os.path.join(d, "ckpt")
-    base = ["--model", "v41", "--engram", "--ckpt", ckpt]
+    ckpt, ckpt_v4 = os.path.join(d, "ckpt"), os.path.join(d, "ckpt_v4")
+    groups = {
+        "ref": (1, _v41(ckpt, "--write-ckpt")),
+        "tp2": (2, _v41(ckpt, "--tp", "2")),
+        "pp2": (2, _v41(ckpt, "--pp", "2", "--partition", PARTITION, "--illegal-partition", ILLEGAL_PARTITION)),
+        "v4_ref": (1, _v4(ckpt_v4, "--write-ckpt")),
+        "v4_tp2": (2, _v4(ckpt_v4, "--tp", "2")),
+    }
+    if PLANTS_ON:
+        groups.update({f"plant_{p}": (2, _v41(ckpt, "--plant", p, *args)) for p, (_, args) in PLANTED.items()})
     t = time.time()
-    ref = _spawn(d, "ref", 1, base + ["--write-ckpt"])
-    tp2 = _spawn(d, "tp2", 2, base + ["--tp", "2"])
-    pp2 = _spawn(d, "pp2", 2, base + ["--pp", "2", "--partition", PARTITION, "--illegal-partition", ILLEGAL_PARTITION])
-    out = dict(ref=_collect(ref), tp2=_collect(tp2), pp2=_collect(pp2), dir=d, ckpt=ckpt)
+    out = dict(_launch(d, groups), dir=d, ckpt=ckpt)
     out["wall_s"] = round(time.time() - t, 1)
     print(f"multirank runs: {out['wall_s']} s", file=sys.stderr)
     return out
@@ -117,6 +132,8 @@ def rank_checks(rep, world_tp: int) -> dict:
     """The float64 checks of one rank's report (its own layers, heads and shards); returns the
     worst ratio of each kind."""
     _ok(rep)
+    model = rep["model"]
+    n_layers, indexer_layers = one_rank.LAYERS[model]["n"], one_rank.LAYERS[model]["indexer"]
     assert rep["tripped"] == [], rep["tripped"]
     assert rep["shards"] and all(s["ok"] for s in rep["shards"]), [s for s in rep["shards"] if not s["ok"]]
     lo, hi = rep["layers"]
@@ -146,10 +163,22 @@ def rank_checks(rep, world_tp: int) -> dict:
         elif c["kind"] in ("logits", "mhc_first"):
             assert c["cos"] >= one_rank.LOGITS_COS and c["max_abs"] <= one_rank.REL_MAX * c["ref_max"], c
     kinds = {c["kind"] for c in checks}
-    assert ("mhc_first" in kinds) == (lo == 0) and ("logits" in kinds) == (hi == V41_LAYERS), (lo, hi, kinds)
-    assert any(c["kind"] == "indexer" for c in checks) == any(i in (1, 2, 3) for i in range(lo, hi))
-    if lo <= ENGRAM_LAYER < hi:   # the Engram layer ran its lookup on this rank
+    assert ("mhc_first" in kinds) == (lo == 0) and ("logits" in kinds) == (hi == n_layers), (lo, hi, kinds)
+    # the indexer of every index layer this rank holds, every step
+    assert {(c["step"], c["layer"]) for c in checks if c["kind"] == "indexer"} == \
+        {(s, i) for s in STEPS for i in indexer_layers if lo <= i < hi}
+    if rep["engram"] and lo <= ENGRAM_LAYER < hi:   # the Engram layer ran its lookup on this rank
         assert rep["ops_called"].get("engram_lookup", 0) > 0, rep["ops_called"]
+    if model == "v4":
+        # every mHC boundary past the first-layer broadcast (test_e2e.py's check), on the rank's
+        # all-reduced block outputs: the streams every rank carries whole
+        mhc = [c for c in checks if c["kind"] == "mhc"]
+        assert sorted((c["step"], c["layer"], c["side"]) for c in mhc) == sorted(
+            (s, i, side) for s in STEPS for i in range(lo, hi) for side in ("attn", "ffn") if (i, side) != (0, "attn"))
+        for c in mhc:
+            assert c["streams_cos"] >= one_rank.ATTN_COS and c["streams_rel"] <= one_rank.REL_MAX, c
+            assert c["input_cos"] >= one_rank.ATTN_COS and c["input_rel"] <= one_rank.REL_MAX, c
+            assert c["post_rel"] <= one_rank.MHC_COEFF_REL and c["comb_rel"] <= one_rank.MHC_COEFF_REL, c
     return worst
 
 
@@ -167,15 +196,27 @@ def _logits_vs(ref, rep):
     return rows
 
 
-def test_one_rank_reference(runs):
-    (ref,) = runs["ref"]
-    rank_checks(ref, 1)
+MODELS = ("v41", "v4")   # V4.1 with its Engram layer; V4 (hash MoE layer, C4A / C128A, mHC boundaries)
 
 
-def test_tp2_every_rank_matches_the_oracle_on_its_own_share(runs):
-    worst = [rank_checks(rep, 2) for rep in runs["tp2"]]
-    assert [r["tp_rank"] for r in runs["tp2"]] == [0, 1]
-    print("tp2 worst", worst)
+def _group(runs, model, layout):
+    reps = runs[layout if model == "v41" else f"{model}_{layout}"]
+    assert all(r.get("model") == model for r in reps), [r.get("model") for r in reps]
+    return reps
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_one_rank_reference(runs, model):
+    (ref,) = _group(runs, model, "ref")
+    print(f"{model} one rank worst", rank_checks(ref, 1))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp2_every_rank_matches_the_oracle_on_its_own_share(runs, model):
+    reps = _group(runs, model, "tp2")
+    worst = [rank_checks(rep, 2) for rep in reps]
+    assert [r["tp_rank"] for r in reps] == [0, 1]
+    print(f"{model} tp2 worst", worst)
 
 
 def test_tp2_engram_shards_tile_the_table(runs):
@@ -192,9 +233,9 @@ def test_tp2_engram_shards_tile_the_table(runs):
     assert a1["head_start"] == a0["head_start"] + a0["part_n_hash_cols"], (a0, a1)
 
 
-def test_tp2_ranks_agree_and_match_the_one_rank_run(runs):
-    (ref,) = runs["ref"]
-    r0, r1 = runs["tp2"]
+def _tp_agrees(ref, r0, r1, model):
+    """TP 2's ranks agree with each other, and with the one-rank run within RUN_COS_GAP /
+    TIE_COS_GAP per token."""
     for rep in (ref, r0, r1):
         _ok(rep)
     # the ranks: the same logits (all-gathered) and the same indexer choices (replicated indexer)
@@ -208,8 +249,15 @@ def test_tp2_ranks_agree_and_match_the_one_rank_run(runs):
     worst_tie = max((r[0] for r in rows if r[1]), default=0.0)
     assert worst_clean <= RUN_COS_GAP, [r for r in clean if r[0] > RUN_COS_GAP]
     assert worst_tie <= TIE_COS_GAP, [r for r in rows if r[1] and r[0] > TIE_COS_GAP]
-    print(f"tp2 vs one rank: clean tokens 1-cos {worst_clean:.2e} (ratio {worst_clean / RUN_COS_GAP:.2f}), "
-          f"{len(rows) - len(clean)} tokens with a tie taken otherwise: {worst_tie:.2e}")
+    print(f"{model} tp2 vs one rank: clean tokens 1-cos {worst_clean:.2e} (ratio {worst_clean / RUN_COS_GAP:.2f}), "
+          f"{len(rows) - len(clean)} of {len(rows)} tokens with a tie taken otherwise: {worst_tie:.2e}")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp2_ranks_agree_and_match_the_one_rank_run(runs, model):
+    (ref,) = _group(runs, model, "ref")
+    r0, r1 = _group(runs, model, "tp2")
+    _tp_agrees(ref, r0, r1, model)
 
 
 def test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(runs):
@@ -217,7 +265,7 @@ def test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(runs):
     s0, s1 = runs["pp2"]
     rank_checks(s0, 1)
     rank_checks(s1, 1)
-    assert s0["layers"] == [0, 1] and s1["layers"] == [1, V41_LAYERS], (s0["layers"], s1["layers"])
+    assert s0["layers"] == [0, 1] and s1["layers"] == [1, one_rank.LAYERS["v41"]["n"]], (s0["layers"], s1["layers"])
     assert [s0["pp_rank"], s1["pp_rank"]] == [0, 1]
     # the second stage holds the Engram layer: it hashed the input_ids it was given
     assert s1["ops_called"].get("engram_lookup", 0) > 0 and not s0["ops_called"].get("engram_lookup")
@@ -236,6 +284,7 @@ def test_pp2_illegal_boundary_refused_at_model_build(runs):
 
 
 # ---------------------------------------------------------------------------------- planted bugs
+PLANTS_ON = os.environ.get("DSV4_E2E_PLANTS") == "1"
 PLANTED = {
     # plant: (group, extra args)
     "head_offset": ("tp2", ["--tp", "2"]),
@@ -250,7 +299,7 @@ def _fails(runs, name, reps) -> list:
     failed = []
     probes = [("rank", lambda: [rank_checks(r, 2 if name == "tp2" else 1) for r in reps])]
     if name == "tp2":
-        probes.append(("vs one rank", lambda: test_tp2_ranks_agree_and_match_the_one_rank_run(dict(runs, tp2=reps))))
+        probes.append(("vs one rank", lambda: _tp_agrees(runs["ref"][0], reps[0], reps[1], "v41")))
     else:
         probes.append(("vs one rank", lambda: test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(
             dict(runs, pp2=reps))))
@@ -262,12 +311,10 @@ def _fails(runs, name, reps) -> list:
     return failed
 
 
-@pytest.mark.skipif(os.environ.get("DSV4_E2E_PLANTS") != "1", reason="planted bugs: opt-in, DSV4_E2E_PLANTS=1")
+@pytest.mark.skipif(not PLANTS_ON, reason="planted bugs: opt-in, DSV4_E2E_PLANTS=1")
 @pytest.mark.parametrize("plant", sorted(PLANTED))
 def test_planted_bug_fails(runs, plant):
-    name, args = PLANTED[plant]
-    reps = _collect(_spawn(runs["dir"], f"plant_{plant}", 2,
-                           ["--model", "v41", "--engram", "--ckpt", runs["ckpt"], "--plant", plant] + args))
-    failed = _fails(runs, name, reps)
+    name, _ = PLANTED[plant]
+    failed = _fails(runs, name, runs[f"plant_{plant}"])
     print(f"plant {plant}: " + " | ".join(failed))
     assert failed, f"planted bug {plant} passed every check"
