@@ -209,9 +209,9 @@ def test_every_step_passed_the_oracle_v4(report_v4):
 
 
 # The share of routed V3.2 rows the oracle may teacher-force (margin <= sched_driver.ROUTE_CUT_V32):
-# the tiny random router's 8 sigmoid keys sit close, so 36-52% of a run's 163 rows fell within 0.05
-# over 18 fresh seeds (0.43 pooled, about 0.055 standard deviation a run; rows are not independent:
-# a preempted request recomputes its chunk, and one run's rows share a context). 0.7 is about 5
+# the tiny random router's 8 sigmoid keys sit close, so 32-52% of a run's 163 rows fell within 0.05
+# over 50 fresh seeds (mean 0.41, 0.052 standard deviation a run; rows are not independent: a
+# preempted request recomputes its chunk, and one run's rows share a context). 0.7 is 5.5
 # deviations above the mean: a margin computed too small or a cut too wide forces nearly every row
 # and leaves vLLM's choice unchecked; this keeps it checked on at least 30% of the rows.
 TEACHER_FORCED_MAX = 0.7
