@@ -43,6 +43,7 @@ PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_
 
 SITE = [None]          # (layer, "attn" | "ffn") while that sublayer runs on this rank
 ALLREDUCES: dict = {}  # site -> [(input, output)] of the TP group's all-reduces this step
+RECEIVED = [None]      # the hidden states a later pipeline stage received this step
 
 
 def model_config(model: str, engram: bool) -> dict:
@@ -258,6 +259,45 @@ def make_checker(model, cfg, tp_group):
             self.results.append(res)
             return res
 
+        def check_stage_input(self, step, rec, streams):
+            """A later V4 stage's first attention input: vLLM's lone mhc_pre on the streams the
+            previous stage sent (not a fused boundary, so not among check_mhc_boundaries'):
+            their collapse with the pre mix of those streams, RMS-normed."""
+            layer = self.m.model.layers[rec.layer]
+            s = streams.cpu().to(F64)
+            pre, _, _ = O.mhc_coeffs(s, checks._w(layer.hc_attn_fn), checks._w(layer.hc_attn_base),
+                                     checks._w(layer.hc_attn_scale), self.cfg["hc_eps"], self.cfg["rms_norm_eps"],
+                                     self.cfg["hc_sinkhorn_iters"])
+            ref = O.rms_norm(O.mhc_collapse(s, pre), checks._w(layer.attn_norm.weight), self.cfg["rms_norm_eps"])
+            got = rec.x.cpu().to(F64)
+            res = dict(step=step.name, layer=rec.layer, kind="mhc_stage_input", tokens=got.shape[0],
+                       cos=checks.cosine(got, ref), max_abs=float((got - ref).abs().max()),
+                       ref_max=float(ref.abs().max()))
+            self.results.append(res)
+            return res
+
+        def check_mhc_boundaries(self, step, calls):
+            # the base class finds a call's layer through every layer's hc weights; a pipeline
+            # stage holds only its own (the others are PPMissingLayer, without hc weights): they
+            # stand in as layers with empty weights, which no recorded call carries
+            m = self.m.model
+            if m.start_layer == 0 and m.end_layer == len(m.layers):
+                return super().check_mhc_boundaries(step, calls)
+            import types
+
+            empty = torch.empty(0)
+            held = [m.layers[i] if m.start_layer <= i < m.end_layer else
+                    types.SimpleNamespace(hc_attn_fn=empty, hc_ffn_fn=empty, hc_attn_base=None, hc_attn_scale=None,
+                                          attn_norm=None, hc_ffn_base=None, hc_ffn_scale=None, ffn_norm=None)
+                    for i in range(len(m.layers))]
+            assert all(c["fn"].numel() for c in calls)
+            full = self.m
+            self.m = types.SimpleNamespace(model=types.SimpleNamespace(layers=held))
+            try:
+                return super().check_mhc_boundaries(step, calls)
+            finally:
+                self.m = full
+
     return MRChecker()
 
 
@@ -333,6 +373,7 @@ def forward(sch, bt, hook, no_input_ids: bool):
         it = None
         if not pp.is_first_rank:
             it = IntermediateTensors(pp.recv_tensor_dict(all_gather_group=get_tp_group()))
+            RECEIVED[0] = it["hidden_states"].detach().clone()
         ids = None if (no_input_ids and not pp.is_first_rank) else bt["input_ids"]
         kw = {}
         depth = getattr(b.model, "token_lookback_depth", 0)
@@ -420,7 +461,10 @@ def run_plan(model_name, cfg, b, no_input_ids: bool) -> dict:
             chk.check_moe(step, lr)
         if pp.is_first_rank:
             chk.check_first_mhc(step, step.layers[0])
-        if standins.BOUNDARIES:   # V4's (recorded for V4 only; this harness runs V4 at TP only)
+        elif model_name == "v4":
+            lo = b.model.model.start_layer
+            chk.check_stage_input(step, step.layers[lo], RECEIVED[0])
+        if standins.BOUNDARIES:   # V4's fused post/pre calls (recorded for V4 only)
             chk.check_mhc_boundaries(step, standins.BOUNDARIES)
         entry = dict(step=name, topk={i: lr.topk.tolist() for i, lr in step.layers.items() if lr.topk is not None},
                      allreduce_sites={f"{k[0]}:{k[1]}" if len(k) == 2 else k[0]: len(v) for k, v in ALLREDUCES.items()})

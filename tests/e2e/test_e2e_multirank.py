@@ -1,5 +1,5 @@
-"""End to end at more than one rank on the CPU: vLLM's DeepSeek-V4.1 (with its Engram layer) at
-tensor parallel 2 and at pipeline parallel 2, and DeepSeek-V4 at tensor parallel 2, one process a
+"""End to end at more than one rank on the CPU: vLLM's DeepSeek-V4.1 (with its Engram layer) and
+DeepSeek-V4, each at tensor parallel 2 and at pipeline parallel 2, one process a
 rank (``multirank.py``, all forked from one process that imported vLLM once), vLLM's own
 ``init_distributed_environment`` / ``initialize_model_parallel`` over gloo, its sharded layers,
 all-reduces and pipeline hand-off (``send_tensor_dict`` / ``recv_tensor_dict`` of the
@@ -14,9 +14,10 @@ one all-reduce a sublayer, the indexer's choice, the MoE partial, the first-laye
 whole embedding, the logits from the whole LM head, and the rank's weights equal to the
 checkpoint's rows at its offset. Across runs: TP ranks agree with each other; TP 2's logits agree
 with the one-rank run's (different reduction order: bf16 rounding, and indexer near-ties that go
-the other way); PP 2's are bitwise the one-rank run's (no arithmetic changes). V4's ranks also
-check every mHC boundary (test_e2e.py's check) on the all-reduced streams. The plugin refuses an
-illegal pipeline boundary at model build in a real PP process.
+the other way); PP 2's (V4.1 at 1,4 with Engram on stage 2; V4 at 2,2, C4A on both stages and
+C128A on the second) are bitwise the one-rank run's (no arithmetic changes). V4's ranks also
+check every fused mHC boundary (test_e2e.py's check) on the all-reduced streams. The plugin
+refuses an illegal V4.1 pipeline boundary at model build in a real PP process (V4 has none).
 
 Layouts vLLM's code cannot run on this CPU, and the planted bugs and how each fails: MULTIRANK.md.
 Planted bugs run with DSV4_E2E_PLANTS=1 (each a group of rank processes of its own, forked with
@@ -49,6 +50,11 @@ STEPS = ("prefill", "mixed", "decode1", "decode2")
 RUN_COS_GAP, TIE_COS_GAP = 3e-3, 0.1
 ENGRAM_LAYER = 1
 PARTITION, ILLEGAL_PARTITION = "1,4", "2,3"   # stage 2 = layers 1-4: the Engram layer, all KV sources
+# V4 shares no KV across layers (dsv4_ops/pp_partition.py: every split legal): stage 1 = layer 0
+# (SWA, hash-routed MoE) and 1 (C4A), stage 2 = layers 2 (C128A) and 3 (C4A), compressed
+# attention and an indexer on both stages
+V4_PARTITION = "2,2"
+PP_STAGE_KINDS = {"v41": None, "v4": ({"attn(ratio=0)", "attn(ratio=4)"}, {"attn(ratio=128)", "attn(ratio=4)"})}
 
 
 def _ports(n: int) -> list:
@@ -103,7 +109,7 @@ def _v4(ckpt, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every layout's ranks at once, forked from one process: V4.1 + Engram one rank (writes its
-    checkpoint), TP 2, PP 2; V4 one rank (writes its checkpoint), TP 2; with DSV4_E2E_PLANTS=1 the
+    checkpoint), TP 2, PP 2; V4 one rank (writes its checkpoint), TP 2, PP 2; with DSV4_E2E_PLANTS=1 the
     planted-bug groups too. The groups wait for their model's checkpoint."""
     d = str(tmp_path_factory.mktemp("multirank"))
     ckpt, ckpt_v4 = os.path.join(d, "ckpt"), os.path.join(d, "ckpt_v4")
@@ -113,6 +119,7 @@ def runs(tmp_path_factory):
         "pp2": (2, _v41(ckpt, "--pp", "2", "--partition", PARTITION, "--illegal-partition", ILLEGAL_PARTITION)),
         "v4_ref": (1, _v4(ckpt_v4, "--write-ckpt")),
         "v4_tp2": (2, _v4(ckpt_v4, "--tp", "2")),
+        "v4_pp2": (2, _v4(ckpt_v4, "--pp", "2", "--partition", V4_PARTITION)),
     }
     if PLANTS_ON:
         groups.update({f"plant_{p}": (2, _v41(ckpt, "--plant", p, *args)) for p, (_, args) in PLANTED.items()})
@@ -160,21 +167,27 @@ def rank_checks(rep, world_tp: int) -> dict:
             assert c["max_abs"] <= one_rank.REL_MAX * c["ref_max"], c
             assert c["allreduces"] == (1 if world_tp > 1 else 0) and c["reduce_ratio"] <= 1.0, c
             worst["reduce"] = max(worst["reduce"], c["reduce_ratio"])
-        elif c["kind"] in ("logits", "mhc_first"):
+        elif c["kind"] in ("logits", "mhc_first", "mhc_stage_input"):
             assert c["cos"] >= one_rank.LOGITS_COS and c["max_abs"] <= one_rank.REL_MAX * c["ref_max"], c
     kinds = {c["kind"] for c in checks}
     assert ("mhc_first" in kinds) == (lo == 0) and ("logits" in kinds) == (hi == n_layers), (lo, hi, kinds)
+    # a later V4 stage's first input, from the streams it received, every step
+    assert {c["step"] for c in checks if c["kind"] == "mhc_stage_input"} == (set(STEPS) if model == "v4" and lo else
+                                                                             set()), (lo, model)
     # the indexer of every index layer this rank holds, every step
     assert {(c["step"], c["layer"]) for c in checks if c["kind"] == "indexer"} == \
         {(s, i) for s in STEPS for i in indexer_layers if lo <= i < hi}
     if rep["engram"] and lo <= ENGRAM_LAYER < hi:   # the Engram layer ran its lookup on this rank
         assert rep["ops_called"].get("engram_lookup", 0) > 0, rep["ops_called"]
     if model == "v4":
-        # every mHC boundary past the first-layer broadcast (test_e2e.py's check), on the rank's
-        # all-reduced block outputs: the streams every rank carries whole
+        # every fused mHC boundary (test_e2e.py's check), on the rank's all-reduced block outputs:
+        # the streams every rank carries whole. Not fused, so not here: the stage's first attention
+        # pre (layer 0: the broadcast, checked as mhc_first; a later stage: vLLM's lone mhc_pre on
+        # the received streams, checked as mhc_stage_input). The lone mhc_post that ends a stage
+        # has no check of its own: the last stage's logits bitwise the one-rank run's cover it
         mhc = [c for c in checks if c["kind"] == "mhc"]
         assert sorted((c["step"], c["layer"], c["side"]) for c in mhc) == sorted(
-            (s, i, side) for s in STEPS for i in range(lo, hi) for side in ("attn", "ffn") if (i, side) != (0, "attn"))
+            (s, i, side) for s in STEPS for i in range(lo, hi) for side in ("attn", "ffn") if (i, side) != (lo, "attn"))
         for c in mhc:
             assert c["streams_cos"] >= one_rank.ATTN_COS and c["streams_rel"] <= one_rank.REL_MAX, c
             assert c["input_cos"] >= one_rank.ATTN_COS and c["input_rel"] <= one_rank.REL_MAX, c
@@ -260,20 +273,36 @@ def test_tp2_ranks_agree_and_match_the_one_rank_run(runs, model):
     _tp_agrees(ref, r0, r1, model)
 
 
-def test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(runs):
-    (ref,) = runs["ref"]
-    s0, s1 = runs["pp2"]
-    rank_checks(s0, 1)
-    rank_checks(s1, 1)
-    assert s0["layers"] == [0, 1] and s1["layers"] == [1, one_rank.LAYERS["v41"]["n"]], (s0["layers"], s1["layers"])
+def _pp_stages(ref, s0, s1, model, partition):
+    """Each stage's float64 checks on the layers it holds, and the last stage's logits and every
+    layer's indexer choice bitwise the one-rank run's (the stages change no arithmetic: the
+    hand-off carries the bf16 tensors the next layer reads)."""
+    worst = [rank_checks(s0, 1), rank_checks(s1, 1)]
+    first = int(partition.split(",")[0])
+    assert s0["layers"] == [0, first] and s1["layers"] == [first, one_rank.LAYERS[model]["n"]], \
+        (s0["layers"], s1["layers"])
     assert [s0["pp_rank"], s1["pp_rank"]] == [0, 1]
-    # the second stage holds the Engram layer: it hashed the input_ids it was given
-    assert s1["ops_called"].get("engram_lookup", 0) > 0 and not s0["ops_called"].get("engram_lookup")
-    # the stages change no arithmetic: the last stage's logits are the one-rank run's, bit for bit
+    if model == "v41":
+        # the second stage holds the Engram layer: it hashed the input_ids it was given
+        assert s1["ops_called"].get("engram_lookup", 0) > 0 and not s0["ops_called"].get("engram_lookup")
+    if PP_STAGE_KINDS[model]:
+        for rep, kinds in zip((s0, s1), PP_STAGE_KINDS[model]):
+            assert {c["kind"] for c in rep["checks"] if c["kind"].startswith("attn")} == kinds, rep["layers"]
+    assert len(s0["trace"]) == len(s1["trace"]) == len(ref["trace"]) == len(STEPS)
     for sa, sb in zip(ref["trace"], s1["trace"]):
         assert sa["logits"] == sb["logits"], sa["step"]
         assert all(sa["topk"][k] == sb["topk"][k] for k in sb["topk"]), sa["step"]
+    for sa, sb in zip(ref["trace"], s0["trace"]):
+        assert all(sa["topk"][k] == sb["topk"][k] for k in sb["topk"]), sa["step"]
     assert all("logits" not in s for s in s0["trace"])
+    return worst
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(runs, model):
+    (ref,) = _group(runs, model, "ref")
+    s0, s1 = _group(runs, model, "pp2")
+    print(f"{model} pp2 worst", _pp_stages(ref, s0, s1, model, PARTITION if model == "v41" else V4_PARTITION))
 
 
 def test_pp2_illegal_boundary_refused_at_model_build(runs):
@@ -301,8 +330,7 @@ def _fails(runs, name, reps) -> list:
     if name == "tp2":
         probes.append(("vs one rank", lambda: _tp_agrees(runs["ref"][0], reps[0], reps[1], "v41")))
     else:
-        probes.append(("vs one rank", lambda: test_pp2_stages_match_the_oracle_and_the_one_rank_run_bitwise(
-            dict(runs, pp2=reps))))
+        probes.append(("vs one rank", lambda: _pp_stages(runs["ref"][0], reps[0], reps[1], "v41", PARTITION)))
     for what, probe in probes:
         try:
             probe()
