@@ -27,6 +27,7 @@ vllm = pytest.importorskip("vllm", reason="the plugin's refusals need vLLM")
 from dsv4_ops.vllm import plugin as vp  # noqa: E402
 from dsv4_ops.vllm import quant_guard as qg  # noqa: E402
 from dsv4_ops.vllm import serve_host as sh  # noqa: E402
+from test_vllm_plugin import spoof  # noqa: E402  (the capability vLLM's platform answers)
 
 SM8X = [(8, 0), (8, 6), (8, 7)]
 SAMPLER = sh.SAMPLER_ENV
@@ -43,15 +44,6 @@ def clean(monkeypatch):
     vp.reset()
     yield
     vp.reset()
-
-
-def spoof(monkeypatch, cap):
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import DeviceCapability
-
-    value = None if cap is None else DeviceCapability(*cap)
-    monkeypatch.setattr(type(current_platform), "get_device_capability",
-                        classmethod(lambda cls, device_id=0: value))
 
 
 # ---- the toolchain FlashInfer's sampler JIT needs -------------------------------------------
