@@ -70,8 +70,8 @@ def bench_sweep(args, replays):
     for H in (64, 8):
         for T in TS:
             q, _, idx, sink = make_inputs(T, H, seed=T + H)
-            heur = dispatch.decode.tile_splits(T, H, K)
-            top = dispatch.decode.tile_max_splits(K)
+            heur = dispatch.workspace.tile_splits(T, H, K)
+            top = dispatch.workspace.tile_max_splits(K)
             counts = range(1, top + 1)
             if args.quick:
                 counts = sorted({1, 2, 4, 8, 16, 32, top, heur} & set(range(1, top + 1)))
@@ -98,7 +98,7 @@ def bench_decode(args, replays):
         kv = make_inputs(1, 1)[1]
         for T in TS:
             q, _, idx, sink = make_inputs(T, 64, seed=T)
-            heur = dispatch.decode.tile_splits(T, 64, K)
+            heur = dispatch.workspace.tile_splits(T, 64, K)
             unsplit = time_decode(q, kv, idx, sink, 1, replays)
             split = time_decode(q, kv, idx, sink, heur, replays)
             s_us, m_us = time_split_merge(q, kv, idx, sink, heur, replays)
@@ -170,8 +170,8 @@ def bench_heads(args, replays):
                 sink[8:] = float("-inf")
             res[H] = time_decode(q, kv, idx, sink, 0, replays)
         rows.append({"variant": v, "T": 1, "K": K, "H8_unpadded_us": res[8], "H64_padded_us": res[64],
-                     "speedup": res[64] / res[8], "splits_H8": dispatch.decode.tile_splits(1, 8, K),
-                     "splits_H64": dispatch.decode.tile_splits(1, 64, K)})
+                     "speedup": res[64] / res[8], "splits_H8": dispatch.workspace.tile_splits(1, 8, K),
+                     "splits_H64": dispatch.workspace.tile_splits(1, 64, K)})
     write_results("attention_heads", args.out, rows,
                   ["variant", "H8_unpadded_us", "H64_padded_us", "speedup", "splits_H8", "splits_H64"],
                   notes="T = 1, K = 640, heuristic splits: the per-rank heads at TP = 8 unpadded vs padded to 64.")

@@ -60,19 +60,19 @@ def kernel_rows(kv, sms, gbs, replays, sweep=True):
             row = {"T": T, "H": H, "K": K, "sms": sms}
             try:
                 q, idx, sink = make_inputs(T, H)
-                s_t = dispatch.decode.tile_splits(T, H, K)
+                s_t = dispatch.workspace.tile_splits(T, H, K)
                 row["tiles_splits"] = s_t
                 row["tiles_us"] = time_graph_us(lambda: attention.sparse_mla_decode(
                     q, kv, idx, None, sink, SM_SCALE, s_t, kernel="tiles"), replays)
-                p = dispatch.decode.plan(T, H, K, sms, "heads")
+                p = dispatch.workspace.plan(T, H, K, sms, "heads")
                 row["heads_splits"] = p.splits
                 row["heads_us"] = time_graph_us(lambda: attention.sparse_mla_decode(
                     q, kv, idx, None, sink, SM_SCALE, p.splits, kernel="heads"), replays)
                 row["tiles/heads"] = row["tiles_us"] / row["heads_us"]
-                row["model_us"] = dispatch.decode.heads_time_us(T, H, K, sms, p.splits)
+                row["model_us"] = dispatch.workspace.heads_time_us(T, H, K, sms, p.splits)
                 if sweep:
                     best = (row["heads_us"], p.splits)
-                    for s in dispatch.decode.balanced_splits(-(-K // p.block_n))[:5]:
+                    for s in dispatch.workspace.balanced_splits(-(-K // p.block_n))[:5]:
                         if s != p.splits:
                             us = time_graph_us(lambda: attention.sparse_mla_decode(
                                 q, kv, idx, None, sink, SM_SCALE, s, kernel="heads"), max(10, replays // 3))

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 decode the plugin calls, at an A100's SM counts: ours (and P2 when a local copy is
 present) on 132, 112 and 104 SMs of the H200 through driver green contexts (benchmarks/green_ctx.py).
 
-    python benchmarks/bench_decode_sms.py --out DIR [--sms 132,112,104] [--base] [--shapes T:H:K1,...] [--name decode_sms]
+    python benchmarks/bench_decode_sms.py --out DIR [--sms 132,112,104] [--shapes T:H:K1,...] [--name decode_sms]
                                           [--sweep] [--configs a,b] [--max-splits N] [--p2 DIR] [--budget S]
 
 For T in {1, 4, 16, 64, 128, 256} x H in {8, 16, 64, 128} at K = 512 top-k + 128 window, and V4.1's
@@ -18,8 +18,6 @@ sink, no lengths, on each SM count (DSV4_AMPERE_SMS = the granted count):
                flops at MMA_TFLOPS_132 * SMs / 132 (mma.sync, H16 = H padded to 16); launch =
                the plan's launches * LAUNCH_US
   mma_a100_us  the same flops at an A100's mma.sync rate, A100_TFLOPS (bf16 dense, 108 SMs) * SMs / 108
-  --base       also base_us: the same call under the plans before the SM-count rule (V3_COST emptied: the
-               busiest-SM split rule and the 132-SM windows; AUTO_V3_SMEM_WINDOWS as it was), same run
   --sweep      also every dispatched v3-form config (or --configs) x balanced split count <= --max-splits
                (20) through the paged op (best_us / best: config and S; every time in sweep_us), for
                re-planning; each output checked as well
@@ -116,41 +114,8 @@ def ref_bf16(q, buf0, idx0, buf1, idx1, sink, len0=None):
 
 def plan_of(T, H, K, sms) -> tuple:
     """(plan text, launches) of the composite under auto for this shape and SM count."""
-    smem = dispatch.device.smem_per_block(torch.cuda.current_device())
-    route = dispatch.decode.route("auto", T, H, K, smem)
-    if route in ("v3", "fused", "paged"):
-        if dispatch.decode.fused_form(T, H, K, smem) == "v3":  # 'paged': the op's v3 form (caches aligned here)
-            name = dispatch.decode.v3_launch_config(T, H, K, smem, "", (BS, BS), sms)
-            # the composite caps the splits whose partials would pass PAGED_PARTIALS_MAX_BYTES
-            capped = dispatch.decode.composite_splits(T, H, K, sms, smem, "v3", (BS, BS))
-            p = dispatch.decode.v3_plan(T, H, K, sms, capped, name)
-            return f"{route} {name} S{p.splits}", 1 + (not p.direct)
-        p = dispatch.decode.fused_plan(T, H, K, sms)
-        return f"v1 S{p.splits}", 1 + (not p.direct)
-    p = dispatch.decode.workspace_plan("auto", T, H, K, True, torch.cuda.current_device())
-    return f"step {p.kernel} S{p.splits}", 2 + (not p.direct)
-
-
-BASE_SMEM_WINDOWS = ((4, 4, 64, 64, 640, "kh32n64w8"), (48, 256, 64, 64, 640, "kh32n64w8"),
-                     (64, 64, 64, 64, 256, "kh32n64w8"), (128, 128, 128, 128, 256, "kh32n64w8"))
-
-
-class base_rules:
-    """The dispatch as it was before the SM-count rule, while inside (caches cleared both ways)."""
-
-    def __enter__(self):
-        self.saved = dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS
-        dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS = {}, BASE_SMEM_WINDOWS
-        self._clear()
-
-    def __exit__(self, *exc):
-        dispatch.decode.V3_COST, dispatch.windows.AUTO_V3_SMEM_WINDOWS = self.saved
-        self._clear()
-
-    @staticmethod
-    def _clear():
-        dispatch.decode._v3_sm_config.cache_clear()
-        _host_plan.clear()
+    p = dispatch.decode.plan_step(T, H, K, sms, dispatch.device.smem_per_block(torch.cuda.current_device()), (BS, BS))
+    return f"paged {p.config} S{p.splits}", 1 + (not p.direct)
 
 
 def sweep_candidates(T, H, K, sms, configs=SWEEP_CONFIGS, max_splits=20):
@@ -168,7 +133,7 @@ def sweep_candidates(T, H, K, sms, configs=SWEEP_CONFIGS, max_splits=20):
     return out
 
 
-def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False, configs=SWEEP_CONFIGS, max_splits=20):
+def measure(shape, caches, ctxs, gbs, p2, sweep, replays, configs=SWEEP_CONFIGS, max_splits=20):
     T, H, K1 = shape
     K = K1 + 128
     (cc, bc), (cw, bw) = caches
@@ -217,12 +182,6 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False, configs=SW
                 row["launch_us"] = launches * LAUNCH_US
                 row["floor_us"] = max(row["bytes_us"], row["mma_us"], row["launch_us"])
                 row["ours/floor"] = row["ours_us"] / row["floor_us"]
-                if base:
-                    with base_rules():
-                        row["base_plan"] = plan_of(T, H, K, sms)[0]
-                        row["base_err"] = check(*ours())
-                        row["base_us"] = graph_us(ours, replays)
-                    row["base/ours"] = row["base_us"] / row["ours_us"]
                 if p2 is not None:
                     def p2_call():
                         return p2(q, bc, topk, lens0, bw, swa, lens1, SM_SCALE, sink)
@@ -236,7 +195,7 @@ def measure(shape, caches, ctxs, gbs, p2, sweep, replays, base=False, configs=SW
                     best = None
                     for name, s in sweep_candidates(T, H, K, sms, configs, max_splits):
                         fn = (lambda name=name, s=s: paged_decode.dsv4_decode_fused(
-                            q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, s, form="v3", config=name))
+                            q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, s, config=name))
                         e = check(*fn())
                         if e.startswith("FAIL"):
                             row.setdefault("sweep_fail", []).append(f"{name}S{s}:{e}")
@@ -304,7 +263,6 @@ def main():
                                                   "104 where the device has more)")
     ap.add_argument("--shapes", default="", help="T:H:K1,... instead of the grid")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--base", action="store_true")
     ap.add_argument("--configs", default="", help="sweep configs, comma-separated (default: the dispatched ones)")
     ap.add_argument("--max-splits", type=int, default=20)
     ap.add_argument("--p2", default=os.environ.get("DSV4_P2_DIR", ""))
@@ -330,11 +288,11 @@ def main():
     if ns.shapes:
         shapes = [tuple(int(x) for x in sh.split(":")) for sh in ns.shapes.split(",")]
     rows = []
-    cols = ["T", "H", "K", "SMs", "plan", "ours_us", "base_plan", "base_us", "base/ours", "p2_us", "ours/p2", "floor_us", "ours/floor", "bytes_us",
-            "mma_us", "mma_a100_us", "launch_us", "best_us", "best", "ours/best", "err", "base_err", "p2_err", "error"]
+    cols = ["T", "H", "K", "SMs", "plan", "ours_us", "p2_us", "ours/p2", "floor_us", "ours/floor", "bytes_us",
+            "mma_us", "mma_a100_us", "launch_us", "best_us", "best", "ours/best", "err", "p2_err", "error"]
     for shape in shapes:
         configs = tuple(ns.configs.split(",")) if ns.configs else SWEEP_CONFIGS
-        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays, ns.base, configs, ns.max_splits)
+        rows += measure(shape, caches, ctxs, gbs, p2, ns.sweep, ns.replays, configs, ns.max_splits)
         write_results(ns.name, ns.out, rows, cols,
                       notes=(f"{os.environ.get('DSV4_AMPERE_IMPL')}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3')}, "
                              f"SMs by driver green contexts (benchmarks/green_ctx.py), DSV4_AMPERE_SMS = SMs; copy "

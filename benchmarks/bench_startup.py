@@ -111,27 +111,25 @@ def invariant_rows(quick: bool, emit=lambda rows: None):
             from dsv4_ops.csrc_triton.decode import heads as hk
 
             groups = -(-H // hk.block_h_for(H))
-            gather_us = T * 640 * (584 + 1024) / dispatch.decode.BANDWIDTH_BPS * 1e6
-            row["floor_us"] = round(gather_us + T * 640 * 1024 * groups / dispatch.decode.BANDWIDTH_BPS * 1e6 + 3 * 0.9, 2)
-            os.environ[dispatch.decode.BATCH_INVARIANT_ENV] = "1"
-            inv = dispatch.decode.plan(T, H, 640, dispatch.device.num_sms(0), dispatch.decode.mode())
-            os.environ.pop(dispatch.decode.BATCH_INVARIANT_ENV, None)
-            row["predicted_invariant_us"] = round(gather_us + 0.9 + dispatch.decode.heads_time_us(
+            gather_us = T * 640 * (584 + 1024) / dispatch.workspace.BANDWIDTH_BPS * 1e6
+            row["floor_us"] = round(gather_us + T * 640 * 1024 * groups / dispatch.workspace.BANDWIDTH_BPS * 1e6 + 3 * 0.9, 2)
+            os.environ[dispatch.workspace.BATCH_INVARIANT_ENV] = "1"
+            inv = dispatch.workspace.plan(T, H, 640, dispatch.device.num_sms(0), dispatch.decode.mode())
+            os.environ.pop(dispatch.workspace.BATCH_INVARIANT_ENV, None)
+            row["predicted_invariant_us"] = round(gather_us + 0.9 + dispatch.workspace.heads_time_us(
                 T, H, 640, dispatch.device.num_sms(0), inv.splits), 2)
             for label, flag in (("default_us", "0"), ("invariant_us", "1")):
-                os.environ[dispatch.decode.BATCH_INVARIANT_ENV] = flag
+                os.environ[dispatch.workspace.BATCH_INVARIANT_ENV] = flag
                 row[label] = time_graph_us(step)
                 mode = dispatch.decode.mode()
                 sms = dispatch.device.num_sms(0)
-                if mode in ("fused", "v3") or (mode == "auto" and (dispatch.decode.auto_is_fused(T, H, 640)
-                                                                   or dispatch.decode.auto_is_v3(T, H, 640))):
-                    form = dispatch.decode.fused_form(T, H, 640)
-                    p = dispatch.decode.v3_plan(T, H, 640, sms) if form == "v3" else dispatch.decode.fused_plan(T, H, 640, sms)
-                    row[label.replace("_us", "_plan")] = f"{'v3' if form == 'v3' else 'fused'} S={p.splits}"
+                if dispatch.decode.route(mode) == "paged":
+                    p = dispatch.decode.plan_step(T, H, 640, sms)
+                    row[label.replace("_us", "_plan")] = f"paged {p.config} S={p.splits}"
                 else:
-                    p = dispatch.decode.plan(T, H, 640, sms, mode)
+                    p = dispatch.workspace.plan(T, H, 640, sms, mode)
                     row[label.replace("_us", "_plan")] = f"{p.kernel} S={p.splits}"
-            os.environ.pop(dispatch.decode.BATCH_INVARIANT_ENV, None)
+            os.environ.pop(dispatch.workspace.BATCH_INVARIANT_ENV, None)
             row["ratio"] = row["invariant_us"] / row["default_us"]
             rows.append(row)
             print(row, flush=True)

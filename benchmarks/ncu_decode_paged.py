@@ -31,11 +31,11 @@ def main():
         swa = torch.randint(0, NBLK * BS, (T, 128), device="cuda", generator=g, dtype=torch.int32)
         q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
         sink = torch.randn(H, device="cuda", generator=g)
-        plan = dispatch.decode.v3_plan(T, H, 640, sms, 0, name)
+        plan = dispatch.decode.plan_step(T, H, 640, sms, config=name)
         print(f"ncu case T={T} H={H} config={name} plan={plan}", flush=True)
         for _ in range(2):
             paged_decode.dsv4_decode_fused(q, cc, topk, None, BS, cw, swa, None, BS, sink, SM_SCALE, plan.splits,
-                                           form="v3", config=name)
+                                           config=name)
         torch.cuda.synchronize()
 
 

@@ -55,7 +55,7 @@ ENV_VAR = envs.HOST_PLAN
 ENABLED = envs.get(ENV_VAR)
 FAST_REPLAY = True  # generate one replay function per plan when every launch is direct
 MAX_KEYS = 1024  # per launcher; the table is cleared when it grows past this
-STATS = {"record": 0, "replay": 0, "refused": 0, "kept": 0}  # kept: dsv4_decode._kept_step calls
+STATS = {"record": 0, "replay": 0, "refused": 0, "kept": 0, "step_plan": 0}  # kept: dsv4_decode._run_kept calls (step_plan: of them, those a DecodeStepPlan ran)
 
 _TENSOR = torch.Tensor
 _META = frozenset([

@@ -17,7 +17,7 @@ Partial layout (between the two kernels)
   nb = cdiv(min(topk_length[t], K), 16) (see csrc_triton.decode.tiles).
 
 Launchers never sync the host and allocate only their outputs, so they capture into CUDA
-graphs; the kernel and split count come from static shapes (dsv4_ops.dispatch.decode). The
+graphs; the kernel and split count come from static shapes (dsv4_ops.dispatch.workspace). The
 paged decode (op ``dsv4_decode_fused_out``) is dsv4_ops.paged_decode.
 """
 
@@ -35,6 +35,7 @@ from .csrc_triton.decode import merge as _mk
 from .csrc_triton.decode import tiles as _sk
 from .csrc_triton.decode import heads as _hk
 from .dispatch import decode as _dd
+from .dispatch import workspace as _ws
 from .dispatch import variant_for
 
 HEAD_DIM = _sk.HEAD_DIM
@@ -215,7 +216,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """Sparse MLA decode with sink. num_splits=0 picks the split count from the static shapes
     (T, H, K). out: bf16 [T, H, 512] to write (dims unit-stride) or None. kernel: 'auto' |
     'tiles' | 'heads' or None (= env DSV4_AMPERE_DECODE_KERNEL, default auto); the plan is
-    dispatch.decode.resolve_workspace's. tiles: split kernel + merge; heads (int32 indices only,
+    dispatch.workspace.resolve_workspace's. tiles: split kernel + merge; heads (int32 indices only,
     else tiles): the all-heads kernel, + merge when it splits. Returns out bf16 [T, H, 512], lse
     fp32 [T, H]."""
     q, kv, indices, topk_length = _inputs(q, kv, indices, topk_length)
@@ -232,7 +233,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     if out is not None:
         _check_out(out, T, H, q)
     variant = variant or variant_for(q)
-    plan = _dd.workspace_plan(kernel_mode, T, H, indices.shape[1], indices.dtype == torch.int32, q.get_device(),
+    plan = _ws.workspace_plan(kernel_mode, T, H, indices.shape[1], indices.dtype == torch.int32, q.get_device(),
                               num_splits)
     if plan.kernel == "heads":
         return _launch_heads(q, kv, indices, topk_length, sink, sm_scale, plan, out, variant)

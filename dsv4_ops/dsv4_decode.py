@@ -16,19 +16,18 @@ step): in plain eager CUDA calls (``_host_plan.direct_ok``: no compile, mode, fu
 profiler) the paged op's step runs from a kept plan (``_kept_step``: one ``paged_plan.PagedPlan`` per
 layout, made on the first call and reused by every layer of every step with that layout; no
 allocation when ``out`` is given and the lse dropped: the partials live in per-stream scratch);
-the workspace step's ops are called without the dispatcher hop (``_direct_op``), its route
-memoised per (T, H, K, shared memory, window tables) and the environment it reads
-(``_host_plan.env_memo``), the ops replaying recorded launch plans (``_host_plan.planned``).
-Three kernels and two op calls a step: ``dsv4_decode_gather`` (both gathers and the index
-build in one launch), then ``sparse_mla_decode`` (split + merge; ``sparse_mla_decode_out``
-when the caller gives the output buffer). Argument checks live in the ops (cheap
-dtype/shape/device tests per call, deep cache-layout checks once per layout).
+the ops are called without the dispatcher hop (``_direct_op``), the route memoised on the
+environment it reads (``_host_plan.env_memo``), the ops replaying recorded launch plans
+(``_host_plan.planned``). Argument checks live in the ops (cheap dtype/shape/device tests per call,
+deep cache-layout checks once per layout).
 
-The paged path (``DSV4_AMPERE_DECODE_KERNEL=fused`` or ``v3``, or auto inside the measured
-windows: dispatch.decode.resolve_route / resolve_composite): ONE op call,
-``dsv4_decode_fused_out`` (dsv4_ops.paged_decode), reads the paged records by slot inside the
-attention kernel (no workspace, no gather launch; + the merge launch when it splits). Same
-semantics.
+The route (dispatch.decode.resolve_route): the paged op (modes auto and v3) is ONE op call,
+``dsv4_decode_fused_out`` (dsv4_ops.paged_decode), reading the paged records by slot inside the
+attention kernel (no workspace, no gather launch; + the merge launch when it splits; its plan is
+dispatch.decode.plan_step's). The workspace step (modes tiles and heads, batch invariance): three
+kernels and two op calls, ``dsv4_decode_gather`` (both gathers and the index build in one launch),
+then ``sparse_mla_decode`` (``sparse_mla_decode_out`` when the caller gives the output buffer).
+Same semantics.
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ from . import _host_plan, envs
 from . import paged_plan as _pp
 from .dispatch import decode as _dd
 from .dispatch import device as _device
+from .dispatch import windows as _windows
+from .dispatch import workspace as _ws
 from .layout import HEAD_DIM
 from .registration import library as _library
 
@@ -96,21 +97,12 @@ def _gather_two_launches(ops, compressed_cache, topk_slots, topk_length, compres
                                    swa_cache.shape[0] * swa_block_size)
 
 
-def _route(T: int, H: int, K: int, smem: int, windows: tuple) -> str:
-    """dispatch.decode.route under the current DSV4_AMPERE_DECODE_KERNEL mode; the window tables'
-    identities are an argument so that the memo below follows a test that swaps one."""
-    return _dd.route(_dd.mode(), T, H, K, smem)
+def _route() -> str:
+    """dispatch.decode.route under the current DSV4_AMPERE_DECODE_KERNEL mode."""
+    return _dd.route(_dd.mode())
 
 
-_route_memo = _host_plan.env_memo(_route)  # memoised on (T, H, K, smem, windows) and the env it reads
-
-
-def _paged_splits(T: int, H: int, K: int, sms: int, smem: int, form: str, block_sizes: tuple) -> int:
-    """dispatch.decode.composite_splits (the paged op's partials capped)."""
-    return _dd.composite_splits(T, H, K, sms, smem, form, block_sizes)
-
-
-_paged_splits_memo = _host_plan.env_memo(_paged_splits)
+_route_memo = _host_plan.env_memo(_route)  # memoised on the env it reads
 
 
 def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, aligned: bool = True,
@@ -123,23 +115,14 @@ def decode_peak_bytes(T: int, H: int, K1: int, K2: int, sms: int, smem: int, ali
     kernel's partials + lse.
     ``aligned``: the caches' page strides and addresses are multiples of 16 (vLLM's are)."""
     K = K1 + K2
-    choice = _dd.route(_dd.mode(), T, H, K, smem)
-    paged = choice in ("fused", "paged") or (choice == "v3" and aligned)
-    if paged:
-        form = "v3" if aligned and _dd.fused_form(T, H, K, smem) == "v3" else "v1"
-        S = _dd.composite_splits(T, H, K, sms, smem, form, block_sizes)
-        if not S:
-            S = (_dd.v3_plan(T, H, K, sms, 0, _dd.v3_launch_config(T, H, K, smem, "", block_sizes), smem).splits
-                 if form == "v3" else _dd.fused_plan(T, H, K, sms).splits)
+    m = _dd.mode()
+    choice = _dd.route(m)
+    if choice == "paged":
+        S = _dd.plan_step(T, H, K, sms, smem, block_sizes, aligned=aligned).splits
         # + the balanced split's plan words (int32 [T * S + T], 16-byte aligned) when it may run (an upper bound)
         words = (T * S + T + 3) * 4 if S > 1 and envs.get(envs.DECODE_BALANCE) else 0
         return choice, T * H * 4 + (T * H * S * (HEAD_DIM + 1) * 4 + words if S > 1 else 0)
-    m = _dd.mode()
-    m = "auto" if m in ("fused", "v3") else m
-    if m == "heads" or (m == "auto" and T >= _dd.AUTO_HEADS_MIN_T):  # int32 indices: heads
-        wplan = _dd.plan(T, H, K, sms, m)
-    else:
-        wplan = _dd.tiles_plan(T, H, K)
+    wplan = _ws.plan(T, H, K, sms, m)  # modes tiles / heads; int32 indices (the gather's)
     partials = T * H * wplan.splits * (HEAD_DIM + 1) * 4 if (wplan.kernel == "tiles" or wplan.splits > 1) else 0
     return choice, T * K * HEAD_DIM * 2 + T * K * 4 + T * H * 4 + partials
 
@@ -150,7 +133,8 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                           topk_length: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
                           num_splits: int = 0, swa_length: Optional[torch.Tensor] = None,
                           out: Optional[torch.Tensor] = None, return_lse: bool = True,
-                          step_plans: Optional[dict] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          step_plans: Optional[dict] = None,
+                          plan: Optional["DecodeStepPlan"] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One DSv4 decode attention step.
 
     q bf16 [T, H, 512]; compressed_cache, swa_cache uint8 [num_blocks, page_bytes] (584-byte
@@ -161,16 +145,37 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
     0 = heuristic; out bf16 [T, H, 512] (dims unit-stride) to write in place, or None;
     return_lse False: the lse is not returned (None), so the eager paged path writes it into
     scratch instead of allocating it. step_plans: a dict the caller keeps for one step and one layer
-    type (vLLM: per step metadata) or None: where the balanced split runs
-    (``DSV4_AMPERE_DECODE_BALANCE=1``), the eager paged step plans once a step and shape there
-    instead of once a call (paged_plan.launch_paged).
+    type (vLLM: per step metadata) or None: the step's first call of a layout makes its
+    DecodeStepPlan there (make_decode_plan) and the later calls run it; where the balanced split runs
+    (``DSV4_AMPERE_DECODE_BALANCE=1``) its plan words are made once a step there too
+    (paged_plan.launch_paged). plan: a DecodeStepPlan (make_decode_plan) to run, or None.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H] (or None).
-    Eager CUDA calls of the paged op (the common case) take ``_kept_step``: the layout's plan,
-    made once and reused by every later call (every layer of a vLLM step), no allocation.
+    Eager CUDA calls of the paged op (the common case) run the step's plan, or ``_kept_step``: the
+    layout's plan, made once and reused by every later call; no allocation. A plan is run only by a
+    call of its layout (else the call plans); traced calls ignore it (the op plans in the graph).
     """
     if workspace is None and _host_plan.ENABLED and _host_plan.direct_ok(q) and q.dtype is torch.bfloat16:
-        r = _kept_step(q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, sm_scale, compressed_block_size,
-                       swa_block_size, topk_length, num_splits, swa_length, out, return_lse, step_plans)
+        args = (q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, sm_scale, compressed_block_size,
+                swa_block_size, topk_length, num_splits, swa_length, out, return_lse, step_plans)
+        r = None
+        if plan is not None:
+            r = _run_step_plan(plan, *args)
+        elif step_plans is not None:  # the step's plans of this layer type: made by its first call of a layout
+            kept = step_plans.get(_STEP_PLAN)
+            if kept is None:
+                kept = step_plans[_STEP_PLAN] = []
+            for p in kept:
+                r = _run_step_plan(p, *args)
+                if r is not None:
+                    break
+            if r is None and len(kept) < _STEP_PLANS_KEPT:
+                p = make_decode_plan(q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, compressed_block_size,
+                                     swa_block_size, topk_length, num_splits, swa_length, out)
+                if p is not None:
+                    kept.append(p)
+                    r = _run_step_plan(p, *args, checked=True)
+        if r is None:
+            r = _kept_step(*args)
         if r is not None:
             return r
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.bfloat16):
@@ -183,23 +188,11 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
                          f"{tuple(topk_slots.shape) if isinstance(topk_slots, torch.Tensor) else type(topk_slots)}")
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     rows = T * (K1 + K2)
-    if _is_compiling():  # traced: plain reads (no memo tables, no dispatcher bypass, no device query)
-        choice = _dd.route(_dd.mode(), T, q.shape[1], K1 + K2, _device.known_smem(q.get_device()))
-    else:
-        choice = _route_memo(T, q.shape[1], K1 + K2, _device.smem_per_block(q.get_device()), _dd.windows_identity())
-    if _dd.uses_fused_op(choice, compressed_cache, swa_cache):
+    choice = _route() if _is_compiling() else _route_memo()  # traced: plain reads (no memo tables)
+    if choice == "paged":
         # one op: the paged records read inside the attention kernel (no workspace)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        if not num_splits:  # the split partials capped (dispatch.decode.composite_splits)
-            H, K = q.shape[1], K1 + K2
-            bs = (compressed_block_size, swa_block_size)
-            if _is_compiling():
-                smem = _device.known_smem(q.get_device())
-                num_splits = _dd.composite_splits(T, H, K, _device.num_sms_at(q.get_device()), smem,
-                                                  _dd.fused_form(T, H, K, smem), bs)
-            else:
-                num_splits = _capped_splits(q, compressed_cache, swa_cache, T, H, K, bs)
         lse = _fused_out(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
                          swa_length, swa_block_size, sink, sm_scale, num_splits, out)
         return out, (lse if return_lse else None)
@@ -207,7 +200,7 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
         workspace = torch.empty((rows, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     elif not (workspace.dim() == 2 and workspace.shape[0] >= rows and workspace.shape[1] == HEAD_DIM):
         raise ValueError(f"workspace: expected at least ({rows}, {HEAD_DIM}), got {tuple(workspace.shape)}")
-    if _dd.gather_in_one_launch(rows):
+    if _ws.gather_in_one_launch(rows):
         indices = _decode_gather(compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                                  swa_slots, swa_length, swa_block_size, workspace)
     else:
@@ -219,16 +212,6 @@ def dsv4_decode_attention(q: torch.Tensor, compressed_cache: torch.Tensor, topk_
         return out, (lse if return_lse else None)
     lse = _sparse_mla_decode_out(q, workspace, indices, None, sink, sm_scale, num_splits, out)
     return out, (lse if return_lse else None)
-
-
-def _capped_splits(q, compressed_cache, swa_cache, T: int, H: int, K: int, block_sizes: tuple) -> int:
-    """The num_splits the composite passes to the paged op (eager): 0 (the op's plan) unless the
-    partials must be capped (dispatch.decode.composite_splits)."""
-    if not _dd.composite_may_cap(T, H, K):
-        return 0
-    smem = _device.smem_per_block(q.get_device())
-    form = _dd.paged_form(None, T, H, K, smem, compressed_cache, swa_cache)
-    return _paged_splits_memo(T, H, K, _device.num_sms_at(q.get_device()), smem, form, block_sizes)
 
 
 # ---- the kept plans of the eager paged step ----------------------------------------------------
@@ -246,7 +229,7 @@ _SLOW = object()  # the layout takes the general path (workspace step, a copy, a
 
 def _kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w):
     """The layout key of one composite call (see above); AttributeError for a non-tensor."""
-    return (torch._C._cuda_getDevice(), envs._OVERRIDE_KEY, _dd.windows_identity(), bs_c, bs_w, num_splits,
+    return (torch._C._cuda_getDevice(), envs._OVERRIDE_KEY, _windows.identity(), bs_c, bs_w, num_splits,
             q.dtype, q.shape, q.stride(), q.get_device(),
             topk.dtype, topk.shape, topk.stride(), topk.get_device(),
             swa.dtype, swa.shape, swa.stride(), swa.get_device(),
@@ -265,25 +248,22 @@ def _kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, o
 
 def _make_kept(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w, aligned):
     """The PagedPlan of a composite call that the paged op serves without a copy, else _SLOW.
-    The composite's decisions (route, cap) and the op's checks and decisions, as the general path
+    The composite's route and the op's checks and plan, as the general path
     makes them."""
     from . import paged_decode
     from .attention import check_splits
     from .dispatch import variant_for
 
-    T, H, K = q.shape[0], q.shape[1], topk.shape[1] + swa.shape[1]
+    T, H = q.shape[0], q.shape[1]
     if topk.dim() != 2 or topk.shape[0] != T:
         return _SLOW
-    choice = _dd.route(_dd.mode(), T, H, K, _device.smem_per_block(q.get_device()))
-    if not _dd.uses_fused_op(choice, cc, cw):
+    if _dd.route(_dd.mode()) != "paged":
         return _SLOW
     paged_decode.check_fused_args(q, cc, topk, topk_length, bs_c, cw, swa, swa_length, bs_w, sink, out)
     if (topk.stride(1) != 1 and topk.shape[1]) or (swa.stride(1) != 1 and swa.shape[1]) \
             or any(x is not None and x.stride(0) != 1 for x in (topk_length, swa_length)) \
             or (sink is not None and (sink.dtype != torch.float32 or (sink.stride(0) != 1 and H > 1))):
         return _SLOW  # the launcher would copy: the general path
-    if not num_splits:
-        num_splits = _capped_splits(q, cc, cw, T, H, K, (bs_c, bs_w))
     if num_splits:
         check_splits(num_splits)
     if out is None:
@@ -317,11 +297,8 @@ def clear_kept() -> None:
     _KEPT.clear()
 
 
-def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
-               return_lse, step_plans=None):
-    """The eager paged step from its kept plan: out allocated when None, lse allocated only when
-    returned, the partials (and a dropped lse) in paged_plan's per-stream scratch, except while the
-    stream captures a graph (then allocated, as the op does). None: the general path runs."""
+def _kept_plan(q, cc, topk, cw, swa, sink, bs_c, bs_w, topk_length, num_splits, swa_length, out):
+    """(PagedPlan, aligned) of this layout, kept; None: the general path runs."""
     env = _host_plan._ENVIRON
     if env is None:
         return None
@@ -334,9 +311,23 @@ def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, nu
         return None
     if got is None:
         got = _kept_miss(key, k, (q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w))
-    if got is _SLOW:
+    return None if got is _SLOW else got
+
+
+def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
+               return_lse, step_plans=None):
+    """The eager paged step from its kept plan: out allocated when None, lse allocated only when
+    returned, the partials (and a dropped lse) in paged_plan's per-stream scratch, except while the
+    stream captures a graph (then allocated, as the op does). None: the general path runs."""
+    got = _kept_plan(q, cc, topk, cw, swa, sink, bs_c, bs_w, topk_length, num_splits, swa_length, out)
+    if got is None:
         return None
-    p, aligned = got
+    return _run_kept(got[0], got[1], q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits,
+                     swa_length, out, return_lse, step_plans)
+
+
+def _run_kept(p, aligned, q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
+              return_lse, step_plans):
     if out is None:
         out = torch.empty((p.T, p.H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     if q.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
@@ -356,3 +347,88 @@ def _kept_step(q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, nu
         for observe in _host_plan.DIRECT_OBSERVERS:
             observe("dsv4_decode_fused_out", args, lse)
     return out, (lse if return_lse else None)
+
+
+# ---- the step's plan, made once and run by every layer (FlashInfer's plan() / run()) --------------
+
+
+class DecodeStepPlan:
+    """One decode step's plan for one layer type: every decision of its paged launch
+    (``dispatch.decode.plan_step``: config, splits, balance; ``why`` says which rules decided) and the
+    launch itself (``paged_plan.PagedPlan``), made once by ``make_decode_plan`` and run by each layer's
+    ``dsv4_decode_attention(..., plan=...)`` (FlashMLA's get_mla_metadata / FlashInfer's plan() and
+    run()). A call runs it when its layout key (every argument's dtype, shape, strides, device and
+    16-byte alignment, the block sizes, the split count, the knobs the planning read) is the plan's;
+    else the call plans as it would without one (never wrong, only a lookup more)."""
+
+    __slots__ = ("paged", "aligned", "_key", "_why_args")
+
+    def __init__(self, paged, aligned, key, why_args):
+        self.paged, self.aligned, self._key, self._why_args = paged, aligned, key, why_args
+
+    @property
+    def config(self) -> str:
+        """The launch config (paged_chunk128's h... or paged_f16dot's kh...)."""
+        return self.paged.config
+
+    @property
+    def splits(self) -> int:
+        return self.paged.splits
+
+    @property
+    def why(self) -> str:
+        """The planner's reasons (computed on asking: never on the hot path)."""
+        return _dd.plan_step(*self._why_args).why
+
+    def __repr__(self) -> str:
+        return f"DecodeStepPlan(T={self.paged.T}, H={self.paged.H}, config={self.config}, splits={self.splits})"
+
+
+def _step_key(q, cc, topk, cw, swa, sink, bs_c, bs_w, topk_length, num_splits, swa_length, out):
+    get = _host_plan._ENVIRON.get
+    return (_kept_key(q, cc, topk, cw, swa, sink, topk_length, num_splits, swa_length, out, bs_c, bs_w),
+            tuple([get(n) for n in _KEPT_ENV]))
+
+
+def make_decode_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
+                     swa_cache: torch.Tensor, swa_slots: torch.Tensor, sink: Optional[torch.Tensor],
+                     compressed_block_size: int, swa_block_size: int, topk_length: Optional[torch.Tensor] = None,
+                     num_splits: int = 0, swa_length: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None) -> Optional[DecodeStepPlan]:
+    """The plan of a ``dsv4_decode_attention`` call with these arguments (same meaning), for the calls
+    that share its layout (a step's layers of one type): the paged op's launch, made now. None where
+    the call would not take the kept paged launch (the workspace route, a copy of an argument, a
+    traced, profiled or non-CUDA call): pass ``plan=None`` then."""
+    if not (_host_plan.ENABLED and _host_plan.direct_ok(q) and q.dtype is torch.bfloat16
+            and _host_plan._ENVIRON is not None):
+        return None
+    args = (q, compressed_cache, topk_slots, swa_cache, swa_slots, sink, compressed_block_size, swa_block_size,
+            topk_length, num_splits, swa_length, out)
+    got = _kept_plan(*args)
+    if got is None:
+        return None
+    why_args = (got[0].T, got[0].H, topk_slots.shape[1] + swa_slots.shape[1], _device.num_sms_at(q.get_device()),
+                _device.smem_per_block(q.get_device()), (compressed_block_size, swa_block_size), num_splits, "",
+                topk_length is not None or swa_length is not None,
+                topk_slots.dtype == torch.int32 and swa_slots.dtype == torch.int32, got[1])
+    return DecodeStepPlan(got[0], got[1], _step_key(*args), why_args)
+
+
+def _run_step_plan(plan, q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length, num_splits, swa_length, out,
+                   return_lse, step_plans, checked=False):
+    """Run ``plan`` (a DecodeStepPlan) when this call's layout key is the plan's (``checked``: the plan
+    was just made from these very arguments), else None."""
+    if not checked:
+        try:
+            key = _step_key(q, cc, topk, cw, swa, sink, bs_c, bs_w, topk_length, num_splits, swa_length, out)
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+        if key != plan._key:
+            return None
+    _host_plan.STATS["step_plan"] += 1
+    return _run_kept(plan.paged, plan.aligned, q, cc, topk, cw, swa, sink, sm_scale, bs_c, bs_w, topk_length,
+                     num_splits, swa_length, out, return_lse, step_plans)
+
+
+_STEP_PLAN = "decode_step_plans"  # the key of a step_plans dict's DecodeStepPlan list
+_STEP_PLANS_KEPT = 4  # layouts a step's layer type may hold (a target's and a draft's window widths, ...)

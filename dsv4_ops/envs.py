@@ -102,7 +102,7 @@ class Knob:
 
 
 # The values of DSV4_AMPERE_DECODE_KERNEL (dispatch.decode.MODES).
-DECODE_MODES = ("auto", "tiles", "heads", "fused", "v3")
+DECODE_MODES = ("auto", "tiles", "heads", "v3")
 
 KNOBS: Dict[str, Knob] = {k.name: k for k in (
     Knob(IMPL, "auto", "auto, portable, native", "call", "kernels",
@@ -110,11 +110,10 @@ KNOBS: Dict[str, Knob] = {k.name: k for k in (
          "an H200 runs exactly the kernels an A100 runs; any value other than auto also routes vLLM to "
          "this library on sm_90+.", _choice(IMPL, ("auto", "portable", "native"), "{name} must be one of {choices}, got {v!r}")),
     Knob(DECODE_KERNEL, "auto", ", ".join(DECODE_MODES), "call", "kernels",
-         "DeepSeek-V4 decode kernel. auto: the dispatch tables (docs/dispatch.md); tiles / heads: the "
-         "workspace kernels; fused: the paged 64-dim-chunk kernel; v3: the paged 128-dim-chunk / fp16-dot "
-         "kernels.", _choice(DECODE_KERNEL, DECODE_MODES)),
+         "DeepSeek-V4 decode kernel. auto and v3: the paged op, planned by dispatch.decode.plan_step "
+         "(docs/dispatch.md); tiles / heads: the workspace step with that kernel.", _choice(DECODE_KERNEL, DECODE_MODES)),
     Knob(DECODE_CONFIG, "", "a paged config name (docs/dispatch.md)", "call", "kernels",
-         "Force this launch config wherever the decode runs the v3 mode's paged kernels (benchmarks, tests).",
+         "Force this launch config wherever the decode runs the paged op (benchmarks, tests).",
          _text),
     Knob(DECODE_TABLES, "1", "1, 0", "call", "kernels",
          "0: ignore every per-device decode table (dsv4-ops tune, dsv4_ops/tables/); the cost model plans.",

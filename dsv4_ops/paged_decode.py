@@ -2,12 +2,11 @@
 straight from the two paged fp8_ds_mla caches, no workspace and no gather launch (+ the merge
 when it splits).
 
-Two forms (dispatch.decode.resolve_paged_form): v1, csrc_triton.decode.paged_chunk64 (8 x 64-dim
-chunks of each record, any alignment); v3 over 16-byte aligned caches, with a launch config
-(dispatch.decode.resolve_v3_config) that runs csrc_triton.decode.paged_chunk128 (configs h...,
-4 x 128-dim chunks) or csrc_triton.decode.paged_f16dot (configs kh / gh..., the E4M3 codes as
-fp16 dot operands). Split counts: dispatch.decode.fused_plan / v3_plan. Every decision of a call is made by
-dsv4_ops.paged_plan.make_paged_plan (one home, shared with the composite's kept plans). Semantics: the workspace
+A launch config (dispatch.decode.resolve_config) runs csrc_triton.decode.paged_chunk128 (configs h...,
+4 x 128-dim chunks, any 2-byte aligned records) or csrc_triton.decode.paged_f16dot (configs kh / gh...,
+the E4M3 codes as fp16 dot operands; 16-byte aligned caches). Every decision of a call is
+dispatch.decode.plan_step's, turned into a launch by dsv4_ops.paged_plan.make_paged_plan (one home,
+shared with the composite's kept plans). Semantics: the workspace
 step's (dsv4_ops.dsv4_decode), reference ``reference.ref_dsv4_decode_fused``.
 
 Launchers never sync the host and allocate only their outputs (plus the partials when they
@@ -26,12 +25,11 @@ from . import paged_plan as _pp
 from .attention import HEAD_DIM, QKV_DTYPES, _check_out, _sink, check_splits
 from .csrc_triton.decode import balance as _bk
 from .csrc_triton.decode import merge as _mk
-from .csrc_triton.decode import paged_chunk64 as _pk
 from .csrc_triton.decode import paged_chunk128 as _vk
 from .csrc_triton.decode import paged_f16dot as _v4k
 from .dispatch import variant_for
 
-_fused_kernel, _v3_kernel, _v4_kernel = _pp._fused_kernel, _pp._v3_kernel, _pp._v4_kernel
+_v3_kernel, _v4_kernel = _pp._v3_kernel, _pp._v4_kernel
 
 
 def check_fused_args(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache, swa_slots,
@@ -68,7 +66,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
                       swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
                       sink: Optional[torch.Tensor], sm_scale: float, num_splits: int = 0,
                       out: Optional[torch.Tensor] = None, variant: Optional[str] = None,
-                      form: Optional[str] = None, config: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
+                      config: str = "") -> Tuple[torch.Tensor, torch.Tensor]:
     """One DSv4 decode attention step read straight from the paged caches (op
     ``dsv4_decode_fused_out``): no workspace, one kernel (+ the merge when it splits).
 
@@ -80,10 +78,9 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
     out bf16 [T, H, 512] (dims unit-stride) or None (allocated).
     Semantics: dsv4_decode_gather's valid entries (slot in [0, capacity) of its cache and
     within the token's length), attended as sparse_mla_decode does with the sink.
-    form: 'v1' (csrc_triton.decode.paged_chunk64) | 'v3' (paged_chunk128 / paged_f16dot by config,
-    16-byte aligned caches only; else v1) | None (dispatch.decode.resolve_paged_form); config: a
-    paged_chunk128.V3_CANDIDATES or paged_f16dot.V4_CANDIDATES name to force (benchmarks),
-    '' = dispatch.decode.resolve_v3_config's (DSV4_AMPERE_DECODE_CONFIG, then the windows).
+    config: a paged_chunk128.V3_CANDIDATES or paged_f16dot.V4_CANDIDATES name to force (benchmarks;
+    a paged_f16dot config over caches that are not 16-byte aligned runs paged_chunk128's), '' =
+    dispatch.decode.plan_step's.
     Returns out bf16 [T, H, 512] (``out`` itself when given), lse fp32 [T, H].
     """
     ok = (isinstance(q, torch.Tensor) and isinstance(topk_slots, torch.Tensor) and isinstance(swa_slots, torch.Tensor)
@@ -125,7 +122,7 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
         out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     plan = _pp.make_paged_plan(q, compressed_cache, topk_slots, topk_length, compressed_block_size, swa_cache,
                                swa_slots, swa_length, swa_block_size, sink is not None, num_splits, out, variant,
-                               form, config)
+                               config)
     lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if plan.direct:
         _pp.launch_paged(plan, q, compressed_cache, topk_slots, topk_length, swa_cache, swa_slots, swa_length, sink,
@@ -138,20 +135,17 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
 
 
 def _fused_specs(variant, KernelSpec, optional_pointer):
-    """Specializations of the paged kernels dsv4_decode_fused can pick: every head-group config
-    of paged_chunk64 x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials
-    | direct with sink | direct); plus its PIPELINE configs (``fused-pipe[...]``, not dispatched:
-    benchmarked beside the default, kept compiling and spill-free), and the dispatched
-    paged_chunk128 (``v3-...``) and paged_f16dot (``v4-...``) configs of the v3 form."""
+    """Specializations of the paged kernels dsv4_decode_fused can pick: every dispatched config of
+    paged_chunk128 (``v3-...``, 16-byte aligned and ``v3u-...`` unaligned reads) and paged_f16dot
+    (``v4-...``) x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials | direct
+    with sink | direct | balanced partials)."""
     specs = []
-    configs = [("fused", bh, cfg) for bh, cfg in sorted(_pk.FUSED_CONFIG.items())]
-    configs += [("fused-pipe", bh, cfg) for bh, cfg in sorted(_pk.FUSED_PIPELINE_CONFIG.items())]
-    configs += [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
+    configs = [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
+    configs += [(f"v3u-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
     configs += [(f"v4-{n}", _v4k.V4_CANDIDATES[n]["BLOCK_H"], _v4k.V4_CANDIDATES[n]) for n in _v4k.V4_DISPATCHED]
     from .aot import archs_holding
 
     for name, bh, cfg in configs:
-        v3 = name.startswith(("v3-", "v4-"))
         v4 = name.startswith("v4-")
         need = _v4k.V4_SMEM_BYTES.get(name[3:], 0) if v4 else 0
         archs = archs_holding(need) if need else ()
@@ -175,9 +169,8 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                            "HAS_TOPK_LEN": "constexpr", "HAS_SWA_LEN": "constexpr", "HAS_SINK": "constexpr",
                            "DIRECT": "constexpr"})
                     if not v4:
-                        sig["PIPE" if v3 else "PIPELINE"] = "constexpr"
-                    if v3:
-                        sig["ALIGN"] = "constexpr"
+                        sig["PIPE"] = "constexpr"
+                    sig["ALIGN"] = "constexpr"
                     if v4:
                         sig["PV_KEY"] = "constexpr"
                         sig["STREAM"] = "constexpr"
@@ -192,11 +185,9 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                         consts["WIDE_PV"] = cfg.get("WIDE_PV", False)
                         consts["BALANCED"] = bal
                         optional_pointer(sig, consts, "plan_ptr", "*i32", bal)
-                    elif v3:
-                        consts["PIPE"] = cfg["PIPE"]
-                        consts["ALIGN"] = True
                     else:
-                        consts["PIPELINE"] = cfg["PIPELINE"]
+                        consts["PIPE"] = cfg["PIPE"]
+                        consts["ALIGN"] = not name.startswith("v3u-")
                     optional_pointer(sig, consts, "topk_len_ptr", f"*{slot_ty}", has_tl)
                     optional_pointer(sig, consts, "swa_len_ptr", f"*{slot_ty}", has_sl)
                     optional_pointer(sig, consts, "sink_ptr", "*fp32", has_sink)
@@ -204,8 +195,7 @@ def _fused_specs(variant, KernelSpec, optional_pointer):
                     lens = ("tl" if has_tl else "-") + (",sl" if has_sl else "")
                     specs.append(KernelSpec(
                         "dsv4_decode_fused_out", f"{name}[{variant},bh{bh},{slot_ty},{lens},{epi}]",
-                        _v4k._dsv4_decode_v4_kernel if v4 else (_vk._dsv4_decode_v3_kernel if v3 else
-                                                                _pk._dsv4_decode_fused_kernel), sig, consts, variant,
+                        _v4k._dsv4_decode_v4_kernel if v4 else _vk._dsv4_decode_v3_kernel, sig, consts, variant,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], archs=archs))
     for bn in sorted({c["BLOCK_N"] for _, _, c in configs if c is not None and "PV_KEY" in c}):
         for has_sl in (False, True):  # the planning kernel: top-k lengths always (dispatch.decode.balanced)

@@ -1,14 +1,13 @@
 """The paged decode's launch plan (op ``dsv4_decode_fused_out``), made once per layout and run many
 times: FlashInfer's plan() / run() split, for the eager decode step that vLLM runs per layer.
 
-``make_paged_plan`` makes every decision of one paged decode call that depends only on the layout
-(T, H, K1, K2, the SM count, the caches' block sizes and page strides, the alignment, the device,
-the knobs): the form (v1 / v3), the v3 config, the split count, the kernels, grids, constexprs and
-the integer launch arguments. ``launch_paged`` runs a plan on the call's tensors: one attention
+``make_paged_plan`` turns the decisions of one paged decode call (dispatch.decode.plan_step: from the
+layout only, T, H, K1, K2, the SM count, the caches' block sizes, page strides and alignment, the
+device, the knobs) into its launch: the kernel, grids, constexprs and the integer launch arguments. ``launch_paged`` runs a plan on the call's tensors: one attention
 launch (+ the merge when it splits), nothing else. The op's launcher
 (``paged_decode.dsv4_decode_fused``) makes a plan per call and launches through FastKernel; the
 composite's eager path (``dsv4_decode.dsv4_decode_attention``) keeps the plan of each layout in
-``StepPlans`` (one plan serves every layer of a step: the layers share T, H, K and the caches'
+``_KEPT`` (one plan serves every layer of a step: the layers share T, H, K and the caches'
 layout) and launches through the compiled kernels directly, into ``scratch`` buffers.
 
 Scratch (``scratch_partials``): the split partials (o_part fp32 [T, H, S, 512], lse_part fp32
@@ -33,13 +32,11 @@ from .attention import _merge_kernel
 from .csrc_triton.decode import balance as _bk
 from .csrc_triton.decode import merge as _mk
 from .csrc_triton.decode import paged_chunk128 as _vk
-from .csrc_triton.decode import paged_chunk64 as _pk
 from .csrc_triton.decode import paged_f16dot as _v4k
 from .dispatch import decode as _dd
 from .dispatch import device as _device
 from .layout import HEAD_DIM
 
-_fused_kernel = _launch.fast(_pk._dsv4_decode_fused_kernel)
 _v3_kernel = _launch.fast(_vk._dsv4_decode_v3_kernel)
 _v4_kernel = _launch.fast(_v4k._dsv4_decode_v4_kernel)
 _merge_balanced = _launch.fast(_mk._merge_balanced_kernel)
@@ -58,8 +55,8 @@ def _capped_v4(maxnreg: int):
 
 
 class PagedPlan:
-    """One paged decode call's decisions for a layout. T, H tokens and heads; form 'v1' | 'v3';
-    config the v3 config ('' for v1); splits S (direct: S == 1, the kernel writes out + lse);
+    """One paged decode call's decisions for a layout. T, H tokens and heads; config the launch
+    config (paged_chunk128's or paged_f16dot's); splits S (direct: S == 1, the kernel writes out + lse);
     kernel a FastKernel (or a capped plain launch); grid / consts / num_warps / num_stages its
     launch; ints_a (H, K1, K2, S, G) and ints_b (strides, page facts) its integer arguments around
     sm_scale; merge_* the merge launch (S > 1). balanced: the splits follow the tokens' lengths
@@ -70,7 +67,7 @@ class PagedPlan:
     packed metadata) of the attention, merge and planning kernels once verified (``launch_paged``
     fills it)."""
 
-    __slots__ = ("T", "H", "form", "config", "splits", "direct", "kernel", "grid", "consts", "num_warps",
+    __slots__ = ("T", "H", "config", "splits", "direct", "kernel", "grid", "consts", "num_warps",
                  "num_stages", "ints_a", "ints_b", "merge_grid", "merge_ints", "merge_consts", "merge_warps",
                  "merge_stages", "entries", "balanced", "merge_kernel", "plan_arg", "plan_ints", "plan_consts")
 
@@ -92,49 +89,45 @@ class PagedPlan:
         return -(-self.T * self.splits * self.H // 4) * 4
 
 
+def paged_aligned(compressed_cache: torch.Tensor, swa_cache: torch.Tensor) -> bool:
+    """Both caches' addresses and page strides are multiples of 16 bytes (vLLM's are): the paged
+    kernels' 16-byte vector reads (ALIGN) and paged_f16dot may run."""
+    return not (compressed_cache.data_ptr() % 16 or swa_cache.data_ptr() % 16
+                or compressed_cache.stride(0) % 16 or swa_cache.stride(0) % 16)
+
+
 def make_paged_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots: torch.Tensor,
                     topk_length: Optional[torch.Tensor], compressed_block_size: int, swa_cache: torch.Tensor,
                     swa_slots: torch.Tensor, swa_length: Optional[torch.Tensor], swa_block_size: int,
-                    has_sink: bool, num_splits: int, out: torch.Tensor, variant: str,
-                    form: Optional[str] = None, config: str = "") -> PagedPlan:
+                    has_sink: bool, num_splits: int, out: torch.Tensor, variant: str, config: str = "") -> PagedPlan:
     """The plan of ``dsv4_decode_fused`` for these (checked) inputs: reads only metadata (shapes,
-    strides, dtypes, device, 16-byte alignment of the caches) and the knobs. Slots [T, K] with
-    unit-stride entries; out bf16 [T, H, 512]; num_splits 0 = the form's own plan."""
+    strides, dtypes, device, 16-byte alignment of the caches) and the knobs; every decision is
+    dispatch.decode.plan_step's. Slots [T, K] with unit-stride entries; out bf16 [T, H, 512];
+    num_splits 0 = the plan's count; config '' = the plan's."""
     T, H = q.shape[0], q.shape[1]
     K1, K2 = topk_slots.shape[1], swa_slots.shape[1]
     dev = q.get_device()
-    form = _dd.paged_form(form, T, H, K1 + K2, _device.smem_per_block(dev) if form is None else -1,
-                          compressed_cache, swa_cache)
-    sms = _device.num_sms_at(dev)
+    aligned = paged_aligned(compressed_cache, swa_cache)
+    plan = _dd.plan_step(T, H, K1 + K2, _device.num_sms_at(dev), _device.smem_per_block(dev),
+                         (compressed_block_size, swa_block_size), num_splits, config,
+                         topk_length is not None or swa_length is not None,
+                         topk_slots.dtype == torch.int32 and swa_slots.dtype == torch.int32, aligned)
+    name = plan.config
+    cfg = _dd.v3_config(name)
     scalars = (compressed_cache.stride(0), compressed_block_size, compressed_cache.shape[0] * compressed_block_size,
                swa_cache.stride(0), swa_block_size, swa_cache.shape[0] * swa_block_size)
     maxnreg = None
-    balanced = False
-    if form == "v3":
-        smem = _device.smem_per_block(dev)
-        name = _dd.v3_launch_config(T, H, K1 + K2, -1 if config else smem, config,
-                                    (compressed_block_size, swa_block_size), sms)
-        cfg = _dd.v3_config(name)
-        plan = _dd.v3_plan(T, H, K1 + K2, sms, num_splits, name, smem)
-        if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts
-            scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
-                       scalars[3], swa_block_size.bit_length() - 1, scalars[5])
-            balanced = _dd.balanced(plan.direct, topk_length is not None or swa_length is not None,
-                                    topk_slots.dtype == torch.int32 and swa_slots.dtype == torch.int32)
-            balanced = balanced and T < _bk.MAX_TOKENS
-            consts_tail = (True, cfg["PV_KEY"], cfg.get("STREAM", False), cfg.get("WIDE_PV", False), balanced)
-            plan_arg = True
-            maxnreg = cfg.get("maxnreg")
-            # register-capped: the plain launch (no fast path for it)
-            kernel = _capped_v4(maxnreg) if maxnreg and _v4_kernel.jit else _v4_kernel
-        else:
-            kernel, consts_tail, plan_arg = _v3_kernel, (cfg["PIPE"], True), False
-    else:
-        plan_arg = False
-        name = ""
-        plan = _dd.fused_plan(T, H, K1 + K2, sms, num_splits)
-        cfg = _pk.FUSED_CONFIG[plan.block_h]
-        kernel, consts_tail = _fused_kernel, (cfg["PIPELINE"],)
+    balanced = plan.balanced
+    if _dd.is_f16dot(cfg):  # csrc_triton.decode.paged_f16dot: block sizes as shifts, 16-byte aligned caches
+        scalars = (scalars[0], compressed_block_size.bit_length() - 1, scalars[2],
+                   scalars[3], swa_block_size.bit_length() - 1, scalars[5])
+        consts_tail = (True, cfg["PV_KEY"], cfg.get("STREAM", False), cfg.get("WIDE_PV", False), balanced)
+        plan_arg = True
+        maxnreg = cfg.get("maxnreg")
+        # register-capped: the plain launch (no fast path for it)
+        kernel = _capped_v4(maxnreg) if maxnreg and _v4_kernel.jit else _v4_kernel
+    else:  # csrc_triton.decode.paged_chunk128: 16-byte vector reads where the caches allow them
+        kernel, consts_tail, plan_arg = _v3_kernel, (cfg["PIPE"], aligned), False
     head = (plan.block_h, plan.block_n, variant == "native", topk_length is not None, swa_length is not None)
     S = plan.splits
     if plan.direct:
@@ -163,7 +156,7 @@ def make_paged_plan(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slots:
                          merge_ints=(H, S, out.stride(0), out.stride(1)),
                          merge_consts=(HEAD_DIM, mcfg["BLOCK_S"], mcfg["BLOCK_D"], has_sink), merge_kernel=_merge_kernel)
         merge.update(merge_warps=mcfg["num_warps"], merge_stages=mcfg["num_stages"])
-    return PagedPlan(T=T, H=H, form=form, config=name, splits=S, direct=plan.direct, kernel=kernel, grid=grid,
+    return PagedPlan(T=T, H=H, config=name, splits=S, direct=plan.direct, kernel=kernel, grid=grid,
                      consts=consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                      ints_a=(H, K1, K2, S, plan.groups), ints_b=ints_b, entries=None, balanced=balanced,
                      plan_arg=plan_arg, **merge)

@@ -6,7 +6,7 @@ Caches covered: the recorded launch plans (``_host_plan.planned``: a synthetic l
 result encodes every fact its key must hold, then the paged decode op's own launcher with a
 mocked launch), ``_host_plan.env_memo``, the SM count and shared memory of ``dispatch.device``
 (device index 0, 1 and -1, DSV4_AMPERE_SMS), the kernel variant of ``dispatch.variant``, the
-decode tables' lookups (``dispatch.tables``), the decode plan memos of ``dispatch.decode`` and
+decode tables' lookups (``dispatch.tables``), the decode plan memos of ``dispatch.decode`` / ``dispatch.workspace`` and
 ``dispatch.indexer``, and the warm set's file key (``vllm.warm_common.cache_key``).
 """
 
@@ -248,14 +248,14 @@ def _paged_flip(name, monkeypatch):
         return (a, a, lambda: monkeypatch.setenv(envs.SMS, "132"), lambda: monkeypatch.setenv(envs.SMS, "16"))
     if name == "device SMs, device 0":  # no knob: the device's own count, device 0 vs a CPU tensor
         return _all_on(a, 0), a, none, none
-    if name == "decode kernel knob":
-        return (a, a, lambda: monkeypatch.delenv(envs.DECODE_KERNEL, raising=False),
-                lambda: monkeypatch.setenv(envs.DECODE_KERNEL, "fused"))
+    if name == "decode config knob":  # T = 1, H = 8 plans h16n16w4 (paged_chunk128); forced: paged_f16dot
+        return (a, a, lambda: monkeypatch.delenv(envs.DECODE_CONFIG, raising=False),
+                lambda: monkeypatch.setenv(envs.DECODE_CONFIG, "kh16n32w4"))
     raise KeyError(name)
 
 
 PAGED_FLIPS = ["q strides", "out strides", "page stride", "cache alignment", "slot dtype", "lengths dtype",
-               "block size", "SM count", "device SMs, device 0", "decode kernel knob"]
+               "block size", "SM count", "device SMs, device 0", "decode config knob"]
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -394,18 +394,18 @@ def test_shared_memory_follows_the_device_index(two_devices, monkeypatch, order)
 
 
 def test_decode_plans_follow_the_devices_shared_memory(two_devices, monkeypatch):
-    """The memoised v3 config choice with smem -1 (the current device's) follows the current device:
-    the memo keys on the resolved figure, not on -1."""
+    """The plan with smem -1 (the current device's) follows the current device: its memoised config
+    choice keys on the resolved figure, not on -1."""
     from dsv4_ops.dispatch import decode as dd
 
     T, H, K, sms = 4, 64, 640, 108
-    window = "kh16n32w4"
     answers = {}
     for cur in (0, 1, 0, 1):
         monkeypatch.setattr(torch.cuda, "current_device", lambda c=cur: c)
         smem = DEVICES[cur].shared_memory_per_block_optin
-        got = dd.v3_sm_config(T, H, K, sms, -1, window)
-        assert got == dd._v3_sm_config.__wrapped__(T, H, K, sms, smem, window)
+        got = dd.plan_step(T, H, K, sms, -1)
+        assert got == dd.plan_step(T, H, K, sms, smem)
+        assert got.config == dd._sm_config.__wrapped__(T, H, K, sms, smem, dd._window_config(T, H, K, smem)[0])[0]
         assert dd.v3_resident("kh16n32w4", -1) == dd.v3_resident("kh16n32w4", smem)
         answers.setdefault(cur, got)
         assert answers[cur] == got
@@ -543,21 +543,20 @@ def test_table_lookup_follows_each_input(tmp_path, monkeypatch, flip, order):
 def _memo_cases():
     from dsv4_ops.dispatch import decode as dd
     from dsv4_ops.dispatch import indexer as di
+    from dsv4_ops.dispatch import workspace as ws
 
     return {
-        "_plan": (dd._plan, dict(T=8, H=8, K=8192, sms=108, kernel_mode="heads", splits=0),
+        "_plan": (ws._plan, dict(T=8, H=8, K=8192, sms=108, kernel_mode="heads", splits=0),
                   dict(T=[64], H=[64], K=[32], sms=[4], kernel_mode=["tiles"], splits=[3])),
-        "fused_plan": (dd.fused_plan, dict(T=16, H=16, K=640, sms=108, splits=0),
-                       dict(T=[64], H=[64], K=[32], sms=[8], splits=[2])),
-        "_v3_sm_config": (dd._v3_sm_config, dict(T=64, H=64, K=640, sms=108, smem=A100_SMEM, window="h16n32w4"),
-                          dict(T=[1], H=[8], K=[64], sms=[16], smem=[A10_SMEM], window=["h16n16w4"])),
-        "tile_splits_cached": (dd.tile_splits_cached, dict(T=1, H=8, K=640), dict(T=[256], H=[128], K=[65536])),
+        "_sm_config": (dd._sm_config, dict(T=64, H=64, K=640, sms=108, smem=A100_SMEM, window="h16n32w4"),
+                       dict(T=[1], H=[8], K=[64], sms=[16], smem=[A10_SMEM], window=["h16n16w4"])),
+        "tile_splits_cached": (ws.tile_splits_cached, dict(T=1, H=8, K=640), dict(T=[256], H=[128], K=[65536])),
         "wave_plan": (di.wave_plan, dict(rows=64, tiles=512, slots=216), dict(rows=[4], tiles=[64], slots=[132])),
     }
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("name", ["_plan", "fused_plan", "_v3_sm_config", "tile_splits_cached", "wave_plan"])
+@pytest.mark.parametrize("name", ["_plan", "_sm_config", "tile_splits_cached", "wave_plan"])
 def test_dispatch_memos_follow_each_argument(name, order):
     """Each memoised plan with one argument changed gives what its uncached function computes, and
     that argument changes the answer at these values (each is a real input of the plan)."""

@@ -105,9 +105,10 @@ def op_cases(device: str):
                       ops.dsv4_decode_indices(topk, tl_, win, nb * bs, nb * bs)))
         cases.append((f"dsv4_decode_step_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
                       dsv4_decode_attention(q, cache, topk, swa, win, sink, SCALE, bs, bs, topk_length=tl_)))
-        cases.append((f"dsv4_decode_step_fused_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win:
-                      _with_env(dispatch.decode.ENV_VAR, "fused", dsv4_decode_attention, q, cache, topk, swa, win,
-                                sink, SCALE, bs, bs, topk_length=tl_)))
+        # the workspace step (gather + the tiles kernel at T = 1, the heads kernel at T = 64); auto: the paged op
+        cases.append((f"dsv4_decode_step_workspace_T{T}", lambda q=q, topk=topk, tl_=tl_, win=win, T=T:
+                      _with_env(dispatch.decode.ENV_VAR, "tiles" if T == 1 else "heads", dsv4_decode_attention, q,
+                                cache, topk, swa, win, sink, SCALE, bs, bs, topk_length=tl_)))
     # indexer
     Hi, D = 32, 128
     k = torch.randn(300, D, generator=g).to(torch.bfloat16).to(dev)
@@ -191,30 +192,36 @@ def test_digest_script_runs_on_the_cpu_references():
     """The same script on CPU tensors (the ops' CPU implementations): every case runs and
     repeats itself bit for bit (a guard on the script; the GPU test is the claim)."""
     d = digests("cpu")
-    plain = {k: v for k, v in d.items() if "_fused_" not in k}
+    plain = {k: v for k, v in d.items() if "_workspace_" not in k}
     assert len(plain) >= 20 and len(set(plain.values())) == len(plain), "every case must have its own output"
-    for T in (1, 64):  # the fused path's CPU implementation is the same reference as the workspace step
-        assert d[f"dsv4_decode_step_fused_T{T}"] == d[f"dsv4_decode_step_T{T}"]
+    for T in (1, 64):  # the paged op's CPU implementation is the same reference as the workspace step's
+        assert d[f"dsv4_decode_step_workspace_T{T}"] == d[f"dsv4_decode_step_T{T}"]
 
 
 # ------------------------------------------------------------------------ batch invariance
 
 def test_batch_invariant_plan_ignores_t(monkeypatch):
-    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
-    assert dispatch.decode.mode() == "heads"
+    ws = dispatch.workspace
+    monkeypatch.delenv(dispatch.decode.ENV_VAR, raising=False)
+    monkeypatch.setenv(ws.BATCH_INVARIANT_ENV, "1")
+    assert dispatch.decode.mode() == "heads" and dispatch.decode.route(dispatch.decode.mode()) == "workspace"
     for H, K in ((8, 640), (16, 640), (64, 640), (128, 1152), (8, 16)):
-        plans = {dispatch.decode.plan(T, H, K, sms, dispatch.decode.mode()) for T in (1, 2, 17, 63, 64, 95, 264, 8192)
+        plans = {ws.plan(T, H, K, sms, dispatch.decode.mode()) for T in (1, 2, 17, 63, 64, 95, 264, 8192)
                  for sms in (108, 132)}
         assert len(plans) == 1, (H, K, plans)
         (p,) = plans
         assert p.kernel == "heads" and p.splits == min(4 if H <= 16 else 2, -(-K // 32))
+    for mode in ("tiles", "v3"):  # both plan from T
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, mode)
+        with pytest.raises(ValueError, match="cannot be batch-invariant"):
+            dispatch.decode.mode()
+    monkeypatch.delenv(ws.BATCH_INVARIANT_ENV)
+    assert dispatch.decode.mode() == "v3"
     monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
-    with pytest.raises(ValueError, match="cannot be batch-invariant"):
-        dispatch.decode.mode()
-    monkeypatch.delenv(dispatch.decode.BATCH_INVARIANT_ENV)
     assert dispatch.decode.mode() == "tiles"
     monkeypatch.delenv(dispatch.decode.ENV_VAR)
-    assert {dispatch.decode.plan(T, 8, 640, 108, "auto").kernel for T in (1, 64)} == {"tiles", "heads"}
+    assert {ws.plan(T, 8, 640, 108, "auto").kernel for T in (1, 64)} == {"tiles", "heads"}
+    assert dispatch.decode.route(dispatch.decode.mode()) == "paged"  # auto: the paged op, whose plan reads T
 
 
 @pytest.mark.gpu
@@ -223,7 +230,7 @@ def test_batch_invariant_decode_step(monkeypatch):
     batch holds 1, 7, 64 or 300 tokens (plans that differ by T without it)."""
     from dsv4_ops.dsv4_decode import dsv4_decode_attention
 
-    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
+    monkeypatch.setenv(dispatch.workspace.BATCH_INVARIANT_ENV, "1")
     monkeypatch.setenv("DSV4_AMPERE_IMPL", "portable")
     g, dev, bs, nb, H = rng(5), "cuda", 64, 64, 8
     cache = _paged_cache(nb, bs, nb * bs, g, dev)

@@ -103,66 +103,115 @@ def test_every_sm_count_honours_the_override(monkeypatch):
     assert readers == {"dispatch/device.py"}
 
 
-def test_decode_config_knob_forces_the_v3_config(monkeypatch):
+def test_decode_config_knob_forces_the_config(monkeypatch):
     from dsv4_ops import envs
 
     dd = dispatch.decode
     monkeypatch.delenv(envs.DECODE_CONFIG, raising=False)
-    auto, why = dd.resolve_v3_config(1, 8, 640, 163 * 1024)
-    assert auto == dd.v3_config_name(1, 8, 640, 163 * 1024) == "h16n16w4" and "paged_chunk128" in why
+    monkeypatch.setenv(envs.DECODE_TABLES, "0")
+    auto, why = dd.resolve_config(1, 8, 640, 163 * 1024)
+    assert auto == "h16n16w4" and why == "no window: paged_chunk128's h16n16w4"
+    assert dd.resolve_config(4, 8, 640, 163 * 1024) == ("h16n32w4", "no window: paged_chunk128's h16n32w4")
+    name, why = dd.resolve_config(16, 8, 640, 163 * 1024)
+    assert name == "kh16n32w4" and why == "CONFIG_WINDOWS row (16, 256, 1, 16, 640, 'kh16n32w4')"
     monkeypatch.setenv(envs.DECODE_CONFIG, "kh16n64w8")
-    assert dd.resolve_v3_config(1, 8, 640, 163 * 1024) == ("kh16n64w8", f"forced by {envs.DECODE_CONFIG}")
-    assert dd.v3_plan(1, 8, 640, 132).config == "kh16n64w8"
-    assert dd.resolve_v3_config(1, 8, 640, 163 * 1024, "h16n32w4")[0] == "h16n32w4"  # the caller's config wins
-    name, why = dd.resolve_v3_config(1, 8, 640, 163 * 1024, block_sizes=(64, 3))  # paged_f16dot: shifts
-    assert name == dd.V3_ANY_BLOCK_SIZE_CONFIG and "power-of-two" in why
+    assert dd.resolve_config(1, 8, 640, 163 * 1024) == ("kh16n64w8", f"forced by {envs.DECODE_CONFIG}")
+    p = dd.plan_step(1, 8, 640, 132, 163 * 1024)
+    assert p.config == "kh16n64w8" and f"forced by {envs.DECODE_CONFIG}" in p.why
+    assert dd.resolve_config(1, 8, 640, 163 * 1024, "h16n32w4") == ("h16n32w4", "the caller's config")  # it wins
+    # paged_f16dot takes block sizes as shifts and reads 16-byte vectors: paged_chunk128's config for the shape
+    name, why = dd.resolve_config(1, 8, 640, 163 * 1024, block_sizes=(64, 3))
+    assert name == "h16n16w4" and "power-of-two" in why and "kh16n64w8" in why
+    assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 64))[0] == "h16n32w4"
+    name, why = dd.resolve_config(4, 8, 640, 163 * 1024, aligned=False)
+    assert name == "h16n32w4" and "16-byte aligned" in why
+    assert dd.plan_step(4, 8, 640, 132, 163 * 1024, aligned=False).config == "h16n32w4"
+    monkeypatch.setenv(envs.DECODE_CONFIG, "h16n16w4")  # a paged_chunk128 config runs over any caches
+    assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 5), aligned=False)[0] == "h16n16w4"
     monkeypatch.setenv(envs.DECODE_CONFIG, "kh99")
     with pytest.raises(ValueError, match=envs.DECODE_CONFIG):
-        dd.resolve_v3_config(1, 8, 640, 163 * 1024)
+        dd.resolve_config(1, 8, 640, 163 * 1024)
 
 
 def test_decode_resolvers_give_their_reasons(monkeypatch):
-    import torch
-
     from dsv4_ops import envs
 
-    dd = dispatch.decode
+    dd, ws = dispatch.decode, dispatch.workspace
     monkeypatch.delenv(envs.DECODE_KERNEL, raising=False)
     monkeypatch.delenv(envs.BATCH_INVARIANT, raising=False)
     assert dd.resolve_mode() == ("auto", f"{envs.DECODE_KERNEL} unset: auto")
-    assert dd.resolve_route("auto", 4, 8, 640, 163 * 1024) == ("fused", "auto: AUTO_FUSED_WINDOWS")
-    assert dd.resolve_route("auto", 1, 8, 640, 163 * 1024)[0] == "v3"
-    assert dd.resolve_route("auto", 4, 64, 640, 99 * 1024) == ("paged", dd.AUTO_PAGED_WHY)
-    assert dd.resolve_route("tiles", 1, 8, 640, 163 * 1024)[0] == "workspace"
-    aligned, odd = torch.zeros(4, 576 * 4, dtype=torch.uint8), torch.zeros(4, 584 * 4 + 8, dtype=torch.uint8)
-    assert dd.resolve_composite("v3", aligned, aligned)[0] and not dd.resolve_composite("v3", odd, aligned)[0]
-    assert dd.uses_fused_op("fused", odd, odd) and not dd.uses_fused_op("workspace", aligned, aligned)
-    assert dd.uses_fused_op("paged", odd, odd) and dd.resolve_composite("paged", odd, aligned)[0]
-    assert dd.resolve_gather(dd.FUSED_GATHER_MAX_ROWS)[0] and not dd.gather_in_one_launch(dd.FUSED_GATHER_MAX_ROWS + 1)
-    p, why = dd.resolve_workspace("auto", 64, 8, 640, True, -1)
+    monkeypatch.setenv(envs.DECODE_KERNEL, "v3")
+    assert dd.resolve_mode() == ("v3", f"{envs.DECODE_KERNEL}=v3")
+    monkeypatch.setenv(envs.BATCH_INVARIANT, "1")
+    with pytest.raises(ValueError, match="cannot be batch-invariant"):
+        dd.resolve_mode()
+    monkeypatch.delenv(envs.DECODE_KERNEL)
+    assert dd.resolve_mode() == ("heads", f"{envs.BATCH_INVARIANT}=1 runs the heads kernel")
+    assert dd.resolve_route("auto") == ("paged", "mode auto: the paged op")
+    assert dd.resolve_route("v3") == ("paged", "mode v3: the paged op")
+    assert dd.resolve_route("tiles") == ("workspace", "mode tiles: the workspace step")
+    assert dd.route("heads") == "workspace"
+    assert ws.resolve_gather(ws.FUSED_GATHER_MAX_ROWS)[0] and not ws.gather_in_one_launch(ws.FUSED_GATHER_MAX_ROWS + 1)
+    p, why = ws.resolve_workspace("auto", 64, 8, 640, True, -1)
     assert p.kernel == "heads" and "AUTO_HEADS_MIN_T" in why
-    p, why = dd.resolve_workspace("auto", 64, 8, 640, False, -1)
-    assert p.kernel == "tiles" and "int32" in why and p.splits == dd.tile_splits(64, 8, 640)
-    assert dd.workspace_plan("v3", 8, 8, 640, True, -1) == dd.tiles_plan(8, 8, 640)
-    assert dd.resolve_paged_form(None, 1, 8, 640, 163 * 1024, aligned, aligned)[0] == "v3"
-    form, why = dd.resolve_paged_form("v3", 1, 8, 640, 163 * 1024, aligned[:, 8:], aligned)
-    assert form == "v1" and "16-byte" in why
-    assert dd.paged_form("v1", 1, 8, 640, -1, aligned, aligned) == "v1"
+    p, why = ws.resolve_workspace("auto", 64, 8, 640, False, -1)
+    assert p.kernel == "tiles" and "int32" in why and p.splits == ws.tile_splits(64, 8, 640)
+    assert ws.workspace_plan("v3", 8, 8, 640, True, -1) == ws.tiles_plan(8, 8, 640)
     assert dd.is_f16dot(dd.v3_config("kh16n32w4")) and not dd.is_f16dot(dd.v3_config("h16n32w4"))
     assert dispatch.v32.resolve_form(False, "w128")[0] == "w64"
     assert dispatch.v32.resolve_form(True, "auto", True, 16, 16)[0] == "f16"
 
 
-def test_the_route_memo_follows_swapped_windows(monkeypatch):
-    """dsv4_decode's memo of the route keys on the window tables' identities: a swapped table is
-    a new key (no stale route)."""
+def test_the_removed_decode_surface_is_gone():
+    """Issue 44: one planner. The v1 form (paged_chunk64), the fused mode and the shape-dependent
+    route are gone, not left as dead aliases."""
+    import importlib
+    import inspect
+
+    from dsv4_ops import envs, paged_decode, paged_plan
+
+    dd = dispatch.decode
+    assert envs.DECODE_MODES == dd.MODES == ("auto", "tiles", "heads", "v3")
+    for name in ("v3_plan", "fused_plan", "fused_splits", "fused_form", "paged_form", "resolve_paged_form",
+                 "auto_is_fused", "auto_is_v3", "uses_fused_op", "resolve_composite", "cache_aligned",
+                 "windows_identity", "composite_splits", "composite_may_cap", "composite_split_cap",
+                 "resolve_v3_config", "v3_launch_config", "v3_config_name", "v3_sm_config",
+                 "V3_ANY_BLOCK_SIZE_CONFIG", "AUTO_PAGED_WHY"):
+        assert not hasattr(dd, name), name
+    for name in ("AUTO_FUSED_WINDOWS", "AUTO_V3_WINDOWS", "AUTO_V3_SMEM_WINDOWS", "V3_CONFIG_WINDOWS"):
+        assert not hasattr(dispatch.windows, name), name
+    assert dispatch.windows.TABLES == ("CONFIG_WINDOWS",)
+    with pytest.raises(ImportError):
+        importlib.import_module("dsv4_ops.csrc_triton.decode.paged_chunk64")
+    assert list(inspect.signature(dd.resolve_route).parameters) == ["kernel_mode"]
+    assert "form" not in inspect.signature(paged_decode.dsv4_decode_fused).parameters
+    assert "form" not in paged_plan.PagedPlan.__slots__
+
+
+def test_the_route_memo_follows_the_mode_not_the_windows(monkeypatch):
+    """dsv4_decode's memo of the route keys on the environment it reads (the mode, batch invariance)
+    and takes no shapes; a swapped window table changes the plan (and the table identities the kept
+    plans key on), never the route."""
+    import inspect
+
     from dsv4_ops import dsv4_decode, envs
 
+    assert not inspect.signature(dsv4_decode._route).parameters
     monkeypatch.delenv(envs.DECODE_KERNEL, raising=False)
-    smem = 163 * 1024
-    args = (4, 8, 640, smem)
-    assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "fused"
-    monkeypatch.setattr(dispatch.windows, "AUTO_FUSED_WINDOWS", ())
-    assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "v3"
-    monkeypatch.setattr(dispatch.windows, "AUTO_V3_WINDOWS", ())
-    assert dsv4_decode._route_memo(*args, dispatch.decode.windows_identity()) == "paged"
+    monkeypatch.delenv(envs.BATCH_INVARIANT, raising=False)
+    monkeypatch.setenv(envs.DECODE_TABLES, "0")
+    assert dsv4_decode._route_memo() == "paged"
+    for mode, want in (("tiles", "workspace"), ("heads", "workspace"), ("v3", "paged"), ("auto", "paged")):
+        monkeypatch.setenv(envs.DECODE_KERNEL, mode)
+        assert dsv4_decode._route_memo() == want, mode
+    monkeypatch.setenv(envs.BATCH_INVARIANT, "1")
+    assert dsv4_decode._route_memo() == "workspace"
+    monkeypatch.delenv(envs.BATCH_INVARIANT)
+    assert dsv4_decode._route_memo() == "paged"
+    before, ident = dispatch.decode.plan_step(16, 8, 640, 132, 163 * 1024), dispatch.windows.identity()
+    assert before.config == "kh16n32w4" and "CONFIG_WINDOWS row" in before.why
+    monkeypatch.setattr(dispatch.windows, "CONFIG_WINDOWS", ())
+    assert dispatch.windows.identity() != ident
+    after = dispatch.decode.plan_step(16, 8, 640, 132, 163 * 1024)
+    assert after.config == "h16n32w4" and "no window" in after.why
+    assert dsv4_decode._route_memo() == "paged"

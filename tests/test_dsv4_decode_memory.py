@@ -59,22 +59,26 @@ def test_v4_decode_peak_fits_the_profile_at_1m(H, monkeypatch):
     assert route == "workspace" and before >= 512 * 8320 * HEAD_DIM * 2 > profile_headroom(512, H)
 
 
-def test_the_composite_caps_the_paged_ops_partials():
-    """Every (T, H, K) the paged op takes stays within PAGED_PARTIALS_MAX_BYTES; small batches keep
-    the op's own plan (0), large ones are capped (T = 512, H = 8, K = 8320: one split)."""
+def test_the_plan_caps_the_paged_ops_partials():
+    """Every (T, H, K) the paged op takes stays within PAGED_PARTIALS_MAX_BYTES, aligned caches or
+    not: the plan's split count is v3_splits' where its partials fit, else split_cap's (T = 512,
+    H = 8, K = 8320: one split); a caller's count is kept."""
     dd = dispatch.decode
+    capped = 0
     for H in (8, 16, 64):
         for T in (1, 2, 16, 64, 100, 256, 512, 1024):
             for K in (128, 256, 640, 1152, 4224, 8320):
-                for form in ("v1", "v3"):
-                    S = dd.composite_splits(T, H, K, A100_SMS, A100_SMEM, form)
-                    planned = (dd.v3_plan(T, H, K, A100_SMS, 0, dd.v3_launch_config(T, H, K, A100_SMEM)).splits
-                               if form == "v3" else dd.fused_plan(T, H, K, A100_SMS).splits)
-                    used = S or planned
-                    assert used <= planned and (S == 0 or S == min(dd.composite_split_cap(T, H), dd.MAX_SPLITS))
-                    assert used == 1 or T * H * used * (HEAD_DIM + 1) * 4 <= dd.PAGED_PARTIALS_MAX_BYTES
-    assert dd.composite_splits(512, 8, 8320, A100_SMS, A100_SMEM, "v3") == 1
-    assert dd.composite_splits(1, 8, 8320, A100_SMS, A100_SMEM, "v3") == 0
+                for aligned in (True, False):
+                    p = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, aligned=aligned)
+                    cfg = dd.v3_config(p.config)
+                    free = dd.v3_splits(T, H, K, A100_SMS, cfg["BLOCK_H"], cfg["BLOCK_N"], p.config, A100_SMEM)
+                    assert p.splits == min(free, dd.split_cap(T, H)), (T, H, K, aligned, p)
+                    assert p.splits == 1 or T * H * p.splits * (HEAD_DIM + 1) * 4 <= dd.PAGED_PARTIALS_MAX_BYTES
+                    capped += p.splits < free
+    assert capped > 0  # the cap binds somewhere in this grid
+    assert dd.plan_step(512, 8, 8320, A100_SMS, A100_SMEM).splits == 1
+    assert dd.plan_step(1, 8, 8320, A100_SMS, A100_SMEM).splits > 1
+    assert dd.plan_step(512, 8, 8320, A100_SMS, A100_SMEM, splits=5).splits == 5
 
 
 @pytest.mark.gpu

@@ -338,12 +338,13 @@ def test_replay_keys_on_layout_env_and_aliasing(mocked_launches, monkeypatch):
     a = _fused_inputs(1, 8, 512, 128)
     base = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)][-1]
     assert launches(a) == base
-    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")  # same form here: same launches, a new key
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")  # the op's plan does not read the mode: same launches
     assert launches(a) == base
-    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")  # v1 form from the launcher (fused_form reads it)
-    v1 = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)]
-    assert v1[0] == v1[1] == v1[2] != base and {n for n, _, _ in v1[0]} != {n for n, _, _ in base}
     monkeypatch.delenv(dispatch.decode.ENV_VAR)
+    monkeypatch.setenv(dispatch.decode.CONFIG_ENV, "kh16n32w4")  # paged_f16dot where the plan runs paged_chunk128
+    forced = [launches(_fused_inputs(1, 8, 512, 128, seed=i)) for i in range(3)]
+    assert forced[0] == forced[1] == forced[2] != base and {n for n, _, _ in forced[0]} != {n for n, _, _ in base}
+    monkeypatch.delenv(dispatch.decode.CONFIG_ENV)
     # aliasing: the same cache object twice vs two caches of one layout
     one = _fused_inputs(2, 16, 0, 128, same_cache=True)
     two = _fused_inputs(2, 16, 0, 128)

@@ -60,7 +60,7 @@ def test_every_decode_mode_is_warm(mode, monkeypatch):
     DSV4_AMPERE_BATCH_INVARIANT (read when it is built, as the launchers read them at each
     call)."""
     if mode == "invariant":
-        monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
+        monkeypatch.setenv(dispatch.workspace.BATCH_INVARIANT_ENV, "1")
     else:
         monkeypatch.setenv(dispatch.decode.ENV_VAR, mode)
     shapes = ws.v41_flash(tp=4)
@@ -69,8 +69,12 @@ def test_every_decode_mode_is_warm(mode, monkeypatch):
     seen = ws.trace(ws.serve_calls(shapes, [t for t in counts if t <= 2048], "portable", 108), 108)
     assert seen <= warm.keys, sorted(k.label() for k in seen - warm.keys)[:3]
     kernels = {k.kernel.rsplit(":", 1)[-1] for k in warm.keys}
-    if mode in ("fused", "tiles", "heads"):
-        assert ("_dsv4_decode_fused_kernel" in kernels) == (mode == "fused")
+    paged = {"_dsv4_decode_v3_kernel", "_dsv4_decode_v4_kernel"}  # paged_chunk128, paged_f16dot
+    step = {"_dsv4_decode_gather_kernel", "_dsv4_decode_indices_kernel"}  # the workspace step's gathers
+    if mode == "v3":  # the route is the mode's: the paged op only, no workspace step
+        assert kernels >= paged and not kernels & step, sorted(kernels)
+    else:
+        assert kernels >= step and not kernels & paged, sorted(kernels)
     if mode == "invariant":  # one heads plan for every T: no tiles split kernel on the decode path
         assert "_sparse_mla_split_kernel" not in kernels
 
@@ -361,9 +365,9 @@ def test_the_set_on_disk_is_the_set_built(tmp_path, monkeypatch):
     assert path.name == key + ".pkl"
     assert key != ws.cache_key(shapes, 512, 108, "portable", "auto") != ws.cache_key(shapes, 256, 132, "portable",
                                                                                       "auto")
-    monkeypatch.setenv(dispatch.decode.BATCH_INVARIANT_ENV, "1")
+    monkeypatch.setenv(dispatch.workspace.BATCH_INVARIANT_ENV, "1")
     assert ws.cache_key(shapes, 256, 108, "portable", "auto") != key
-    monkeypatch.delenv(dispatch.decode.BATCH_INVARIANT_ENV)
+    monkeypatch.delenv(dispatch.workspace.BATCH_INVARIANT_ENV)
     path.write_bytes(b"not a pickle")
     assert ws.build(shapes, 256, sms=108, mode="auto", cache_dir=str(tmp_path)).keys == fresh.keys
     monkeypatch.setenv(ws.CACHE_ENV, "0")

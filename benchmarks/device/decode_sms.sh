@@ -5,14 +5,14 @@
 #   B: the sweep; P2 timed beside ours when DSV4_P2_DIR holds a local attention.py (never committed);
 #   C: PYTEST_FILES (pytest -m gpu, -n 16 workers, -k PYTEST_K) when set, after the bench.
 # usage: bash benchmarks/device/decode_sms.sh   env: SMS (132,112,104), SHAPES, SWEEP (1: --sweep), NAME (decode_sms),
-#        SKIP_SELFCHECK (1: no step A; the bench's GreenStream still probes each count), BASE (1: --base), REPLAYS (20), BENCH_BUDGET_S (200), DSV4_P2_DIR, PYTEST_FILES, PYTEST_K, PYTEST_SMS (DSV4_AMPERE_SMS for the tests), TEST_TIMEOUT (120), DSV4_BENCH_COMMIT.
+#        SKIP_SELFCHECK (1: no step A; the bench's GreenStream still probes each count), REPLAYS (20), BENCH_BUDGET_S (200), DSV4_P2_DIR, PYTEST_FILES, PYTEST_K, PYTEST_SMS (DSV4_AMPERE_SMS for the tests), TEST_TIMEOUT (120), DSV4_BENCH_COMMIT.
 # Results: $OUT/results.tgz (the tables), logs: $OUT/logs.tgz.
 source "$(dirname "$0")/preamble.sh"
 [ "${SKIP_SELFCHECK:-0}" = 1 ] || timeout 60 python3 benchmarks/green_ctx.py ${SMS:+$(echo "$SMS" | tr ',' ' ')} > "$OUT/logs/green_ctx.log" 2>&1
 summary "green_ctx rc=$?: $(tr '\n' ';' < "$OUT/logs/green_ctx.log" | tail -c 400)"
 BENCH_BUDGET_S="${BENCH_BUDGET_S:-200}" timeout $(( ${BENCH_BUDGET_S:-200} + 60 )) python3 benchmarks/bench_decode_sms.py \
   --out "$OUT/results" --name "${NAME:-decode_sms}" --sms "${SMS:-132,112,104}" ${SHAPES:+--shapes "$SHAPES"} \
-  --replays "${REPLAYS:-20}" $( [ "${SWEEP:-0}" = 1 ] && echo --sweep ) $( [ "${BASE:-0}" = 1 ] && echo --base ) \
+  --replays "${REPLAYS:-20}" $( [ "${SWEEP:-0}" = 1 ] && echo --sweep ) \
   > "$OUT/logs/bench.log" 2>&1
 summary "bench rc=$? at $(( $(date +%s) - t0 )) s: $(grep -c "'T'" "$OUT/logs/bench.log") rows; $(grep -E '^P2|copy GB' "$OUT/logs/bench.log" | tr '\n' ' ')"
 if [ -n "${PYTEST_FILES:-}" ]; then

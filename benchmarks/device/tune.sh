@@ -2,7 +2,7 @@
 # `dsv4-ops tune --quick` on N SMs of the H200 (driver green context), portable, every tl.dot as mma.sync (what
 # sm_80 runs), then the table it wrote read back through the dispatch (DSV4_AMPERE_DECODE_TABLE_DIR at it):
 #   A: the tune (T 1,16,64,128 x H 8,64, K 640; 75 s budget for starting shapes);
-#   B: every entry of the written table is what dispatch.decode.v3_plan plans at that shape and SM count.
+#   B: every entry of the written table is what dispatch.decode.plan_step plans at that shape and SM count.
 # usage: bash benchmarks/device/tune.sh   env: SMS (104), TUNE_ARGS (extra `dsv4-ops tune` arguments)
 # Results: $OUT/results/ (the table, tune_<table>.json rows for fit_v3_cost.py, tune_<table>.md, summary.txt)
 # and all of it as $OUT/tune_results.tgz.
@@ -22,10 +22,10 @@ bad = 0
 for K, buckets in t["entries"].items():
     for key, e in buckets.items():
         T, H = (int(x) for x in key.split(","))
-        p = dd.v3_plan(T, H, int(K), device.num_sms(0))
+        p = dd.plan_step(T, H, int(K), device.num_sms(0))
         ok = (p.config, p.splits) == (e["config"], e["splits"])
         bad += not ok
-        print(f"T={T} H={H} K={K}: table {e['config']} S{e['splits']}, v3_plan {p.config} S{p.splits}", "ok" if ok else "MISMATCH")
+        print(f"T={T} H={H} K={K}: table {e['config']} S{e['splits']}, plan_step {p.config} S{p.splits}", "ok" if ok else "MISMATCH")
 print("readback", "ok" if not bad else f"{bad} MISMATCH")
 PY
 summary "readback rc=$?: $(tail -1 "$OUT/logs/readback.log")"

@@ -1,8 +1,10 @@
 """DSv4 sparse-MLA decode v3, read straight from the paged fp8 caches (op ``dsv4_decode_fused_out``).
 
-The same contract as csrc_triton.decode.paged_chunk64 (the v1 fused kernel: key positions,
-validity, partition into BLOCK_N-key blocks, DIRECT / partial epilogues, fp32 partials), a
-different inner structure, built for the batched regime:
+Contract (shared with csrc_triton.decode.paged_f16dot): a token's keys are its K1 top-k slots of
+the compressed cache then its K2 window slots, in BLOCK_N-key blocks (top-k blocks first); a slot
+outside [0, capacity) of its cache or past the token's length is not attended; DIRECT writes out +
+lse with the sink, else fp32 partials per split for the merge. Structure, built for the batched
+regime:
 
 * the 512 latent dims as 4 chunks of 128 instead of 8 of 64: per key block 4 decoded
   [BLOCK_N, 128] tiles, scores = 4 dots of K = 128, 4 accumulators [BLOCK_H, 128]
@@ -17,7 +19,7 @@ different inner structure, built for the batched regime:
   are loaded before the decode and the dots of block i), so one overlapped round trip a
   block instead of a chain of dependent ones.
 
-Decode (exact, as the v1 kernel and the gather): E4M3 code -> fp32 (portable: the fp8e4b15
+Decode (exact, as the gather): E4M3 code -> fp32 (portable: the fp8e4b15
 bit reinterpretation, x 256 folded into the scale) x 2**(byte - 127) -> q's dtype (bf16;
 fp16 under the interpreter, whose bf16 tl.dot is wrong). No fp8 pointer; the portable path
 holds no fp8 dtype conversion instruction (checked by the AOT table).
@@ -29,13 +31,39 @@ import triton.language as tl
 from dsv4_ops import layout as _L
 
 from ..kv_cache import ue8m0_to_f32
-from .paged_chunk64 import _block_slots
 
 HEAD_DIM = _L.HEAD_DIM
 CHUNK = 128
 _NOPE_DIM = tl.constexpr(_L.NOPE_DIM)
+_DATA_BYTES = tl.constexpr(_L.DATA_BYTES)
+_SCALE_BYTES = tl.constexpr(_L.SCALE_BYTES)
 
 assert _L.NOPE_DIM == 3 * CHUNK + 64 and _L.ROPE_DIM == 64 and _L.SCALE_BYTES == 8
+
+
+@triton.jit
+def _block_slots(blk, live, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, bs_c, cap_c, page_w, bs_w, cap_w,
+                 BLOCK_N: tl.constexpr):
+    """Key block blk of a token (top-k blocks first, then window blocks; nothing when not
+    live): (valid [BLOCK_N], the block's cache, data-row and scale-row byte offsets [BLOCK_N]
+    int64). A slot outside [0, capacity) of its cache is invalid and clamped into range."""
+    is_c = blk < nb1  # scalar: a top-k block (else a window block)
+    o_j = tl.where(is_c, blk, blk - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    b_sc = tl.load(p_tk + o_j, mask=is_c & (o_j < k1) & live, other=-1).to(tl.int64)
+    b_sw = tl.load(p_sw + o_j, mask=(blk >= nb1) & (o_j < k2) & live, other=-1).to(tl.int64)
+    b_slot = tl.where(is_c, b_sc, b_sw)  # [BLOCK_N]
+    p_cache = tl.where(is_c, cc_ptr, cw_ptr)
+    page = tl.where(is_c, page_c, page_w).to(tl.int64)
+    bs = tl.where(is_c, bs_c, bs_w).to(tl.int64)
+    cap = tl.where(is_c, cap_c, cap_w).to(tl.int64)
+    m_n = (b_slot >= 0) & (b_slot < cap)  # [BLOCK_N]
+    # a clamp, not a select: triton 3.6 crashed on the select with int64 slots at 16 heads
+    b_slot = tl.minimum(tl.maximum(b_slot, 0), cap - 1)  # rows with m_n false load nothing
+    b_pg = b_slot // bs
+    b_pos = b_slot - b_pg * bs
+    o_data = b_pg * page + b_pos * _DATA_BYTES  # [BLOCK_N] int64
+    o_scale = b_pg * page + bs * _DATA_BYTES + b_pos * _SCALE_BYTES
+    return m_n, p_cache, o_data, o_scale
 
 
 @triton.jit
@@ -161,8 +189,8 @@ def _dsv4_decode_v3_kernel(
     PIPE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid (T * S * G,): program pid runs head group g = pid % G of token t = pid // (S*G)
-    over the key blocks of split s = (pid // G) % S (csrc_triton.decode.paged_chunk64's
-    partition), decoding every key once for the group. DIRECT: o_ptr/lse_ptr are out bf16
+    over the key blocks [s * nb // S, (s + 1) * nb // S) of split s = (pid // G) % S (nb: the
+    token's top-k then window blocks within its lengths), decoding every key once for the group. DIRECT: o_ptr/lse_ptr are out bf16
     [T, H, 512] / lse fp32 [T, H] (S == 1, sink folded in); else o_part fp32 [T, H, S, 512]
     / lse_part fp32 [T, H, S] contiguous (merged by csrc_triton.decode.merge)."""
     pid = tl.program_id(0)

@@ -96,7 +96,7 @@ def _row_prescale(b_amax):
 @triton.jit
 def _block_rows(blk, nb1, k1, k2, p_tk, p_sw, cc_ptr, cw_ptr, page_c, sh_c, cap_c, page_w, sh_w, cap_w,
                 BLOCK_N: tl.constexpr):
-    """paged_chunk64._block_slots for power-of-two block sizes given as shifts sh = log2(bs):
+    """paged_chunk128._block_slots for power-of-two block sizes given as shifts sh = log2(bs):
     page = slot >> sh, position = slot & (bs - 1), no 64-bit division (ptxas expands each
     div.s64 into a long sequence, recomputed for every layout the offsets are used in)."""
     is_c = blk < nb1  # scalar: a top-k block (else a window block)

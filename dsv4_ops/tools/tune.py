@@ -3,7 +3,7 @@
 For every shape of the grid (T tokens x H heads x K keys a token: T in {1, 4, 16, 64, 128, 256},
 H in {8, 16, 64, 128}, K = 640 (512 top-k + 128 window) and V4.1's draft K = 256 (128 + 128);
 ``--quick``: T in {1, 16, 64, 128}, H in {8, 64}, K = 640), every candidate (config, splits) runs the
-paged op (paged_decode.dsv4_decode_fused, form v3) once and its output is checked against the float64
+paged op (paged_decode.dsv4_decode_fused) once and its output is checked against the float64
 reference (testing.assert_attention_close); a candidate that raises or fails the check is dropped and
 reported. The rest are timed with graph_us (20 calls a CUDA graph, median of the replays) and the fastest
 becomes the shape's entry of the table dispatch.tables reads (its file named by device, SM count and
@@ -83,14 +83,12 @@ def tune_configs() -> Tuple[str, ...]:
 
 def model_pick(T: int, H: int, K: int, sms: int, smem: int) -> Tuple[str, int]:
     """(config, splits) the composite runs for (T, H, K) on ``sms`` SMs without a decode table: the
-    windows and the cost model (dispatch.decode.resolve_v3_config, v3_plan), splits capped as the
-    composite caps them (composite_splits). Call it with the tables off (envs.override)."""
+    windows and the cost model (dispatch.decode.plan_step, splits capped). Call it with the tables off
+    (envs.override)."""
     from ..dispatch import decode as dd
 
-    bs = (BLOCK_SIZE, BLOCK_SIZE)
-    name = dd.v3_launch_config(T, H, K, smem, "", bs, sms)
-    capped = dd.composite_splits(T, H, K, sms, smem, "v3", bs)
-    return name, dd.v3_plan(T, H, K, sms, capped, name, smem).splits
+    p = dd.plan_step(T, H, K, sms, smem, (BLOCK_SIZE, BLOCK_SIZE))
+    return p.config, p.splits
 
 
 def candidates(T: int, H: int, K: int, smem: int, configs: Sequence[str], max_splits: int = 0) -> List[Tuple[str, int]]:
@@ -235,7 +233,7 @@ def grid(quick: bool, shapes: str = "") -> List[Tuple[int, int, int]]:
 
 class _GpuShape:
     """Inputs of one shape on the GPU (random q, sink, valid slots into the two caches) and the float64
-    reference: ``run(config, splits)`` calls the paged op in form v3, ``check`` compares."""
+    reference: ``run(config, splits)`` calls the paged op with that config, ``check`` compares."""
 
     def __init__(self, caches, T: int, H: int, K: int):
         import torch
@@ -259,7 +257,7 @@ class _GpuShape:
         from .. import paged_decode
 
         return paged_decode.dsv4_decode_fused(self.q, self.cc, self.topk, None, BLOCK_SIZE, self.cw, self.swa, None,
-                                              BLOCK_SIZE, self.sink, self.scale, splits, form="v3", config=config)
+                                              BLOCK_SIZE, self.sink, self.scale, splits, config=config)
 
     def check(self, got) -> Optional[str]:
         from ..testing import assert_attention_close

@@ -140,9 +140,11 @@ def ampere_decode(q: torch.Tensor, output: torch.Tensor, swa_cache: torch.Tensor
 def step_plans_of(metadata, layer_type) -> Optional[dict]:
     """The dict of one layer type's step plans (dsv4_decode.dsv4_decode_attention's ``step_plans``)
     kept on this step's metadata object, FlashMLA's per-step tile-scheduler holder: vLLM builds the
-    metadata afresh every step and for every CUDA-graph capture, so a plan made by a step's first layer
-    of a type serves that step's later layers of the type and is never carried into another step or
-    graph. None when the object takes no attribute (then every call plans)."""
+    metadata afresh every step and for every CUDA-graph capture, so the DecodeStepPlan made by a step's
+    first layer of a type (dsv4_decode.make_decode_plan: the launch config, split count, balance and
+    launch) is run by that step's later layers of the type (a FULL graph captures it with the rest of
+    the step) and is never carried into another step or graph. None when the object takes no attribute
+    (then every call takes the layout's kept plan)."""
     try:
         kept = metadata.__dict__.get("_dsv4_step_plans")
         if kept is None:
@@ -298,7 +300,7 @@ class _AmpereAttentionMixin:
             topk_indices, topk_lens = self._decode_topk(swa_metadata, attn_metadata, T)
             comp_bs = attn_metadata.block_size // self.compress_ratio
         # vLLM passes q[:num_decode_tokens] / output[:num_decode_tokens]: no second slice then
-        # one balanced plan a step and layer type (the private per-layer graphs replay alone: they plan)
+        # one plan a step and layer type (the private per-layer graphs replay alone: they plan)
         plans = None if _graphs_enabled() else step_plans_of(swa_metadata, 0 if swa_only else self.compress_ratio)
         ampere_decode(q if q.shape[0] == T else q[:T], output if output.shape[0] == T else output[:T],
                       self.swa_cache_layer.kv_cache, swa_metadata.decode_swa_indices,

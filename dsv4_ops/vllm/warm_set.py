@@ -9,14 +9,14 @@ tensors shaped as vLLM 0.33.0's DSv4 forward passes them, under ``warm_keys.reco
 with ``torch.ops.dsv4_ampere`` routed to each op's registered CUDA implementation (its
 launcher: on meta tensors the real op would run its fake) and the launchers answering for the
 target device (``device_of``: its SM count, the kernel variant). Nothing is allocated on a
-GPU and nothing runs; every dispatch decision below an entry point (the composite's fused /
-v3 / gather branches, split plans, sparse prefill's kernel-or-split rule, ...) is the code's
+GPU and nothing runs; every dispatch decision below an entry point (the composite's paged /
+workspace / gather branches, split plans, sparse prefill's kernel-or-split rule, ...) is the code's
 own, so a new branch or kernel shows up here without a hand list, and a kernel of the AOT
 table that none reaches fails ``tests/test_warm_set.py`` unless ``NOT_SERVED`` names it.
 
 Batch classes. A launch key depends on the token count T only through the dispatch's choices
-from T (``t_choices``: the decode plan of the mode, the fused and v3 plans and auto windows,
-sparse prefill's rule), the one-launch gather branch (T * K <= FUSED_GATHER_MAX_ROWS),
+from T (``t_choices``: the paged op's plan, the workspace plan of the mode, sparse prefill's
+rule), the one-launch gather branch (T * K <= FUSED_GATHER_MAX_ROWS),
 Triton's specialization of ints derived from T (== 1, multiple of 16; the kernels mark pure
 counts ``do_not_specialize``) and a few T-derived launch ints (``_other_t_ints``), so the keys
 of all T in [1, max_tokens] are those of one representative per class (``batch_classes``).
@@ -154,35 +154,21 @@ def v41_flash(tp: int = 1, **kw) -> ModelShapes:
 
 # ----------------------------------------------------------------------------- batch classes
 
-@functools.lru_cache(maxsize=1)
-def _choice_fns() -> tuple:
-    """(plan, [(T, H, K, sms) functions], [(T, H, K) functions], sparse prefill's rule or None),
-    the ones this tree has (t_choices)."""
-    from ..dispatch import decode as dp
-    from ..dispatch import prefill
-
-    four = tuple(fn for fn in (getattr(dp, n, None) for n in ("fused_plan", "v3_plan")) if fn is not None)
-    three = tuple(fn for fn in (getattr(dp, n, None) for n in ("auto_is_fused", "auto_is_v3", "fused_form"))
-                  if fn is not None)
-    return dp, four, three, prefill.uses_prefill_kernel
-
-
 def t_choices(T: int, H: int, K: int, sms: int, mode: str) -> tuple:
-    """Every choice the dispatch makes from (T, H, K, SMs) for one key width: the decode plan of
-    the mode, the fused and v3 plans, the auto windows and the fused form (dispatch.decode), and
-    whether sparse prefill takes its own kernel (dispatch.prefill); each where this
-    tree has it. Token counts with equal choices at every width launch the same kernels."""
+    """Every choice the dispatch makes from (T, H, K, SMs) for one key width: the paged op's plan
+    (dispatch.decode.plan_step, aligned and not, with and without lengths), the workspace plan of the
+    mode (dispatch.workspace), and whether sparse prefill takes its own kernel (dispatch.prefill).
+    Token counts with equal choices at every width launch the same kernels."""
     import torch
 
-    dp, four, three, rule = _choice_fns()
-    out = [dp.plan(T, H, K, sms, mode if mode in dp.MODES else "auto")]
-    out.extend(fn(T, H, K, sms) for fn in four)
-    out.extend(fn(T, H, K) for fn in three)
-    splits = getattr(dp, "composite_splits", None)  # the composite's cap on the paged op's splits
-    if splits is not None and three:
-        out.append(splits(T, H, K, sms, -1, dp.fused_form(T, H, K)))
-    if rule is not None:
-        out.append(rule(T, H, torch.int32, sms))
+    from ..dispatch import decode as dp
+    from ..dispatch import prefill
+    from ..dispatch import workspace as ws
+
+    out = [ws.plan(T, H, K, sms, mode if mode in ws.MODES else "auto")]
+    out.extend(dp.plan_step(T, H, K, sms, -1, lengths=lengths, aligned=aligned)
+               for aligned in (True, False) for lengths in (False, True))
+    out.append(prefill.uses_prefill_kernel(T, H, torch.int32, sms))
     return tuple(out)
 
 
@@ -242,8 +228,8 @@ def decode_step(shapes: ModelShapes, T: int, K1: int, variant: str, with_swa_len
     [T, 1, window] with or without int32 lengths, the compressed cache (block_size // ratio
     tokens a block) with int32 top-k slots [T, 1, K1] and lengths, or none (SWA-only, K1 = 0),
     the sink; K2: the window index width (None: ``shapes.window``; a draft's, draft_windows).
-    Everything below is the composite's own dispatch (``dsv4_decode``: fused paged
-    kernel, v3, one-launch gather or two gathers; plan and splits from T) and the ops'
+    Everything below is the composite's own dispatch (``dsv4_decode``: the paged op or the
+    workspace step's one-launch gather or two gathers; plan and splits from T) and the ops'
     launchers (``routed_ops``)."""
     import torch
 
@@ -406,6 +392,7 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     ``sms`` SMs. mode: the decode kernel mode (None: DSV4_AMPERE_DECODE_KERNEL). cache_dir:
     reuse a set built before from the same sources and arguments (``cached_build``)."""
     from ..dispatch import decode as dispatch_decode
+    from ..dispatch import workspace as dispatch_workspace
 
     if isinstance(shapes, warm_set_v32.V32Shapes):  # DeepSeek-V3.2 / GLM-5: that file's calls
         return warm_set_v32.build(shapes, max_tokens, sms, variant, cache_dir)
@@ -416,7 +403,7 @@ def build(shapes: ModelShapes, max_tokens: int, sms: int = 108, variant: str = "
     H = shapes.heads_per_rank
     widths = tuple(sorted({k1 + k2 for k1 in shapes.decode_topk_widths() for k2 in shapes.swa_widths()}
                           | set(shapes.prefill_index_widths())))
-    classes = batch_classes(max_tokens, H, widths, sms, mode, dispatch_decode.FUSED_GATHER_MAX_ROWS,
+    classes = batch_classes(max_tokens, H, widths, sms, mode, dispatch_workspace.FUSED_GATHER_MAX_ROWS,
                             _other_t_ints(shapes, sms))
     keys = trace(serve_calls(shapes, classes, variant, sms, mode), sms, variant)
     return WarmSet(shapes, max_tokens, sms, variant, keys, tuple(classes))
