@@ -136,12 +136,12 @@ def dsv4_decode_fused(q: torch.Tensor, compressed_cache: torch.Tensor, topk_slot
 
 def _fused_specs(variant, KernelSpec, optional_pointer):
     """Specializations of the paged kernels dsv4_decode_fused can pick: every dispatched config of
-    paged_chunk128 (``v3-...``, 16-byte aligned and ``v3u-...`` unaligned reads) and paged_f16dot
+    paged_chunk128 (``v3-...``, 16-byte aligned reads; ``v3u-...``, its unaligned config) and paged_f16dot
     (``v4-...``) x slot dtype (both caches alike) x lengths (none | top-k | both) x (partials | direct
     with sink | direct | balanced partials)."""
     specs = []
     configs = [(f"v3-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
-    configs += [(f"v3u-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_DISPATCHED]
+    configs += [(f"v3u-{n}", _vk.V3_CANDIDATES[n]["BLOCK_H"], _vk.V3_CANDIDATES[n]) for n in _vk.V3_UNALIGNED]
     configs += [(f"v4-{n}", _v4k.V4_CANDIDATES[n]["BLOCK_H"], _v4k.V4_CANDIDATES[n]) for n in _v4k.V4_DISPATCHED]
     from .aot import archs_holding
 

@@ -120,7 +120,7 @@ def test_ragged_batch_matches_float64_balanced_and_not(interpret, config, splits
     for flag in ("1", "0"):
         with envs.override(**{envs.DECODE_BALANCE: flag}):
             out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device=interpret))
-            _, lse = paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out, form="v3", config=config)
+            _, lse = paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out, config=config)
             assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
     assert seen == [True, False]
     if splits == 2:
@@ -130,14 +130,37 @@ def test_ragged_batch_matches_float64_balanced_and_not(interpret, config, splits
 
 
 def test_the_rule_balances_split_launches_with_lengths_and_int32_slots_only_when_asked():
-    assert not dispatch.decode.balanced(False, True, True)  # off by default
+    dd = dispatch.decode
+    assert not dd.balanced(False, True, True)  # off by default
     with envs.override(**{envs.DECODE_BALANCE: "1"}):
-        assert dispatch.decode.balanced(False, True, True)
-        assert not dispatch.decode.balanced(True, True, True)  # direct: no partials to balance
-        assert not dispatch.decode.balanced(False, False, True)  # no lengths: every token full
-        assert not dispatch.decode.balanced(False, True, False)  # int64 slots: not the AOT-checked forms
+        assert dd.balanced(False, True, True)
+        assert not dd.balanced(True, True, True)  # direct: no partials to balance
+        assert not dd.balanced(False, False, True)  # no lengths: every token full
+        assert not dd.balanced(False, True, False)  # int64 slots: not the AOT-checked forms
+        # T must fit the plan words' token field
+        assert dd.balanced(False, True, True, balance.MAX_TOKENS - 1)
+        assert not dd.balanced(False, True, True, balance.MAX_TOKENS)
         with envs.override(**{envs.BATCH_INVARIANT: "1"}):  # a token's splits would follow the others'
-            assert not dispatch.decode.balanced(False, True, True)
+            assert not dd.balanced(False, True, True)
+
+
+def test_the_plan_balances_only_paged_f16dot_splits_over_aligned_caches():
+    """plan_step applies the rule to paged_f16dot plans only: a paged_chunk128 plan (its config, or
+    the one a paged_f16dot config falls back to over unaligned caches or odd block sizes) never
+    balances; a balanced plan says so in its reasons."""
+    dd = dispatch.decode
+    with envs.override(**{envs.DECODE_BALANCE: "1"}):
+        p = dd.plan_step(16, 8, 640, 108, 163 * 1024, (64, 64), splits=3, config="kh16n32w4", lengths=True)
+        assert p.balanced and p.why.endswith("; balanced")
+        for kw in (dict(config="h16n32w4"), dict(config="kh16n32w4", aligned=False),
+                   dict(config="kh16n32w4", block_sizes=(48, 64)), dict(config="kh16n32w4", int32_slots=False),
+                   dict(config="kh16n32w4", lengths=False), dict(config="kh16n32w4", splits=1)):
+            kw = dict(dict(block_sizes=(64, 64), splits=3, lengths=True), **kw)
+            p = dd.plan_step(16, 8, 640, 108, 163 * 1024, **kw)
+            assert not p.balanced and "balanced" not in p.why, kw
+        T = balance.MAX_TOKENS
+        assert not dd.plan_step(T, 8, 640, 108, 163 * 1024, (64, 64), splits=3, config="kh16n32w4",
+                                lengths=True).balanced
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -171,7 +194,7 @@ def test_gpu_ragged_batches_match_float64(variant, config, T, H, splits):
     out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda"))
     planned = sum(paged_plan._balance_plan.stats.values())
     with envs.override(**{envs.DECODE_BALANCE: "1"}):
-        _, lse = paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out, form="v3", config=config)
+        _, lse = paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out, config=config)
     assert sum(paged_plan._balance_plan.stats.values()) == planned + 1  # the balanced form ran
     want, want_lse = reference.ref_dsv4_decode_fused(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                                         for k, v in args.items()}, out_dtype=torch.float64)
@@ -210,7 +233,7 @@ def test_step_plans_plan_once_a_step_and_a_stale_plan_keeps_the_result(interpret
             p = paged_plan.make_paged_plan(args["q"], args["compressed_cache"], args["topk_slots"],
                                            args["topk_length"], args["compressed_block_size"], args["swa_cache"],
                                            args["swa_slots"], args["swa_length"], args["swa_block_size"],
-                                           args["sink"] is not None, 2, out, "portable", "v3", "kh16n16w4")
+                                           args["sink"] is not None, 2, out, "portable", "kh16n16w4")
             assert p.balanced
             lse = _launch(p, args, out, plans)
             want, want_lse = reference.ref_dsv4_decode_fused(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v)

@@ -1,12 +1,14 @@
-"""The paged decode in 128-dim chunks: csrc_triton.decode.paged_chunk128 behind op ``dsv4_decode_fused_out`` (form 'v3').
+"""The paged decode op ``dsv4_decode_fused_out`` (paged_decode.dsv4_decode_fused): its two kernels,
+csrc_triton.decode.paged_chunk128 (configs h..., 4 x 128-dim chunks of each 584-byte record, any 2-byte
+aligned caches) and csrc_triton.decode.paged_f16dot (configs kh / gh / sh / wh..., 16-byte aligned caches,
+power-of-two block sizes), and the plan dispatch.decode.plan_step makes for them.
 
-The same contract as the v1 fused kernel (tests/test_decode_paged_chunk64.py), checked the same way:
-CPU through the Triton interpreter (fp16 q) against the float64 reference with outputs
-poisoned first, adversarial slots, every launch config a benchmark can pick; the plan; the
-AOT table (no spills on sm_80/86). GPU: both variants at the DSv4 shape, every split class,
+CPU through the Triton interpreter (fp16 q: the interpreter's bf16 tl.dot is wrong; the decoded keys of
+these caches are exact in fp16) against the float64 reference with outputs poisoned first: adversarial
+slots, no sink, no keys, strided arguments, every launch config a benchmark can pick, caches that are not
+16-byte aligned (paged_chunk128 with its 16-byte reads off, ALIGN False); the plan; bad arguments; the AOT
+table (no spills on sm_80/86). GPU: both variants at the DSv4 shape, every split class, unaligned caches,
 CUDA-graph replay on new inputs == eager, torch.compile(fullgraph=True) through the composite.
-v3 needs 16-byte aligned caches (vLLM's pages are multiples of 576 B): the caches here have
-16-byte aligned pages, and one test checks that an unaligned cache falls back to v1.
 """
 
 import os
@@ -15,24 +17,54 @@ import pytest
 import torch
 
 import dsv4_ops  # noqa: F401
-from dsv4_ops import dispatch, dsv4_decode, paged_decode, paged_plan, reference
+from dsv4_ops import dispatch, dsv4_decode, envs, paged_decode, paged_plan, reference
 from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
 from dsv4_ops.csrc_triton.decode import paged_f16dot as _v4k
+from dsv4_ops.layout import min_page_bytes
 from dsv4_ops.testing import arch_programs_an_sm, assert_attention_close, capture_graph, poison_like, rng, short_id
-
-from test_decode_paged_chunk64 import case as _case
-from test_decode_paged_chunk64 import cpu
 
 D = 512
 SM_SCALE = D ** -0.5
+ops = torch.ops.dsv4_ampere
+
+
+def make_cache(block_size, nblk, seed, extra=8):
+    """A paged cache of valid records (reference insert), pages padded by ``extra`` bytes."""
+    cache = torch.zeros(nblk, min_page_bytes(block_size) + extra, dtype=torch.uint8)
+    rows = (torch.randn(nblk * block_size, D, generator=rng(seed)) * 2).to(torch.bfloat16)
+    reference.ref_kv_cache_insert(rows, cache, torch.arange(nblk * block_size), block_size)
+    return cache
+
+
+def base_case(T, H, K1, K2, slot_dtype=torch.int32, seed=0, bs_c=4, nb_c=6, bs_w=8, nb_w=2, lens=(True, True),
+              q_dtype=torch.float16, device="cpu"):
+    """Inputs of one paged decode call: slots in [-3, cap + 3] (negative, valid, past the end); pages of
+    584 * block_size + 8 bytes (not a multiple of 16); lengths of T + 2 / T + 1 entries (past T unread)."""
+    g = rng(seed)
+    cc, cw = make_cache(bs_c, nb_c, seed), make_cache(bs_w, nb_w, seed + 1)
+    cap_c, cap_w = bs_c * nb_c, bs_w * nb_w
+    topk = torch.randint(-3, cap_c + 4, (T, K1), generator=g)
+    swa = torch.randint(-3, cap_w + 4, (T, K2), generator=g)
+    tl = torch.randint(0, K1 + 3, (T + 2,), generator=g).to(torch.int32) if lens[0] else None
+    sl = torch.randint(0, K2 + 3, (T + 1,), generator=g).to(slot_dtype) if lens[1] else None
+    q = torch.randn(T, H, D, generator=g).to(q_dtype)
+    sink = torch.randn(H, generator=g)
+    dev = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return dict(q=dev(q), compressed_cache=dev(cc), topk_slots=dev(topk.to(slot_dtype)), topk_length=dev(tl),
+                compressed_block_size=bs_c, swa_cache=dev(cw), swa_slots=dev(swa.to(slot_dtype)),
+                swa_length=dev(sl), swa_block_size=bs_w, sink=dev(sink), sm_scale=SM_SCALE)
+
+
+def cpu(args):
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
 def case(*a, **k):
-    """test_decode_paged_chunk64.case with 16-byte aligned pages (584 * block_size + 16 bytes for the
-    block sizes used here: 4 -> 2352, 8 -> 4688, 64 -> 37392)."""
+    """base_case with 16-byte aligned pages (584 * block_size + 16 bytes for the block sizes used
+    here: 4 -> 2352, 8 -> 4688, 64 -> 37392)."""
     k.setdefault("bs_c", 4)
     k.setdefault("bs_w", 8)
-    args = _case(*a, **k)
+    args = base_case(*a, **k)
     for name in ("compressed_cache", "swa_cache"):
         c = args[name]
         pad = (-c.shape[1]) % 16
@@ -43,10 +75,41 @@ def case(*a, **k):
     return args
 
 
+# How a cache is made not 16-byte aligned: its first byte 2 bytes into a 16-byte aligned buffer
+# ("address"), its page stride 6 bytes past a multiple of 16 ("stride"), or both. check_cache takes
+# any even address and stride (the RoPE dims are 2-byte words).
+MISALIGNMENTS = {"address": (2, 0), "stride": (0, 6), "both": (2, 6)}
+
+
+def misaligned(cache, how, junk=0xFF):
+    """The pages of ``cache`` (uint8 [nblk, page_bytes]) in a view that is not 16-byte aligned
+    (MISALIGNMENTS[how]): its page stride page_bytes rounded up to 16, plus the stride pad; the view
+    ``offset`` bytes into a larger buffer. Every byte of the buffer outside the pages (before, between,
+    after) is ``junk`` (0xFF: an E4M3 NaN code, a 2**128 scale), so a read outside a page shows."""
+    offset, pad = MISALIGNMENTS[how]
+    nblk, width = cache.shape
+    stride = -(-width // 16) * 16 + pad
+    buf = torch.full((offset + nblk * stride + 64,), junk, dtype=torch.uint8, device=cache.device)
+    view = buf.as_strided((nblk, width), (stride, 1), offset)
+    view.copy_(cache[:, :width])
+    assert view.storage_offset() == offset and view.stride(0) == stride
+    assert (view.data_ptr() % 16 != 0) == bool(offset) and (stride % 16 != 0) == bool(pad)
+    return view
+
+
+def unaligned_case(*a, how="both", which=("compressed_cache", "swa_cache"), **k):
+    """base_case with ``which`` caches not 16-byte aligned (``misaligned``)."""
+    args = base_case(*a, **k)
+    for name in which:
+        args[name] = misaligned(args[name], how)
+    assert not paged_plan.paged_aligned(args["compressed_cache"], args["swa_cache"])
+    return args
+
+
 def run_and_check(args, num_splits, device, config=""):
     T, H = args["q"].shape[:2]
     out = poison_like(torch.empty(T, H, D, dtype=torch.bfloat16, device=device))
-    got, lse = paged_decode.dsv4_decode_fused(**args, num_splits=num_splits, out=out, form="v3", config=config)
+    got, lse = paged_decode.dsv4_decode_fused(**args, num_splits=num_splits, out=out, config=config)
     assert got is out
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
@@ -64,7 +127,7 @@ def test_v3_matches_float64_reference(interpret, T, H, K1, K2, slot_dtype, lens,
 
 @pytest.mark.parametrize("config", sorted(_vk.V3_CANDIDATES))
 def test_v3_every_candidate_config_matches_reference(interpret, config):
-    """Every config bench_decode_paged.py may time (and so may be dispatched) is correct."""
+    """Every paged_chunk128 config a caller or DSV4_AMPERE_DECODE_CONFIG may force is correct."""
     args = case(3, 20, 40, 9, seed=17, device=interpret)
     args["topk_slots"][0, :3] = torch.tensor([-1, 10 ** 6, 5]).to(torch.int32).to(interpret)
     run_and_check(args, 1, interpret, config)
@@ -197,57 +260,350 @@ def test_v3_adversarial_slots(interpret, slot_dtype):
     run_and_check(args, 5, interpret)
 
 
-def test_v3_unaligned_cache_falls_back_to_v1(interpret, monkeypatch):
-    """A cache whose page stride is not a multiple of 16 runs the v1 kernel (same results)."""
-    args = _case(2, 8, 9, 4, seed=9, device=interpret)  # pages of 584 * 4 + 8 bytes
-    assert args["compressed_cache"].stride(0) % 16
+# ---- caches that are not 16-byte aligned: paged_chunk128 with its 16-byte reads off (ALIGN False) ----
+
+
+def unaligned_config():
+    """The paged_chunk128 config every plan over unaligned caches runs (spill-free with ALIGN off)."""
+    return _vk.V3_UNALIGNED[0]
+
+
+def spy_plans(monkeypatch):
+    """The PagedPlans the op's calls make, in order."""
     made = []
     real = paged_plan.make_paged_plan
     monkeypatch.setattr(paged_plan, "make_paged_plan", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    out, lse = paged_decode.dsv4_decode_fused(**args, num_splits=1, form="v3")
-    assert [p.form for p in made] == ["v1"]
-    want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
-    assert_attention_close(out.cpu(), lse.cpu(), want, want_lse)
+    return made
+
+
+def plan_of(args, num_splits=0, config=""):
+    """make_paged_plan of the op's call on ``args`` (metadata only: nothing runs)."""
+    T, H = args["q"].shape[:2]
+    out = torch.empty(T, H, D, dtype=torch.bfloat16, device=args["q"].device)
+    return paged_plan.make_paged_plan(args["q"], args["compressed_cache"], args["topk_slots"], args["topk_length"],
+                                      args["compressed_block_size"], args["swa_cache"], args["swa_slots"],
+                                      args["swa_length"], args["swa_block_size"], args["sink"] is not None,
+                                      num_splits, out, "portable", config)
+
+
+def assert_unaligned_plan(p, T, H):
+    """The paged_chunk128 kernel in its unaligned config (V3_UNALIGNED) with ALIGN, its last constexpr,
+    off; never the balanced split (a paged_f16dot form)."""
+    assert p.kernel is paged_plan._v3_kernel and p.config == unaligned_config(), p.config
+    assert p.consts[-1] is False and not p.balanced
+    assert p.plan_arg is False
+
+
+def test_misaligned_views_are_what_the_op_accepts_and_hold_the_records():
+    """The views of MISALIGNMENTS: the address 2 bytes past 16-byte alignment and / or the page stride
+    6 bytes past a multiple of 16; the op's cache check takes them (an even address and stride), the
+    records are the aligned cache's byte for byte, and an odd offset or stride is refused."""
+    from dsv4_ops import kv_cache
+
+    cache = make_cache(4, 3, seed=1)
+    for how, (offset, pad) in MISALIGNMENTS.items():
+        v = misaligned(cache, how)
+        kv_cache.check_cache(v, 4)
+        assert (v.data_ptr() % 16, v.stride(0) % 16) == (offset, pad)
+        assert torch.equal(v, cache[:, :v.shape[1]]) and v.shape[1] == cache.shape[1]
+        assert not paged_plan.paged_aligned(v, cache) and not paged_plan.paged_aligned(cache, v)
+    assert paged_plan.paged_aligned(case(1, 1, 1, 1)["compressed_cache"], case(1, 1, 1, 1)["swa_cache"])
+    buf = torch.zeros(cache.numel() + 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="cache"):  # an odd address: the RoPE dims are 2-byte words
+        kv_cache.check_cache(buf.as_strided(cache.shape, (cache.shape[1] + 16, 1), 1), 4)
+    with pytest.raises(ValueError, match="cache"):  # an odd page stride
+        kv_cache.check_cache(buf.as_strided((2, cache.shape[1]), (cache.shape[1] + 1, 1), 0), 4)
+
+
+@pytest.mark.parametrize("which", [("compressed_cache",), ("swa_cache",), ("compressed_cache", "swa_cache")],
+                         ids=["compressed", "window", "both"])
+@pytest.mark.parametrize("how", sorted(MISALIGNMENTS))
+@pytest.mark.parametrize("T,H", [(1, 8), (4, 8), (16, 8), (64, 8), (16, 64), (64, 64), (1, 128), (256, 8)])
+def test_unaligned_caches_plan_paged_chunk128_with_align_off(T, H, how, which):
+    """Either cache not 16-byte aligned (address, page stride or both): the op's plan is paged_chunk128's
+    unaligned config with ALIGN off, also where the aligned plan is a paged_f16dot config (T = 16,
+    64, 256 at H = 8; the H = 64 windows; T = 1, H = 128), at the planner's split count for unaligned
+    caches; the same shape over aligned caches plans the planner's config (ALIGN on for paged_chunk128)."""
+    dd = dispatch.decode
+    kw = dict(bs_c=64, nb_c=2, bs_w=64, nb_w=2, lens=(True, False))
+    aligned = case(T, H, 512, 128, seed=T + H, **kw)
+    sms, smem = dispatch.device.num_sms_at(-1), dispatch.device.smem_per_block(-1)
+    want = dd.plan_step(T, H, 640, sms, smem, (64, 64), lengths=True)
+    p = plan_of(aligned)
+    assert (p.config, p.splits) == (want.config, want.splits)
+    if dd.is_f16dot(dd.v3_config(want.config)):
+        assert p.kernel is not paged_plan._v3_kernel and p.plan_arg
+    else:
+        assert p.kernel is paged_plan._v3_kernel and p.consts[-1] is True
+    un = unaligned_case(T, H, 512, 128, seed=T + H, how=how, which=which, **kw)
+    p = plan_of(un)
+    assert_unaligned_plan(p, T, H)
+    assert p.splits == dd.plan_step(T, H, 640, sms, smem, (64, 64), lengths=True, aligned=False).splits
+    assert p.splits <= dd.split_cap(T, H)
+    # a forced config (the caller's, or DSV4_AMPERE_DECODE_CONFIG), paged_f16dot's or paged_chunk128's
+    # aligned one, runs the unaligned config too (the one the AOT table compiles with ALIGN off)
+    assert_unaligned_plan(plan_of(un, 2, "kh16n32w4"), T, H)
+    assert_unaligned_plan(plan_of(un, 2, "h16n16w4"), T, H)
+    with envs.override(**{envs.DECODE_CONFIG: "kh32n64w8"}):
+        assert_unaligned_plan(plan_of(un), T, H)
+        assert plan_of(aligned).config == "kh32n64w8"
+
+
+def test_the_paged_f16dot_shapes_are_in_the_unaligned_plan_test():
+    """The shapes above include plans the aligned caches run on paged_f16dot (else the fallback is untested):
+    on this machine's plan (no CUDA device: 108 SMs, an A100's shared memory), where V3_COST moves T = 64,
+    H = 8 from the window's kh16n64w8 to kh16n32w4."""
+    dd = dispatch.decode
+    sms, smem = dispatch.device.num_sms_at(-1), dispatch.device.smem_per_block(-1)
+    assert (sms, smem) == (108, 163 * 1024)
+    got = {(T, H): dd.plan_step(T, H, 640, sms, smem, (64, 64)).config
+           for T, H in [(16, 8), (64, 8), (16, 64), (64, 64), (1, 128), (256, 8)]}
+    assert got == {(16, 8): "kh16n32w4", (64, 8): "kh16n32w4", (16, 64): "kh32n64w8", (64, 64): "kh32n64w8",
+                   (1, 128): "kh16n64w8", (256, 8): "kh16n32w4"}
+    assert dd.resolve_config(64, 8, 640, smem)[0] == "kh16n64w8"
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0], ids=["direct", "S3", "plan"])
+@pytest.mark.parametrize("lens", [(True, True), (False, False)], ids=["tl-sl", "nolen"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+def test_unaligned_caches_match_float64_reference(interpret, monkeypatch, slot_dtype, lens, splits):
+    """Both caches at an address 2 bytes past 16-byte alignment with page strides 6 bytes past a multiple
+    of 16 (junk bytes around every page): the op runs paged_chunk128 with ALIGN off and gives the float64
+    reference's output, with and without lengths, int32 and int64 slots, direct and split."""
+    T, H = 3, 20  # two head groups, the last partial
+    args = unaligned_case(T, H, 40, 9, slot_dtype, seed=51 + splits, lens=lens, device=interpret)
+    made = spy_plans(monkeypatch)
+    run_and_check(args, splits, interpret)
+    (p,) = made
+    assert_unaligned_plan(p, T, H)
+    planned = dispatch.decode.plan_step(T, H, 49, dispatch.device.num_sms_at(-1), -1, (4, 8), lengths=lens[0],
+                                        int32_slots=slot_dtype == torch.int32, aligned=False).splits
+    assert p.splits == (splits or planned) and p.direct == (p.splits == 1)
+
+
+@pytest.mark.parametrize("how", ["address", "stride"])
+def test_unaligned_one_cache_and_forced_configs_match_float64_reference(interpret, monkeypatch, how):
+    """One cache misaligned (the address alone, or the page stride alone), the other aligned; a forced
+    config (paged_f16dot's or paged_chunk128's) runs paged_chunk128's unaligned config."""
+    T, H = 2, 8
+    args = unaligned_case(T, H, 24, 16, seed=57, how=how, which=("swa_cache" if how == "address" else
+                                                                  "compressed_cache",), device=interpret)
+    made = spy_plans(monkeypatch)
+    run_and_check(args, 2, interpret, "kh16n32w4")
+    run_and_check(args, 1, interpret, "h16n16w4")
+    assert_unaligned_plan(made[0], T, H)
+    assert_unaligned_plan(made[1], T, H)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+def test_unaligned_adversarial_slots(interpret, monkeypatch, slot_dtype):
+    """Out-of-range, negative, dtype extremes and repeated slots over unaligned caches: masked or counted
+    each time (a slot one past the capacity would read the junk between pages)."""
+    args = unaligned_case(2, 8, 24, 8, slot_dtype, seed=21, lens=(False, False), device=interpret)
+    info = torch.iinfo(slot_dtype)
+    ext = torch.tensor([info.min, info.max, -1, 2 ** 31 - 1, -(2 ** 31), 24, 23, 0], dtype=torch.int64)
+    if slot_dtype == torch.int64:
+        ext[3] = 2 ** 40
+    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(interpret)
+    args["topk_slots"][1] = 5  # one slot repeated 24 times
+    args["swa_slots"][0, :4] = torch.tensor([info.max, info.min, 16, 15], dtype=torch.int64).to(slot_dtype).to(interpret)
+    made = spy_plans(monkeypatch)
+    run_and_check(args, 1, interpret)
+    run_and_check(args, 5, interpret)
+    assert [p.splits for p in made] == [1, 5]
+    for p in made:
+        assert_unaligned_plan(p, 2, 8)
+
+
+def test_unaligned_no_sink_and_no_keys(interpret):
+    """No sink; a token whose every entry is invalid: out 0, lse -inf (sink None) / the sink, never NaN."""
+    args = unaligned_case(2, 5, 12, 4, seed=3, device=interpret)
+    args["topk_slots"][1] = -1
+    args["swa_slots"][1] = 10 ** 6
+    run_and_check(args, 1, interpret)
+    run_and_check(dict(args, sink=None), 1, interpret)
+    run_and_check(dict(args, sink=None), 4, interpret)
+
+
+def test_strided_slots_q_and_out(interpret):
+    """Slot rows and q rows with a stride (column slices), out a slice of a wider buffer (the rest of it
+    untouched), over unaligned caches and aligned ones."""
+    for make in (unaligned_case, case):
+        args = make(2, 8, 9, 4, seed=9, device=interpret)
+        wide = torch.full((2, 15), -1, dtype=torch.int32, device=interpret)
+        wide[:, 3:12] = args["topk_slots"]
+        qw = torch.zeros(2, 10, D, dtype=args["q"].dtype, device=interpret)
+        qw[:, 1:9] = args["q"]
+        buf = poison_like(torch.empty(2, 10, D, dtype=torch.bfloat16, device=interpret))
+        sliced = dict(args, topk_slots=wide[:, 3:12], q=qw[:, 1:9])
+        out, lse = paged_decode.dsv4_decode_fused(**sliced, num_splits=2, out=buf[:, 2:10])
+        want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
+        assert_attention_close(buf[:, 2:10].cpu(), lse.cpu(), want, want_lse)
+        assert torch.isnan(buf[:, :2].float()).all()
+
+
+def test_the_split_cap_applies_to_direct_op_calls():
+    """num_splits 0 on a direct op call: the plan's split count, capped so that the partials stay under
+    PAGED_PARTIALS_MAX_BYTES (dispatch.decode.split_cap), as the composite's (T = 256, H = 8, K = 640:
+    kh16n32w4, 4 splits modelled, 3 run); a caller's count is the caller's."""
+    dd = dispatch.decode
+    T, H = 256, 8
+    args = case(T, H, 512, 128, seed=5, bs_c=64, nb_c=2, bs_w=64, nb_w=2)
+    sms, smem = dispatch.device.num_sms_at(-1), dispatch.device.smem_per_block(-1)
+    cfg = dd.v3_config("kh16n32w4")
+    assert dd.v3_splits(T, H, 640, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], "kh16n32w4", smem) == 4
+    assert dd.split_cap(T, H) == 3
+    p = plan_of(args)
+    assert (p.config, p.splits) == ("kh16n32w4", 3)
+    assert "capped at 3" in dd.plan_step(T, H, 640, sms, smem, (64, 64), lengths=True).why
+    assert plan_of(args, 4).splits == 4
+    assert T * H * p.splits * (D + 1) * 4 <= dd.PAGED_PARTIALS_MAX_BYTES < T * H * 4 * (D + 1) * 4
+
+
+def test_reference_equals_the_workspace_composite_on_cpu(monkeypatch):
+    """The op's reference against the two-op composite (gather + sparse_mla_decode: mode tiles) on the
+    CPU, over aligned and unaligned caches."""
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
+    for make in (case, unaligned_case):
+        args = make(3, 8, 20, 8, seed=5, q_dtype=torch.bfloat16)
+        args.pop("swa_length")
+        want = dsv4_decode.dsv4_decode_attention(**args)
+        got = reference.ref_dsv4_decode_fused(**args, swa_length=None)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("mode", ["auto", "v3"])
+def test_composite_paged_route_on_cpu_equals_the_workspace_step(monkeypatch, mode):
+    """Modes auto and v3: the composite's one op call gives the workspace step's outputs (mode tiles),
+    into the caller's out, over aligned and unaligned caches."""
+    for make in (case, unaligned_case):
+        args = make(4, 8, 512, 128, seed=12, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
+        sl = args.pop("swa_length")
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
+        want = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl)
+        monkeypatch.setenv(dispatch.decode.ENV_VAR, mode)
+        assert dispatch.decode.route(dispatch.decode.mode()) == "paged"
+        out = poison_like(torch.empty_like(args["q"]))
+        got = dsv4_decode.dsv4_decode_attention(**args, swa_length=sl, out=out)
+        assert got[0] is out
+        assert torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("q_dtype", "q"), ("float_slots", "topk_slots"), ("short_len", "swa_length"), ("rows", "swa_slots"),
+    ("cache_dtype", "cache"), ("sink_shape", "sink"), ("out_shape", "out"), ("splits", "num_splits"),
+    ("block_size", "pages"), ("odd_stride", "cache"), ("odd_address", "cache")])
+def test_bad_arguments_raise(bad, match):
+    """The op launcher and the op itself refuse each bad argument by name (an odd page stride or an odd
+    cache address among them: the paged kernels read 2-byte words at least)."""
+    args = case(2, 4, 6, 4, seed=4, q_dtype=torch.bfloat16)
+    out = torch.zeros(2, 4, D, dtype=torch.bfloat16)
+    splits = 0
+    if bad == "q_dtype":
+        args["q"] = args["q"].float()
+    elif bad == "float_slots":
+        args["topk_slots"] = args["topk_slots"].float()
+    elif bad == "short_len":
+        args["swa_length"] = args["swa_length"][:1]
+    elif bad == "rows":
+        args["swa_slots"] = args["swa_slots"][:1]
+    elif bad == "cache_dtype":
+        args["swa_cache"] = args["swa_cache"].to(torch.int8)
+    elif bad == "sink_shape":
+        args["sink"] = args["sink"][:3]
+    elif bad == "out_shape":
+        out = out[:, :3]
+    elif bad == "splits":
+        splits = 65
+    elif bad == "block_size":
+        args["compressed_block_size"] = 64
+    elif bad in ("odd_stride", "odd_address"):
+        c = args["compressed_cache"]
+        buf = torch.zeros(c.numel() + c.shape[0] + 64, dtype=torch.uint8)
+        stride, offset = (c.shape[1] + 1, 0) if bad == "odd_stride" else (c.shape[1], 1)
+        args["compressed_cache"] = buf.as_strided(c.shape, (stride, 1), offset)
+        args["compressed_cache"].copy_(c)
+    with pytest.raises(ValueError, match=match):
+        paged_decode.dsv4_decode_fused(**args, num_splits=splits, out=out)
+    with pytest.raises(ValueError, match=match):
+        ops.dsv4_decode_fused_out(*args.values(), splits, out)
 
 
 @pytest.mark.parametrize("T,H,sms", [(1, 8, 132), (4, 64, 132), (64, 64, 132), (128, 8, 108), (256, 128, 132),
-                                     (64, 8, 132), (64, 16, 108), (1, 128, 132), (16, 8, 132)])
+                                     (64, 8, 132), (64, 16, 108), (1, 128, 132), (16, 8, 132), (256, 8, 108)])
 def test_v3_plan_is_static_and_sane(T, H, sms):
-    p = dispatch.decode.v3_plan(T, H, 640, sms)
+    """plan_step's plan: a dispatched config, a balanced split count of least modelled time on these SMs
+    (dispatch.decode.V3_COST) unless that many splits' partials pass PAGED_PARTIALS_MAX_BYTES (then the
+    cap, split_cap), the same every call."""
+    dd = dispatch.decode
+    p = dd.plan_step(T, H, 640, sms)
     nb = -(-640 // p.block_n)
     assert p.kernel == "v3" and 1 <= p.splits <= min(nb, 64) and p.direct == (p.splits == 1)
-    assert p.groups * p.block_h >= H
-    assert dispatch.decode.v3_config_name(T, H) in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
+    assert p.groups * p.block_h >= H and p.groups == -(-H // p.block_h)
+    assert dd.resolve_config(T, H, 640)[0] in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
     assert p.config in _vk.V3_DISPATCHED + _v4k.V4_DISPATCHED
-    # no balanced count has a shorter modelled time on these SMs (dispatch.decode.V3_COST)
+    assert (p.block_h, p.block_n) == (dd.v3_config(p.config)["BLOCK_H"], dd.v3_config(p.config)["BLOCK_N"])
+
     def cost(s):
-        return dispatch.decode.v3_cost_us(T, H, 640, sms, p.config, s)
-    assert p.splits in dispatch.decode.balanced_splits(nb)
-    assert all(cost(p.splits) <= cost(s) for s in dispatch.decode.balanced_splits(nb))
-    assert dispatch.decode.v3_plan(T, H, 640, sms) == p
+        return dd.v3_cost_us(T, H, 640, sms, p.config, s)
+
+    counts = dd.balanced_splits(nb)
+    best = min(counts, key=lambda s: (cost(s), s))
+    assert p.splits == min(best, dd.split_cap(T, H))
+    assert ("capped at" in p.why) == (best > dd.split_cap(T, H))
+    assert dd.plan_step(T, H, 640, sms) == p
 
 
-def test_v3_mode_routes_the_composite(monkeypatch):
-    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
-    assert dispatch.decode.mode() == "v3" and dispatch.decode.fused_form(64, 64, 640) == "v3"
-    monkeypatch.setenv(dispatch.decode.ENV_VAR, "fused")
-    assert dispatch.decode.fused_form(64, 64, 640) == "v1"
+def test_the_plan_is_data_and_why_is_not_part_of_it():
+    """DecodePlan equality is the launch's facts: two plans alike but for their reasons are equal."""
+    import dataclasses
+
+    p = dispatch.decode.plan_step(4, 8, 640, 108)
+    assert dataclasses.replace(p, why="another reason") == p
+    assert dataclasses.replace(p, splits=p.splits + 1) != p
 
 
-def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results):
-    """Every dispatched v3 specialization compiles for sm_80 and sm_86, fits shared memory,
-    holds no e4m3 cvt, and spills nothing."""
+def test_modes_route_the_composite(monkeypatch):
+    """v3 and auto take the paged op whatever the shape; the removed 'fused' mode is refused by name."""
+    dd = dispatch.decode
+    for m in ("v3", "auto"):
+        monkeypatch.setenv(dd.ENV_VAR, m)
+        assert dd.mode() == m and dd.route(dd.mode()) == "paged" and "paged op" in dd.resolve_route(m)[1]
+    monkeypatch.setenv(dd.ENV_VAR, "fused")
+    with pytest.raises(ValueError, match=dd.ENV_VAR):
+        dd.mode()
+
+
+@pytest.mark.parametrize("prefix", ["v3-", "v3u-"], ids=["aligned", "unaligned"])
+def test_aot_v3_kernels_compile_for_sm80_and_sm86(aot_results, prefix):
+    """Every dispatched paged_chunk128 specialization, with its 16-byte reads (v3-, ALIGN on: the
+    V3_DISPATCHED configs) and without (v3u-, ALIGN off: V3_UNALIGNED, for caches that are not 16-byte
+    aligned), compiles for sm_80 and sm_86, fits shared memory, holds no e4m3 cvt, and spills nothing
+    (with ALIGN off h16n32w4 spilled 1.8-2.2 KB a thread and h16n16w4 up to 72 B: hence h16n32w8)."""
     from dsv4_ops import aot
 
-    results = [r for r in aot_results if r.label.startswith("v3-") and r.variant == "portable"]
+    results = [r for r in aot_results if r.label.startswith(prefix) and r.variant == "portable"]
     assert {r.arch for r in results} == set(aot.AMPERE_ARCHS)
-    specs = [s for s in paged_decode.aot_specs() if s.label.startswith("v3-") and s.variant == "portable"]
-    assert len(specs) == 18 * len(_vk.V3_DISPATCHED) and len(results) == 2 * len(specs)
+    specs = [s for s in paged_decode.aot_specs() if s.label.startswith(prefix) and s.variant == "portable"]
+    configs = _vk.V3_DISPATCHED if prefix == "v3-" else _vk.V3_UNALIGNED
+    assert {s.label.split("[")[0][len(prefix):] for s in specs} == set(configs)
+    assert all(s.constexprs["ALIGN"] is (prefix == "v3-") for s in specs)
+    assert len(specs) == 18 * len(configs) and len(results) == 2 * len(specs)
     failed = [f"sm_{r.arch} {r.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     for r in results:
         assert r.shared_bytes <= aot.SMEM_LIMIT[r.arch] and r.registers <= 255
         assert r.spill_bytes == 0, f"sm_{r.arch} {r.label} spills {r.spill_bytes} B"
+
+
+def test_aot_specs_are_the_two_paged_kernels_only():
+    """The paged op's AOT table holds paged_chunk128 (aligned and unaligned reads) and paged_f16dot (and
+    the balanced split's planning kernel and its merge): the v1 kernel (paged_chunk64) is gone."""
+    labels = {s.label.split("[")[0] for s in paged_decode.aot_specs() if s.op == "dsv4_decode_fused_out"}
+    prefixes = {lab.split("-")[0] for lab in labels}
+    assert prefixes <= {"v3", "v3u", "v4", "balance", "merge"}, prefixes
+    assert {"v3", "v3u", "v4"} <= prefixes
+    assert not any(lab.startswith("fused") for lab in labels)
 
 
 def test_aot_v4_kernels_compile_for_sm80_and_sm86(aot_results):
@@ -323,21 +679,25 @@ def test_the_cost_models_programs_an_sm_are_the_compiles_on_sm80_and_sm86(aot_re
 
 
 def test_the_shared_memory_gate_picks_kh32_only_where_it_fits(monkeypatch):
-    """AUTO_V3_SMEM_WINDOWS: kh32n64w8 (108 KB) runs where the device's blocks hold it (an A100,
-    an H200), never on sm_86 (99 KB), where the shape keeps its other choice; the composite
-    routes by the same rule."""
-    monkeypatch.delenv(dispatch.decode.ENV_VAR, raising=False)
+    """CONFIG_WINDOWS' shared-memory rows: kh32n64w8 (108 KB) runs where the device's blocks hold it (an
+    A100, an H200), never on sm_86 (99 KB), where the shape keeps its other choice (the next row that
+    holds it, else paged_chunk128's); the composite takes the paged op either way."""
+    dd = dispatch.decode
+    monkeypatch.delenv(dd.ENV_VAR, raising=False)
     a100, sm86, h200 = 163 * 1024, 99 * 1024, 227 * 1024
-    for T, _, H, _, K, _ in dispatch.windows.AUTO_V3_SMEM_WINDOWS:  # each window's lowest T and H
+    rows = [r for r in dispatch.windows.CONFIG_WINDOWS if r[-1] == "kh32n64w8"]
+    assert rows and not dd.config_fits("kh32n64w8", sm86)
+    assert dispatch.windows.CONFIG_WINDOWS[:len(rows)] == tuple(rows)  # the shared-memory rows first
+    for T, _, H, _, K, _ in rows:  # each row's lowest T and H
         for smem in (a100, h200):
-            assert dispatch.decode.v3_config_name(T, H, K, smem) == "kh32n64w8"
-            assert dispatch.decode.auto_is_v3(T, H, K, smem) and dispatch.decode.fused_form(T, H, K, smem) == "v3"
-            assert dispatch.decode.route("auto", T, H, K, smem) == "v3"
-        assert dispatch.decode.v3_config_name(T, H, K, sm86) != "kh32n64w8"
-        base = any(t_lo <= T <= t_hi and h_lo <= H <= h_hi and K == k
-                   for t_lo, t_hi, h_lo, h_hi, k in dispatch.windows.AUTO_V3_WINDOWS)
-        assert dispatch.decode.auto_is_v3(T, H, K, sm86) == base
-        assert dispatch.decode.route("auto", T, H, K, sm86) == ("v3" if base else "paged")
+            assert dd.resolve_config(T, H, K, smem)[0] == "kh32n64w8"
+            assert "CONFIG_WINDOWS row" in dd.resolve_config(T, H, K, smem)[1]
+        got = dd.resolve_config(T, H, K, sm86)[0]
+        others = [r[-1] for r in dispatch.windows.CONFIG_WINDOWS
+                  if r[-1] != "kh32n64w8" and r[0] <= T <= r[1] and r[2] <= H <= r[3] and K == r[4]]
+        assert got == (others[0] if others else ("h16n16w4" if T <= 1 and H <= 16 else "h16n32w4")), (T, H, K)
+        assert dd.config_fits(got, sm86)
+        assert dd.route(dd.mode()) == "paged"
     # no CUDA device here: the plan is made for an A100's 163 KiB
     assert dispatch.device.smem_per_block(-1) == dispatch.device.DEFAULT_SMEM_BYTES == a100
 
@@ -359,9 +719,11 @@ def test_sms_env_overrides_the_device_count(monkeypatch):
                                         (64, 64, 256, "kh32n64w8"), (64, 64, 640, "kh32n64w8"), (1, 8, 256, "h16n16w4"),
                                         (16, 16, 256, "h16n32w4")])
 def test_v3_config_is_the_measured_winner(T, H, K, want):
-    """decode_paged_f16dot.md (H200 call 2): the config v3_config_name picks at every measured dispatched shape;
-    T = 16, H = 64: decode_sms_call1.md (kh32n64w8 27.5 us against kh16n32w4's 30.7 at 132 SMs)."""
-    assert dispatch.decode.v3_config_name(T, H, K) == want
+    """decode_paged_f16dot.md (H200 call 2): the config the windows give (resolve_config without an SM
+    count, on an A100's shared memory) at every measured dispatched shape; T = 16, H = 64:
+    decode_sms_call1.md (kh32n64w8 27.5 us against kh16n32w4's 30.7 at 132 SMs)."""
+    name, why = dispatch.decode.resolve_config(T, H, K)
+    assert name == want and ("CONFIG_WINDOWS row" in why) == want.startswith("k")
 
 
 @pytest.mark.parametrize("T,H,K,config,want", [(1, 8, 640, "h16n16w4", 40), (4, 8, 640, "h16n32w4", 20),
@@ -372,21 +734,28 @@ def test_v3_config_is_the_measured_winner(T, H, K, want):
                                                (64, 64, 256, "kh16n32w4", 1), (16, 16, 256, "h16n32w4", 8)])
 def test_v3_splits_of_the_32_key_configs_are_the_measured_ones(T, H, K, config, want):
     """decode_paged_chunk128.md / decode_paged_f16dot.md / decode_paged_f16dot_splits.md (H200, 132 SMs): the best split count
-    measured at each shape (T = 16, H = 64: S = 4 30.6 us against S = 3 39.1)."""
-    assert dispatch.decode.v3_plan(T, H, K, 132, 0, config).splits == want
+    measured at each shape (T = 16, H = 64: S = 4 30.6 us against S = 3 39.1), within the partials cap."""
+    p = dispatch.decode.plan_step(T, H, K, 132, config=config)
+    assert (p.config, p.splits) == (config, want) and want <= dispatch.decode.split_cap(T, H)
 
 
 def test_v3_splits_of_the_64_key_configs_are_the_measured_ones():
     """decode_paged_f16dot.md: kh16n64w8 at T = 64, H <= 16: S = 2 (of 1, 2, 3); T = 1, H = 128: S = 10."""
-    assert dispatch.decode.v3_plan(64, 8, 640, 132, 0, "kh16n64w8").splits == 2
-    assert dispatch.decode.v3_plan(64, 16, 640, 132, 0, "kh16n64w8").splits == 2
-    assert dispatch.decode.v3_plan(1, 128, 640, 132).splits == 10
+    dd = dispatch.decode
+    assert dd.plan_step(64, 8, 640, 132, config="kh16n64w8").splits == 2
+    assert dd.plan_step(64, 16, 640, 132, config="kh16n64w8").splits == 2
+    assert (dd.plan_step(1, 128, 640, 132).config, dd.plan_step(1, 128, 640, 132).splits) == ("kh16n64w8", 10)
 
 
 def test_v4_config_with_odd_block_sizes_runs_v3(interpret, monkeypatch):
     """The v4 kernel takes power-of-two block sizes as shifts; with others the v3 kernel runs
-    (same results)."""
+    paged_chunk128's config for the shape (same results), its reads aligned where the caches are."""
     args = case(3, 8, 40, 9, seed=43, bs_c=3, nb_c=7, bs_w=5, nb_w=3, device=interpret)
+    p = plan_of(args, 1, "kh16n32w4")
+    assert p.config == "h16n32w4" and p.kernel is paged_plan._v3_kernel and p.consts[-1] is True
+    assert plan_of(dict(args, q=args["q"][:1]), 1, "kh16n32w4").config == "h16n16w4"  # T = 1, H <= 16
+    why = dispatch.decode.plan_step(3, 8, 49, 108, block_sizes=(3, 5), config="kh16n32w4").why
+    assert "power-of-two" in why and "paged_chunk128" in why
     launched = []
     orig = type(paged_decode._v4_kernel).__call__
     monkeypatch.setattr(type(paged_decode._v4_kernel), "__call__",
@@ -421,7 +790,7 @@ def test_gpu_v3_matches_reference(variant, T, H, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", _vk.V3_DISPATCHED)
 def test_gpu_v3_every_dispatched_config(variant, config):
-    """(bench_decode_paged.py checks every config it times against the float64 reference too.)"""
+    """(dsv4-ops tune checks every config it times against the float64 reference too.)"""
     run_and_check(gpu_case(6, 40, seed=3), 1, "cuda", config)
     run_and_check(gpu_case(6, 40, seed=4), 3, "cuda", config)
 
@@ -495,12 +864,68 @@ def test_gpu_v4_stream_matches_reference(variant, config, T, H, splits):
 
 
 @pytest.mark.gpu
-def test_gpu_v3_int64_adversarial(variant):
-    args = gpu_case(3, 64, seed=2, slot_dtype=torch.int64)
+@pytest.mark.parametrize("make", ["aligned", "unaligned"])
+def test_gpu_v3_int64_adversarial(variant, make):
+    args = (gpu_case if make == "aligned" else gpu_unaligned_case)(3, 64, seed=2, slot_dtype=torch.int64)
     args["topk_slots"][0, :6] = torch.tensor([-(2 ** 63), 2 ** 63 - 1, 2 ** 40, -1, 16 * 64, 16 * 64 - 1]).cuda()
     args["topk_slots"][1] = 77
     run_and_check(args, 0, "cuda")
     run_and_check(args, 1, "cuda")
+
+
+def gpu_unaligned_case(T, H, seed, slot_dtype=torch.int32, how="both"):
+    """gpu_case with both caches not 16-byte aligned (``misaligned``: junk bytes around every page)."""
+    args = gpu_case(T, H, seed, slot_dtype)
+    for name in ("compressed_cache", "swa_cache"):
+        args[name] = misaligned(args[name], how)
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 7, 0], ids=["direct", "S2", "S7", "plan"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+@pytest.mark.parametrize("T,H", [(1, 8), (5, 16), (3, 64), (2, 128), (16, 8), (70, 8)])
+def test_gpu_unaligned_caches_match_reference(variant, monkeypatch, T, H, slot_dtype, splits):
+    """Compiled paged_chunk128 with ALIGN off (2-byte reads) over caches 2 bytes past 16-byte alignment
+    with page strides 6 past a multiple of 16, at the DSv4 shape (T = 16, 70, H = 8: shapes whose aligned
+    plan is paged_f16dot): the float64 reference's output, with and without lengths."""
+    args = gpu_unaligned_case(T, H, seed=T * 7 + H, slot_dtype=slot_dtype)
+    made = spy_plans(monkeypatch)
+    run_and_check(args, splits, "cuda")
+    run_and_check(dict(args, topk_length=None, swa_length=None), splits, "cuda")
+    assert len(made) == 2
+    for p in made:
+        assert_unaligned_plan(p, T, H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", sorted(MISALIGNMENTS))
+@pytest.mark.parametrize("config", _vk.V3_DISPATCHED)
+def test_gpu_unaligned_every_dispatched_config(variant, monkeypatch, how, config):
+    args = gpu_unaligned_case(6, 40, seed=3, how=how)
+    made = spy_plans(monkeypatch)
+    run_and_check(args, 1, "cuda", config)
+    run_and_check(args, 3, "cuda", config)
+    for p in made:
+        assert_unaligned_plan(p, 6, 40, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", ["aligned", "unaligned"])
+def test_gpu_paged_composite_equals_the_workspace_step(variant, monkeypatch, make):
+    """The composite's paged op (mode v3) and its workspace step (mode heads) on the same inputs, over
+    aligned and unaligned caches: both the float64 reference's output."""
+    args = (gpu_case if make == "aligned" else gpu_unaligned_case)(64, 64, seed=8)
+    common = {k: args[k] for k in ("q", "compressed_cache", "topk_slots", "swa_cache", "swa_slots", "sink",
+                                   "sm_scale", "compressed_block_size", "swa_block_size", "topk_length",
+                                   "swa_length")}
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "heads")
+    o_old, l_old = dsv4_decode.dsv4_decode_attention(**common)
+    monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
+    o_new, l_new = dsv4_decode.dsv4_decode_attention(**common)
+    want, want_lse = reference.ref_dsv4_decode_fused(**cpu(args), out_dtype=torch.float64)
+    assert_attention_close(o_new.cpu(), l_new.cpu(), want, want_lse)
+    assert_attention_close(o_old.cpu(), l_old.cpu(), want, want_lse)
 
 
 GRAPH_REPLAY_CONFIGS = ["", "kh16n32w4", "kh32n64w8"]
@@ -514,18 +939,29 @@ def test_gpu_v3_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, co
     graph_replay_equals_eager(monkeypatch, T, H, splits, config)
 
 
-def graph_replay_equals_eager(monkeypatch, T, H, splits, config):
-    """The composite's v3 form (with ``config`` forced through DSV4_AMPERE_DECODE_CONFIG, '' for
-    the dispatched one; a k... config runs csrc_triton.decode.paged_f16dot) captured in a CUDA
-    graph and replayed on new inputs: bit-identical to the eager paged op with that config."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["", "kh16n32w4"], ids=["dispatched", "kh16n32w4"])
+@pytest.mark.parametrize("T,H,splits", GRAPH_REPLAY_SHAPES)
+def test_gpu_unaligned_graph_replay_equals_eager(variant, monkeypatch, T, H, splits, config):
+    """The same over unaligned caches: paged_chunk128 with ALIGN off in the graph and in the eager op."""
+    graph_replay_equals_eager(monkeypatch, T, H, splits, config, unaligned=True)
+
+
+def graph_replay_equals_eager(monkeypatch, T, H, splits, config, unaligned=False):
+    """The composite's paged op (with ``config`` forced through DSV4_AMPERE_DECODE_CONFIG, '' for
+    the dispatched one; a k... config runs csrc_triton.decode.paged_f16dot over aligned caches)
+    captured in a CUDA graph and replayed on new inputs: bit-identical to the eager paged op with
+    that config. ``unaligned``: both caches not 16-byte aligned (gpu_unaligned_case), their views kept."""
     monkeypatch.setenv(dispatch.decode.ENV_VAR, "v3")
     if config:
         monkeypatch.setenv(dispatch.decode.CONFIG_ENV, config)
     else:
         monkeypatch.delenv(dispatch.decode.CONFIG_ENV, raising=False)
-    args = gpu_case(T, H, seed=4)
-    new = gpu_case(T, H, seed=5)
-    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    make = gpu_unaligned_case if unaligned else gpu_case
+    args = make(T, H, seed=4)
+    new = make(T, H, seed=5)
+    static = {k: (v if "cache" in k else v.clone()) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    assert paged_plan.paged_aligned(static["compressed_cache"], static["swa_cache"]) is not unaligned
     out = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda")
 
     def step():
@@ -540,7 +976,7 @@ def graph_replay_equals_eager(monkeypatch, T, H, splits, config):
             static[k].copy_(v)
     g.replay()
     torch.cuda.synchronize()
-    e_out, e_lse = paged_decode.dsv4_decode_fused(**new, num_splits=splits, form="v3", config=config)
+    e_out, e_lse = paged_decode.dsv4_decode_fused(**new, num_splits=splits, config=config)
     assert torch.equal(out, e_out) and torch.equal(g_lse, e_lse)
     want, want_lse = reference.ref_dsv4_decode_fused(**cpu(new), out_dtype=torch.float64)
     assert_attention_close(out.cpu(), g_lse.cpu(), want, want_lse)
@@ -568,11 +1004,13 @@ def test_gpu_v3_torch_compile_fullgraph(variant, monkeypatch, config):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_auto_v3_composite_traces_fullgraph_on_cpu():
-    """The composite's v3 routing (auto_is_v3 + the cache stride check) traces under
-    torch.compile(fullgraph=True): a data_ptr() check there broke it on the H200."""
-    args = case(3, 16, 512, 128, seed=6, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
-    assert dispatch.decode.auto_is_v3(3, 16, 640) and dispatch.decode.cache_aligned(args["compressed_cache"])
+@pytest.mark.parametrize("make", [case, unaligned_case], ids=["aligned", "unaligned"])
+def test_auto_composite_traces_fullgraph_on_cpu(make):
+    """The composite's paged route (the mode alone decides it; the caches' alignment is the op's plan's
+    business) traces under torch.compile(fullgraph=True) over aligned and unaligned caches: a data_ptr()
+    check in the composite broke it on the H200."""
+    args = make(3, 16, 512, 128, seed=6, bs_c=64, nb_c=3, bs_w=64, nb_w=2, q_dtype=torch.bfloat16)
+    assert dispatch.decode.route(dispatch.decode.mode()) == "paged"
 
     def f(q, cc, topk, cw, swa, sink, tl, sl):
         out = torch.empty_like(q)
@@ -586,21 +1024,6 @@ def test_auto_v3_composite_traces_fullgraph_on_cpu():
     got = torch.compile(f, fullgraph=True, backend="eager")(*inputs)
     want = f(*inputs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-@pytest.mark.parametrize("T,H,K,want", [(1, 8, 640, True), (256, 16, 640, True), (1, 64, 640, True),
-                                        (4, 64, 640, False), (1, 128, 640, True), (64, 64, 640, False),
-                                        (16, 64, 640, True), (8, 64, 640, False), (32, 64, 640, False),
-                                        (2, 128, 640, False), (1, 96, 640, False),
-                                        (300, 8, 640, False), (16, 16, 256, True), (64, 8, 256, False),
-                                        (64, 64, 256, True), (128, 128, 256, False)])
-def test_auto_picks_v3_only_where_measured_faster(T, H, K, want):
-    """decode_paged_chunk128.md / decode_paged_f16dot.md (H200, portable): the v3 form won at H <= 16 (every T, K 640;
-    T <= 16 at K 256), T = 1 with H = 64 or 128 (v4 kh16n64w8 at 128), T = 64, H = 64, K = 256,
-    T = 16, H = 64 (decode_paged_f16dot_splits.md: kh16n32w4 at S = 4);
-    the step stays at H >= 64 from T = 4 (K 640), unmeasured H (96) and T > 256: on a device
-    whose blocks cannot hold kh32n64w8 (sm_86's 99 KiB; the gated windows: the test above)."""
-    assert dispatch.decode.auto_is_v3(T, H, K, 99 * 1024) is want
 
 
 @pytest.mark.parametrize("config", ["sh32n32w4", "sh64n16w8", "wh64n16w8"])

@@ -62,21 +62,24 @@ def test_paged_alignment_reads_both_caches(which, how):
 
 @pytest.mark.parametrize("T,H,K", [(1, 8, 640), (64, 8, 640), (16, 64, 640), (128, 128, 256)])
 def test_unaligned_caches_and_odd_block_sizes_run_paged_chunk128(T, H, K):
-    """Where the plan would run a paged_f16dot config, caches that are not 16-byte aligned or block
-    sizes that are not powers of two (either cache's) run paged_chunk128's config for the shape, and
-    the reason says so; a paged_chunk128 plan is unchanged by either."""
+    """Caches that are not 16-byte aligned run paged_chunk128's unaligned config (V3_UNALIGNED, whatever
+    was planned or forced); where the plan would run a paged_f16dot config, block sizes that are not
+    powers of two (either cache's) run paged_chunk128's config for the shape; the reason says so; a
+    paged_chunk128 plan is unchanged by the block sizes."""
+    from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
+
     base = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, (64, 64))
     f16 = configs.is_f16dot(configs.v3_config(base.config))
-    for kw in (dict(aligned=False), dict(block_sizes=(64, 48)), dict(block_sizes=(48, 64))):
-        p = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, **dict(dict(block_sizes=(64, 64)), **kw))
-        assert not configs.is_f16dot(configs.v3_config(p.config)), (kw, p)
+    for bs in ((64, 48), (48, 64)):
+        p = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, bs)
+        assert not configs.is_f16dot(configs.v3_config(p.config)), (bs, p)
         if f16:
-            assert p.config == ("h16n16w4" if T <= 1 and H <= 16 else "h16n32w4") and "paged_chunk128" in p.why
+            assert p.config == ("h16n16w4" if T <= 1 and H <= 16 else "h16n32w4") and "power-of-two" in p.why
         else:
             assert p.config == base.config
-    # a forced paged_f16dot config too
-    p = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, (64, 64), config="kh16n32w4", aligned=False)
-    assert p.config in ("h16n16w4", "h16n32w4") and "aligned" in p.why
+    for forced in ("", "kh16n32w4", "h16n16w4"):
+        p = dd.plan_step(T, H, K, A100_SMS, A100_SMEM, (64, 64), config=forced, aligned=False)
+        assert p.config == _vk.V3_UNALIGNED[0] and "aligned" in p.why
 
 
 def test_the_windows_take_the_plans_shared_memory_not_the_current_devices(monkeypatch):

@@ -1,5 +1,6 @@
-"""The v3-form decode plan as a function of the SM count (dispatch.decode.V3_COST, v3_splits,
-v3_sm_config) and the paged indexer's SM count: CPU-only, static shapes."""
+"""The paged decode plan (dispatch.decode.plan_step) as a function of the SM count (V3_COST, v3_splits,
+the SM rule of resolve_config, the partials cap split_cap) and the paged indexer's SM count: CPU-only,
+static shapes."""
 
 import pytest
 import torch
@@ -17,13 +18,23 @@ SM_COUNTS = tuple(range(16, 133, 8)) + (108, 132)
 
 
 def _choice(T, H, K, sms, smem=A100):
-    name = dd.v3_launch_config(T, H, K, smem, sms=sms)
-    return name, dd.v3_plan(T, H, K, sms, 0, name, smem)
+    p = dd.plan_step(T, H, K, sms, smem)
+    return p.config, p
+
+
+def _uncapped(T, H, K, sms, name, smem=A100):
+    """The split count of least modelled time for ``name`` (v3_splits), before the partials cap."""
+    cfg = dd.v3_config(name)
+    return dd.v3_splits(T, H, K, sms, cfg["BLOCK_H"], cfg["BLOCK_N"], name, smem)
 
 
 def _modelled(T, H, K, sms, smem=A100):
+    """The modelled time of the plan's config at its least-cost split count, before the partials cap
+    (the cap takes min(best, split_cap), which need not be the best count under the cap: T = 16,
+    H = 128 on 56 SMs runs kh32n64w8 at S = 3, capped from 5, modelled 123.9 us against S = 2's 112.4,
+    so the capped plans' times are not monotone in the SM count)."""
     name, p = _choice(T, H, K, sms, smem)
-    return dd.v3_cost_us(T, H, K, sms, name, p.splits, smem)
+    return dd.v3_cost_us(T, H, K, sms, name, _uncapped(T, H, K, sms, name, smem), smem)
 
 
 def test_every_dispatched_config_is_modelled():
@@ -35,16 +46,28 @@ def test_every_dispatched_config_is_modelled():
 @pytest.mark.parametrize("smem", [A100, SM86], ids=["a100", "sm86"])
 @pytest.mark.parametrize("K", [640, 256])
 def test_the_split_count_minimises_the_model_at_every_sm_count(K, smem):
+    """The balanced count of least modelled time (ties: fewer), unless its partials pass
+    PAGED_PARTIALS_MAX_BYTES: then split_cap's count, and the plan says it was capped."""
+    capped = 0
     for sms in SM_COUNTS:
         for T in TS:
             for H in HS:
                 name, p = _choice(T, H, K, sms, smem)
                 nb = -(-K // p.block_n)
                 counts = dd.balanced_splits(nb)
-                assert p.splits in counts and p.direct == (p.splits == 1)
-                best = min(dd.v3_cost_us(T, H, K, sms, name, s, smem) for s in counts)
-                assert dd.v3_cost_us(T, H, K, sms, name, p.splits, smem) == best
+                best = min(counts, key=lambda s: (dd.v3_cost_us(T, H, K, sms, name, s, smem), s))
+                assert _uncapped(T, H, K, sms, name, smem) == best
+                cap = dd.split_cap(T, H)
+                assert p.splits == min(best, cap) and p.direct == (p.splits == 1), (T, H, K, sms)
+                assert ("capped at" in p.why) == (best > cap)
+                if best <= cap:
+                    assert p.splits in counts
+                    assert dd.v3_cost_us(T, H, K, sms, name, p.splits, smem) == min(
+                        dd.v3_cost_us(T, H, K, sms, name, s, smem) for s in counts)
+                else:
+                    capped += 1
                 assert _choice(T, H, K, sms, smem) == (name, p)  # static: the same every call
+    assert capped or K != 640  # at K = 640 the grid reaches the cap (T = 256, H = 8 among others)
 
 
 def test_programs_an_sm_follow_the_devices_shared_memory():
@@ -86,23 +109,33 @@ def test_fewer_sms_never_model_faster():
 
 
 def _capped_cost(T, H, K, sms, name):
-    """The modelled time of a config at the split count the composite runs (its plan's, capped)."""
-    s = min(dd.v3_plan(T, H, K, sms, 0, name).splits, dd.composite_split_cap(T, H))
-    return dd.v3_cost_us(T, H, K, sms, name, s)
+    """The modelled time of a config at the split count it runs (plan_step's with that config: capped)."""
+    p = dd.plan_step(T, H, K, sms, A100, config=name)
+    assert p.splits == min(_uncapped(T, H, K, sms, name), dd.split_cap(T, H))
+    return dd.v3_cost_us(T, H, K, sms, name, p.splits)
 
 
 def test_the_sm_config_keeps_the_window_unless_the_model_says_margin():
+    """resolve_config with an SM count keeps the window's config (resolve_config without one) unless
+    another V3_COST config is modelled more than V3_CONFIG_MARGIN faster there, at the splits each runs;
+    BLOCK_H 32 only for H > 16; the reason names the SM count."""
+    switched = 0
     for sms in SM_COUNTS:
         for T in TS:
             for H in HS:
-                window = dd.v3_config_name(T, H, 640, A100)
-                name, why = dd.v3_sm_config(T, H, 640, sms, A100, window)
+                window, wwhy = dd.resolve_config(T, H, 640, A100)
+                name, why = dd.resolve_config(T, H, 640, A100, sms=sms)
+                assert why.startswith(wwhy)
                 if name != window:
+                    switched += 1
                     win, new = _capped_cost(T, H, 640, sms, window), _capped_cost(T, H, 640, sms, name)
-                    assert win > dd.V3_CONFIG_MARGIN * new and str(sms) in why
+                    assert win > dd.V3_CONFIG_MARGIN * new and f"on {sms} SMs V3_COST models {name}" in why
                     assert dd.v3_config(name)["BLOCK_H"] <= 16 or H > 16
+                    assert all(_capped_cost(T, H, 640, sms, name) <= _capped_cost(T, H, 640, sms, n)
+                               for n in dd.V3_COST if dd.v3_config(n)["BLOCK_H"] <= 16 or H > 16)
                 else:
-                    assert why == ""
+                    assert why == wwhy and "V3_COST" not in why
+    assert switched
 
 
 def test_the_sm_config_respects_shared_memory():
@@ -110,15 +143,18 @@ def test_the_sm_config_respects_shared_memory():
     for sms in SM_COUNTS:
         for T in TS:
             for H in HS:
-                window = dd.v3_config_name(T, H, 640, SM86)
-                assert dd.config_fits(dd.v3_sm_config(T, H, 640, sms, SM86, window)[0], SM86)
+                assert dd.config_fits(dd.resolve_config(T, H, 640, SM86, sms=sms)[0], SM86)
+                assert dd.config_fits(dd.plan_step(T, H, 640, sms, SM86).config, SM86)
 
 
 def test_forced_configs_bypass_the_sm_rule(monkeypatch):
+    assert dd.resolve_config(64, 8, 640, A100, sms=104)[0] != "h16n32w4"  # the rule would pick another
     monkeypatch.setenv(dd.CONFIG_ENV, "kh16n64w8")
-    assert dd.resolve_v3_config(64, 8, 640, A100, sms=104)[0] == "kh16n64w8"
+    assert dd.resolve_config(64, 8, 640, A100, sms=104) == ("kh16n64w8", f"forced by {dd.CONFIG_ENV}")
+    assert dd.plan_step(64, 8, 640, 104, A100).config == "kh16n64w8"
     monkeypatch.delenv(dd.CONFIG_ENV)
-    assert dd.resolve_v3_config(64, 8, 640, A100, "h16n32w4", sms=104)[0] == "h16n32w4"
+    assert dd.resolve_config(64, 8, 640, A100, "h16n32w4", sms=104) == ("h16n32w4", "the caller's config")
+    assert dd.plan_step(64, 8, 640, 104, A100, config="h16n32w4").config == "h16n32w4"
 
 
 def test_the_sms_env_steers_the_v3_plan(monkeypatch):
@@ -174,20 +210,21 @@ def test_the_indexer_plan_takes_the_compiled_kernels_residency():
     assert got[None] == got[5] > got[8]
 
 
-def test_the_sm_config_compares_configs_at_the_composite_splits():
-    """Where the partials cap (composite_split_cap) leaves the composite one split, configs are
-    compared at that count: some shape switches only because of it (its uncapped split counts
-    would have kept the window), and no switch is modelled slower at the splits that run."""
+def test_the_sm_config_compares_configs_at_the_capped_splits():
+    """Where the partials cap (split_cap) leaves a plan fewer splits, configs are compared at the count
+    that runs: some shape switches only because of it (its uncapped split counts would have kept the
+    window), and no switch is modelled slower at the splits that run."""
     only_capped = []
     for sms in SM_COUNTS:
         for T in (16, 32, 48, 64, 96, 128, 192, 256):
             for H in (16, 32, 64, 128):
-                window = dd.v3_config_name(T, H, 640, A100)
-                name = dd.v3_sm_config(T, H, 640, sms, A100, window)[0]
+                window = dd.resolve_config(T, H, 640, A100)[0]
+                name = dd.resolve_config(T, H, 640, A100, sms=sms)[0]
+                assert name == dd.plan_step(T, H, 640, sms, A100).config
                 assert _capped_cost(T, H, 640, sms, name) <= _capped_cost(T, H, 640, sms, window)
-                if name != window and dd.composite_split_cap(T, H) < dd.v3_plan(T, H, 640, sms, 0, window).splits:
-                    win = dd.v3_cost_us(T, H, 640, sms, window, dd.v3_plan(T, H, 640, sms, 0, window).splits)
-                    new = dd.v3_cost_us(T, H, 640, sms, name, dd.v3_plan(T, H, 640, sms, 0, name).splits)
+                if name != window and dd.split_cap(T, H) < _uncapped(T, H, 640, sms, window):
+                    win = dd.v3_cost_us(T, H, 640, sms, window, _uncapped(T, H, 640, sms, window))
+                    new = dd.v3_cost_us(T, H, 640, sms, name, _uncapped(T, H, 640, sms, name))
                     if win <= dd.V3_CONFIG_MARGIN * new:
                         only_capped.append((T, H, sms))
     assert only_capped

@@ -68,7 +68,8 @@ LAYOUTS = [
     dict(T=1, H=8, K1=512, K2=128),  # auto: v3 + merge (the default decode step at TP 8)
     dict(T=4, H=64, K1=512, K2=128),
     dict(T=3, H=8, K1=40, K2=9, slot_dtype=torch.int64, lens=False, sink=False),
-    dict(T=1, H=8, K1=512, K2=128, offset=8),  # caches not 16-byte aligned: v1, FastKernel launches
+    dict(T=1, H=8, K1=512, K2=128, offset=8),  # caches not 16-byte aligned: paged_chunk128, ALIGN off
+    dict(T=256, H=8, K1=512, K2=128),  # kh16n32w4 at the partials cap (S = 3 of the model's 4)
     dict(T=2, H=16, K1=0, K2=128, same_cache=True),  # the plugin's SWA-only call: one cache twice
 ]
 
@@ -77,17 +78,27 @@ LAYOUTS = [
 def test_kept_step_launches_what_the_op_launches(mocked, layout):
     """Every call of the kept path (first: planned + FastKernel; later: the compiled launchers)
     launches the kernels, grids, scalars and constexprs that the op launcher launches for the same
-    inputs, with the inputs in the same places and buffers of the same shapes."""
+    inputs (its own plan: num_splits 0, capped as the composite's), with the inputs in the same places
+    and buffers of the same shapes."""
     log = mocked
     layout = dict(layout)
     T, H, K1, K2 = (layout.pop(k) for k in ("T", "H", "K1", "K2"))
     a = inputs(T, H, K1, K2, **layout)
     del log[:]
-    num_splits = dsv4_decode._capped_splits(a["q"], a["compressed_cache"], a["swa_cache"], T, H, K1 + K2,
-                                            (16, 16))
-    paged_decode.dsv4_decode_fused(**a, num_splits=num_splits)
+    paged_decode.dsv4_decode_fused(**a)
     want = [_canon(e, a) for e in log]
     assert want
+    aligned = paged_plan.paged_aligned(a["compressed_cache"], a["swa_cache"])
+    p = paged_plan.make_paged_plan(a["q"], a["compressed_cache"], a["topk_slots"], a["topk_length"], 16,
+                                   a["swa_cache"], a["swa_slots"], a["swa_length"], 16, a["sink"] is not None, 0,
+                                   a["out"], "portable")
+    want_plan = _dd.plan_step(T, H, K1 + K2, _device.num_sms_at(-1), -1, (16, 16), lengths=a["topk_length"] is not None,
+                              int32_slots=a["topk_slots"].dtype == torch.int32, aligned=aligned)
+    assert (p.config, p.splits) == (want_plan.config, want_plan.splits) and p.splits <= _dd.split_cap(T, H)
+    assert aligned == (layout.get("offset", 0) == 0)
+    assert ("capped at" in want_plan.why) == (T == 256), want_plan.why
+    if not aligned:
+        assert p.kernel is paged_plan._v3_kernel and p.consts[-1] is False
     for _ in range(4):
         del log[:]
         out, lse = dsv4_decode.dsv4_decode_attention(**a)
@@ -121,7 +132,7 @@ def test_plan_is_remade_when_T_or_the_sm_count_changes(mocked, monkeypatch):
     monkeypatch.setattr(_device, "num_sms_at", lambda dev: _device.num_sms(0))
     monkeypatch.setattr(_device, "_device_sms", lambda index: 132)
     # a shape whose v3 split count differs between 104 and 132 SMs
-    T = next(t for t in (16, 32, 64, 128) if _dd.v3_plan(t, 8, 640, 104).splits != _dd.v3_plan(t, 8, 640, 132).splits)
+    T = next(t for t in (16, 32, 64, 128) if _dd.plan_step(t, 8, 640, 104).splits != _dd.plan_step(t, 8, 640, 132).splits)
     a1, aT = inputs(1, 8, 512, 128), inputs(T, 8, 512, 128)
     dsv4_decode.dsv4_decode_attention(**a1)
     dsv4_decode.dsv4_decode_attention(**a1)
@@ -133,9 +144,9 @@ def test_plan_is_remade_when_T_or_the_sm_count_changes(mocked, monkeypatch):
     dsv4_decode.dsv4_decode_attention(**aT)
     p104 = [p for p in _kept_plans() if p.T == T and p is not p132]  # both kept: each keyed on its SMS value
     assert len(p104) == 1
-    cap = _dd.composite_split_cap(T, 8)
-    assert p132.splits == min(_dd.v3_plan(T, 8, 640, 132).splits, cap)
-    assert p104[0].splits == min(_dd.v3_plan(T, 8, 640, 104).splits, cap)
+    want = {sms: _dd.plan_step(T, 8, 640, sms, -1, (16, 16), lengths=True) for sms in (132, 104)}
+    assert (p132.config, p132.splits) == (want[132].config, want[132].splits)
+    assert (p104[0].config, p104[0].splits) == (want[104].config, want[104].splits)
     assert p104[0].splits != p132.splits
 
 
@@ -149,7 +160,6 @@ def test_plan_is_remade_when_the_forced_config_changes(mocked, monkeypatch):
     monkeypatch.setattr(_device, "num_sms_at", lambda dev: 132)
     a = inputs(128, 8, 512, 128)
     op_args = {k: v for k, v in a.items() if k != "out"}
-    cap = _dd.composite_split_cap(128, 8)
     for config in ("", "kh16n32w4", "kh32n64w8"):
         if config:
             monkeypatch.setenv(_dd.CONFIG_ENV, config)
@@ -157,11 +167,12 @@ def test_plan_is_remade_when_the_forced_config_changes(mocked, monkeypatch):
             monkeypatch.delenv(_dd.CONFIG_ENV, raising=False)
         before = set(map(id, _kept_plans()))
         dsv4_decode.dsv4_decode_attention(**a)
-        paged_decode.dsv4_decode_fused(**op_args, form="v3", config=config)
+        paged_decode.dsv4_decode_fused(**op_args, config=config)
         made = [p for p in _kept_plans() if id(p) not in before]  # a new value of the variable: a new plan
-        want = _dd.v3_launch_config(128, 8, 640, -1, "", (16, 16))
-        assert [(p.config, p.splits) for p in made] == [
-            (want, min(_dd.v3_plan(128, 8, 640, 132, 0, want).splits, cap))], (config, want)
+        want = _dd.plan_step(128, 8, 640, 132, -1, (16, 16), lengths=True)  # reads DSV4_AMPERE_DECODE_CONFIG
+        assert want.config == (config or _dd.resolve_config(128, 8, 640, -1, "", (16, 16), 132)[0])
+        assert want.splits <= _dd.split_cap(128, 8)
+        assert [(p.config, p.splits) for p in made] == [(want.config, want.splits)], (config, want)
 
 
 def test_nested_env_memos_tell_the_outer_recording_what_they_read(monkeypatch):

@@ -25,7 +25,7 @@ def tables_on(monkeypatch):
     def clear():
         tables.clear()
         _host_plan.clear()
-        dd._v3_sm_config.cache_clear()
+        dd._sm_config.cache_clear()
 
     monkeypatch.setenv(envs.DECODE_TABLES, "1")
     monkeypatch.delenv(envs.DECODE_TABLE_DIR, raising=False)
@@ -172,51 +172,67 @@ def test_a_lookup_is_one_dict_hit_after_the_first(tmp_path, monkeypatch, fake_gp
 
 def _no_table(T, H, K, sms):
     with envs.override(**{envs.DECODE_TABLES: "0"}):
-        name = dd.v3_launch_config(T, H, K, A100, sms=sms)
-        return name, dd.v3_plan(T, H, K, sms, 0, name).splits
+        p = dd.plan_step(T, H, K, sms, A100)
+        return p.config, p.splits
 
 
 def test_the_dispatch_takes_the_table_entry_and_the_cost_model_elsewhere(tmp_path, monkeypatch, fake_gpu):
     T, H, K = 64, 8, 640
     model = _no_table(T, H, K, 104)
     other = ("h16n16w4", 7) if model[0] != "h16n16w4" else ("h16n32w4", 7)
-    _write(tmp_path, _table({"640": {f"{T},{H}": {"config": other[0], "splits": other[1]}}}))
+    _write(tmp_path, _table({"640": {f"{T},{H}": {"config": other[0], "splits": other[1]},
+                                     "16,8": {"config": "kh16n32w4", "splits": 7}}}))
     monkeypatch.setenv(envs.DECODE_TABLE_DIR, str(tmp_path))
-    name, why = dd.resolve_v3_config(T, H, K, A100, sms=104)
+    name, why = dd.resolve_config(T, H, K, A100, sms=104)
     assert name == other[0] and "decode table" in why
-    p = dd.v3_plan(T, H, K, 104, 0, name)
+    p = dd.plan_step(T, H, K, 104, A100)  # the entry's config and its splits
     assert (p.config, p.splits, p.block_n) == (other[0], other[1], dd.v3_config(other[0])["BLOCK_N"])
-    assert dd.v3_plan(T, H, K, 104, 0, "").config == other[0]  # resolved inside v3_plan too
+    assert "decode table" in p.why and "the decode table's splits" in p.why
+    assert dd.plan_step(T, H, K, 104, A100, config=name) == p  # the entry's splits for its config, however named
     # the same shape on another SM count, and another shape, keep the cost model's plan
-    assert (dd.v3_launch_config(T, H, K, A100, sms=112), dd.v3_plan(T, H, K, 112, 0, model[0]).splits) == \
-        _no_table(T, H, K, 112)
-    assert (dd.v3_launch_config(128, H, K, A100, sms=104),) == (_no_table(128, H, K, 104)[0],)
+    p112 = dd.plan_step(T, H, K, 112, A100)
+    assert (p112.config, p112.splits) == _no_table(T, H, K, 112) and "decode table" not in p112.why
+    assert dd.plan_step(128, H, K, 104, A100).config == _no_table(128, H, K, 104)[0]
     # forced splits, a forced config and a caller's config win over the table
-    assert dd.v3_plan(T, H, K, 104, 2, name).splits == 2
-    assert dd.v3_plan(T, H, K, 104, 0, model[0]).splits == model[1] or model[0] == other[0]
+    assert dd.plan_step(T, H, K, 104, A100, splits=2).splits == 2
+    assert dd.plan_step(T, H, K, 104, A100, config=model[0]).splits == model[1] or model[0] == other[0]
     monkeypatch.setenv(envs.DECODE_CONFIG, "kh16n64w8")
-    assert dd.resolve_v3_config(T, H, K, A100, sms=104)[0] == "kh16n64w8"
+    assert dd.resolve_config(T, H, K, A100, sms=104)[0] == "kh16n64w8"
+    assert dd.plan_step(T, H, K, 104, A100).config == "kh16n64w8"
     monkeypatch.delenv(envs.DECODE_CONFIG)
-    assert dd.resolve_v3_config(T, H, K, A100, config="kh16n64w8", sms=104)[0] == "kh16n64w8"
+    assert dd.resolve_config(T, H, K, A100, config="kh16n64w8", sms=104)[0] == "kh16n64w8"
     # without an SM count (sms 0) the table is not consulted
-    assert dd.resolve_v3_config(T, H, K, A100)[0] == dd.v3_config_name(T, H, K, A100)
+    assert dd.resolve_config(T, H, K, A100) == dd.resolve_config(T, H, K, A100, sms=0)
+    assert "decode table" not in dd.resolve_config(T, H, K, A100)[1]
+    # over unaligned caches every entry runs paged_chunk128's unaligned config at the model's count for it
+    # (the entry's splits are its own config's)
+    from dsv4_ops.csrc_triton.decode import paged_chunk128 as _vk
+
+    ua = _vk.V3_UNALIGNED[0]
+    cfg = dd.v3_config(ua)
+    assert (dd.plan_step(16, 8, K, 104, A100).config, dd.plan_step(16, 8, K, 104, A100).splits) == ("kh16n32w4", 7)
+    for t, h in ((T, H), (16, 8)):
+        un = dd.plan_step(t, h, K, 104, A100, aligned=False)
+        assert (un.config, un.splits) == (ua, min(dd.v3_splits(t, h, K, 104, cfg["BLOCK_H"], cfg["BLOCK_N"], ua, A100),
+                                                  dd.split_cap(t, h)))
+        assert "decode table" in un.why and "aligned" in un.why and "the decode table's splits" not in un.why
     # the switch off: the cost model again
     monkeypatch.setenv(envs.DECODE_TABLES, "0")
-    assert (dd.v3_launch_config(T, H, K, A100, sms=104),) == (model[0],)
+    assert dd.resolve_config(T, H, K, A100, sms=104)[0] == model[0]
 
 
 def test_a_bad_table_stops_the_dispatch(tmp_path, monkeypatch, fake_gpu):
     _write(tmp_path, _table({"640": {"64,8": {"config": "kh16n32w4_typo", "splits": 3}}}))
     monkeypatch.setenv(envs.DECODE_TABLE_DIR, str(tmp_path))
     with pytest.raises(tables.TableError, match="kh16n32w4_typo"):
-        dd.v3_launch_config(16, 8, 640, A100, sms=104)  # any shape: the table is checked when loaded
+        dd.plan_step(16, 8, 640, 104, A100)  # any shape: the table is checked when loaded
 
 
 # ---- the tune: candidates, the measuring loop (injected), the table it writes ----
 
 def test_candidates_respect_the_cap_the_heads_and_the_shared_memory():
     c = tune.candidates(64, 64, 640, A100, tune.tune_configs())
-    assert c and all(s <= dd.composite_split_cap(64, 64) for _, s in c)
+    assert c and all(s <= dd.split_cap(64, 64) for _, s in c)
     assert all(dd.v3_config(n)["BLOCK_H"] <= 16 for n, _ in tune.candidates(16, 8, 640, A100, tune.tune_configs()))
     assert "kh32n64w8" in {n for n, _ in tune.candidates(16, 64, 640, A100, tune.tune_configs())}
     assert "kh32n64w8" not in {n for n, _ in tune.candidates(16, 64, 640, SM86, tune.tune_configs())}
@@ -262,8 +278,9 @@ def test_the_tuned_table_loads_and_the_dispatch_reads_it(tmp_path, monkeypatch, 
     path = tune.write_table(table, str(tmp_path))
     assert pathlib.Path(path).name == tables.file_name(DEVICE, 104, "portable")
     monkeypatch.setenv(envs.DECODE_TABLE_DIR, str(tmp_path))
-    assert dd.v3_plan(64, 8, 640, 104).splits == 4 and dd.v3_plan(64, 8, 640, 104).config == "kh16n32w4"
-    assert dd.v3_launch_config(16, 64, 640, A100, sms=104) == _no_table(16, 64, 640, 104)[0]
+    p = dd.plan_step(64, 8, 640, 104, A100)
+    assert (p.config, p.splits) == ("kh16n32w4", 4)
+    assert dd.plan_step(16, 64, 640, 104, A100).config == _no_table(16, 64, 640, 104)[0]
 
 
 def test_tune_on_a_cpu_says_it_needs_a_gpu(capsys, monkeypatch):
@@ -403,7 +420,7 @@ def test_the_tune_run_writes_the_table_the_rows_and_the_summary(tmp_path, monkey
 
 
 def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypatch, tables_on):
-    """torch.compile(fullgraph=True) through v3_plan: the table of the device the last eager lookup saw,
+    """torch.compile(fullgraph=True) through plan_step: the table of the device the last eager lookup saw,
     read from plain dicts (no torch.cuda query while tracing)."""
     import torch
 
@@ -411,7 +428,7 @@ def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypa
     monkeypatch.setenv(envs.DECODE_TABLE_DIR, str(tmp_path))
     monkeypatch.setattr(tables, "_query_current_device", lambda: 0)
     monkeypatch.setattr(tables, "_query_device", lambda i: (tables.sanitize_device_name(DEVICE), "portable", A100))
-    assert dd.v3_plan(64, 8, 640, 104, 0, "kh16n32w4").splits == 5  # eager: fills the plain dicts
+    assert dd.plan_step(64, 8, 640, 104, A100, config="kh16n32w4").splits == 5  # eager: fills the plain dicts
 
     def no_query(*a):
         raise AssertionError("a device query while tracing")
@@ -420,7 +437,7 @@ def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypa
     monkeypatch.setattr(tables, "_query_device", no_query)
 
     def f(x):
-        return x * dd.v3_plan(64, 8, 640, 104, 0, "kh16n32w4").splits
+        return x * dd.plan_step(64, 8, 640, 104, A100, config="kh16n32w4").splits
 
     torch._dynamo.reset()
     try:
@@ -431,8 +448,8 @@ def test_a_traced_plan_reads_the_table_without_a_device_query(tmp_path, monkeypa
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_the_composite_runs_every_shipped_entry_as_written(path, monkeypatch, tables_on):
-    """On the table's device (faked) at its SM count, the composite's split count (composite_splits: the
-    partials cap) and the paged op's plan give exactly the entry's config and splits."""
+    """On the table's device (faked) at its SM count, the plan the composite and the paged op run
+    (plan_step over the caches' block sizes, splits capped) is exactly the entry's config and splits."""
     table = json.loads(path.read_text())
     smem = table["smem"]
     monkeypatch.setattr(tables, "_query_current_device", lambda: 0)
@@ -441,10 +458,9 @@ def test_the_composite_runs_every_shipped_entry_as_written(path, monkeypatch, ta
     for K, buckets in table["entries"].items():
         for key, e in buckets.items():
             T, H, K = int(key.split(",")[0]), int(key.split(",")[1]), int(K)
-            capped = dd.composite_splits(T, H, K, sms, smem, "v3", (64, 64))
-            name = dd.v3_launch_config(T, H, K, smem, "", (64, 64), sms)
-            p = dd.v3_plan(T, H, K, sms, capped, name)
+            p = dd.plan_step(T, H, K, sms, smem, (64, 64), lengths=True)
             assert (p.config, p.splits) == (e["config"], e["splits"]), (T, H, K)
+            assert "decode table" in p.why and e["splits"] <= dd.split_cap(T, H)
 
 
 def test_the_shipped_tables_are_package_data():

@@ -123,11 +123,13 @@ def test_decode_config_knob_forces_the_config(monkeypatch):
     name, why = dd.resolve_config(1, 8, 640, 163 * 1024, block_sizes=(64, 3))
     assert name == "h16n16w4" and "power-of-two" in why and "kh16n64w8" in why
     assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 64))[0] == "h16n32w4"
+    # over caches that are not 16-byte aligned every plan runs paged_chunk128's unaligned config
     name, why = dd.resolve_config(4, 8, 640, 163 * 1024, aligned=False)
-    assert name == "h16n32w4" and "16-byte aligned" in why
-    assert dd.plan_step(4, 8, 640, 132, 163 * 1024, aligned=False).config == "h16n32w4"
-    monkeypatch.setenv(envs.DECODE_CONFIG, "h16n16w4")  # a paged_chunk128 config runs over any caches
-    assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 5), aligned=False)[0] == "h16n16w4"
+    assert name == "h16n32w8" and "16-byte aligned" in why
+    assert dd.plan_step(4, 8, 640, 132, 163 * 1024, aligned=False).config == "h16n32w8"
+    monkeypatch.setenv(envs.DECODE_CONFIG, "h16n16w4")  # a forced one too (h16n16w4 spills with ALIGN off)
+    assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 5), aligned=False)[0] == "h16n32w8"
+    assert dd.resolve_config(4, 8, 640, 163 * 1024, block_sizes=(3, 5))[0] == "h16n16w4"
     monkeypatch.setenv(envs.DECODE_CONFIG, "kh99")
     with pytest.raises(ValueError, match=envs.DECODE_CONFIG):
         dd.resolve_config(1, 8, 640, 163 * 1024)

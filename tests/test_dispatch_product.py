@@ -87,6 +87,11 @@ def doc_chunk128_config(T, H):
     return "h16n16w4" if T == 1 and H <= 16 else "h16n32w4"
 
 
+def doc_unaligned_config():
+    """The config every plan over caches that are not 16-byte aligned runs (spill-free with ALIGN off)."""
+    return "h16n32w8"
+
+
 def doc_config(T, H, K, smem):
     """The window's config, else paged_chunk128's (the SM model aside: no ``sms``)."""
     return doc_window_config(T, H, K, smem) or doc_chunk128_config(T, H)
@@ -140,8 +145,8 @@ def test_paged_alignment_reads_both_caches_address_and_stride():
 
 def test_config_over_T_H_K_smem_block_sizes_and_alignment():
     """Without an SM count: the window's config (its shared memory fitting), else paged_chunk128's;
-    a paged_f16dot pick over a non-power-of-two block size (either cache's) or unaligned caches runs
-    paged_chunk128's config for the shape, the reason naming why."""
+    over unaligned caches paged_chunk128's unaligned config; a paged_f16dot pick over a non-power-of-two
+    block size (either cache's) paged_chunk128's config for the shape; the reason naming why."""
     for T, H, K, smem in itertools.product(TS, HS, KS, SMEMS):
         windows_pick = doc_config(T, H, K, smem)
         for bs, aligned in itertools.product(MIXED, (True, False)):
@@ -149,10 +154,12 @@ def test_config_over_T_H_K_smem_block_sizes_and_alignment():
             where = (T, H, K, smem, bs, aligned, why)
             cfg = dd.v3_config(name)  # a known config (KeyError otherwise)
             assert dc.config_fits(name, smem), where
-            fallback = is_f16dot_name(windows_pick) and not (aligned and all(pow2(b) for b in bs))
-            if fallback:  # paged_f16dot: 16-byte vectors and block sizes as shifts
+            fallback = is_f16dot_name(windows_pick) and not all(pow2(b) for b in bs)
+            if not aligned:  # 2-byte reads: the one config spill-free with ALIGN off
+                assert name == doc_unaligned_config() and "aligned" in why, where
+            elif fallback:  # paged_f16dot: block sizes as shifts
                 assert not dd.is_f16dot(cfg) and name == doc_chunk128_config(T, H), where
-                assert ("aligned" if not aligned else "power-of-two") in why, where
+                assert "power-of-two" in why, where
             else:
                 assert name == windows_pick, where
                 assert ("CONFIG_WINDOWS row" if doc_window_config(T, H, K, smem) else "no window") in why, where
@@ -170,7 +177,8 @@ def test_forced_f16dot_config_falls_back_on_any_odd_block_size_or_unaligned_cach
             for T, H in ((1, 8), (4, 8), (1, 64)):
                 got, why = dd.resolve_config(T, H, 640, 163 * 1024, name if source == "caller" else "", bs,
                                              aligned=aligned)
-                want = name if aligned and all(pow2(b) for b in bs) else doc_chunk128_config(T, H)
+                want = (doc_unaligned_config() if not aligned else
+                        name if all(pow2(b) for b in bs) else doc_chunk128_config(T, H))
                 assert got == want, (name, bs, aligned, why)
                 assert not dd.is_f16dot(dd.v3_config(got)) or (aligned and all(pow2(b) for b in bs))
 
@@ -415,12 +423,12 @@ def run_dispatched(args, device, monkeypatch):
     return plan
 
 
-V3_TARGETS = ["h16n16w4", "h16n32w4", "kh16n32w4", "kh16n64w8", "kh32n64w8"]
+V3_TARGETS = ["h16n16w4", "h16n32w4", "h16n32w8", "kh16n32w4", "kh16n64w8", "kh32n64w8"]
 
 
 def test_the_targets_are_every_dispatchable_config():
     assert set(dispatchable_configs()) <= set(V3_TARGETS)
-    assert set(V3_TARGETS) >= set(_vk.V3_DISPATCHED) | set(_v4k.V4_DISPATCHED)
+    assert set(V3_TARGETS) >= set(_vk.V3_DISPATCHED) | set(_vk.V3_UNALIGNED) | set(_v4k.V4_DISPATCHED)
 
 
 @pytest.fixture
@@ -466,15 +474,15 @@ UNALIGNED = {"c-stride": ((False, 0), (True, 0)), "w-stride": ((True, 0), (False
 def test_unaligned_caches_run_paged_chunk128_without_16_byte_reads(interpret, monkeypatch, windows_decide,
                                                                    name, kind):
     """Caches whose page stride or address is not a multiple of 16 bytes (either cache): the paged op
-    still runs (no workspace, no v1 form): paged_chunk128 with its ALIGN constexpr off, in the window's
-    config where that is paged_chunk128's, else paged_chunk128's config for the shape."""
+    still runs (no workspace, no v1 form): paged_chunk128 with its ALIGN constexpr off, in its unaligned
+    config (V3_UNALIGNED) whatever the window's."""
     T, H, K = _steer(monkeypatch, name)
     c_kind, w_kind = UNALIGNED[kind]
     args = small_case(T, H, (4, 8), seed=5 + len(kind), device=interpret, c_kind=c_kind, w_kind=w_kind)
     assert not paged_plan.paged_aligned(args["compressed_cache"], args["swa_cache"])
     assert dd.route(dd.mode()) == "paged"
     plan = run_dispatched(args, interpret, monkeypatch)
-    assert plan.config == (doc_chunk128_config(T, H) if is_f16dot_name(name) else name)
+    assert plan.config == doc_unaligned_config() == _vk.V3_UNALIGNED[0]
     assert plan.consts[-1] is False  # ALIGN off: 2-byte aligned reads
 
 

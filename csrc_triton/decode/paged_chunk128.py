@@ -311,9 +311,13 @@ V3_CANDIDATES = {
     "h16n64w4s3": {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PIPE": False},
     "h32n32w8s3": {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "PIPE": False},
 }
-# The configs dispatch.decode.v3_config_name can pick (and the AOT table lists); the other
+# The configs dispatch.decode.resolve_config can pick over aligned caches (and the AOT table lists); the other
 # candidates are benchmark-only (reached through dsv4_decode_fused(config=...)).
 V3_DISPATCHED = ("h16n32w4", "h16n16w4")
+# The config the plan runs over caches that are not 16-byte aligned (ALIGN off: byte and 2-byte
+# loads): the one spill-free with ALIGN off on sm_80 and sm_86 (AOT: h16n32w4 spills 1.8-2.2 KB a
+# thread there, h16n16w4 up to 72 B, h16n32w8 nothing at 255 registers x 8 warps).
+V3_UNALIGNED = ("h16n32w8",)
 MAX_BLOCK_H = 32
 
 

@@ -575,10 +575,10 @@ for _bh, _bn, _w in ((32, 32, 4), (32, 32, 8), (32, 16, 4), (64, 16, 8), (64, 32
 for _bh, _bn, _w in ((64, 32, 8), (64, 16, 8)):
     V4_CANDIDATES[f"wh{_bh}n{_bn}w{_w}"] = {"BLOCK_H": _bh, "BLOCK_N": _bn, "num_warps": _w, "num_stages": 2,
                                             "PV_KEY": True, "STREAM": True, "WIDE_PV": True}
-# The configs dispatch.decode.v3_config_name can pick (listed for the AOT compile).
+# The configs dispatch.decode.resolve_config can pick (listed for the AOT compile).
 V4_DISPATCHED = ("kh16n32w4", "kh16n64w8", "kh32n64w8")
 # Shared memory a block of a config takes where it is over sm_86's 99 KiB, bytes (the AOT
 # table's sm_80 figure, tests/test_decode_paged.py checks it): such a config is compiled only for
 # the archs that hold it (aot.KernelSpec.archs) and dispatched only on a device whose blocks may
-# opt into it (dispatch.windows.AUTO_V3_SMEM_WINDOWS).
+# opt into it (dispatch.windows.CONFIG_WINDOWS, dispatch.configs.config_fits).
 V4_SMEM_BYTES = {"kh32n64w8": 108544}

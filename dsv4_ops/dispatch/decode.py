@@ -20,8 +20,8 @@ warm set all ask it. Its decisions, one function each:
 The two kernels of the paged op (csrc_triton.decode), both reading the 584-byte fp8 records by slot:
 
     kernel          configs                  reads                         tests
-    paged_chunk128  h...                     any 2-byte aligned records    test_decode_paged.py
-                                             (16-byte vectors when ALIGN)
+    paged_chunk128  h... (V3_UNALIGNED over    any 2-byte aligned records    test_decode_paged.py
+                    unaligned caches)        (16-byte vectors when ALIGN)
     paged_f16dot    kh... (benchmark-only    16-byte aligned pages,        test_decode_paged.py
                     gh / sh / wh)            power-of-two block sizes
 
@@ -42,6 +42,7 @@ from typing import Tuple
 
 from .. import envs
 from ..layout import HEAD_DIM
+from ..csrc_triton.decode import paged_chunk128 as _vk
 from ..csrc_triton.decode.balance import MAX_TOKENS as _BALANCE_MAX_TOKENS
 from ..csrc_triton.decode.tiles import MAX_SPLITS
 from . import device as _device
@@ -141,6 +142,9 @@ V3_CONFIG_MARGIN = 1.15
 V3_RESIDENT_PER_SM = 2
 
 
+_UNALIGNED_CONFIG = _vk.V3_UNALIGNED[0]
+
+
 def _chunk128_config(T: int, H: int) -> str:
     """paged_chunk128's config for the shape: 16-key blocks for one token at H <= 16, else 32."""
     return "h16n16w4" if T <= 1 and H <= 16 else "h16n32w4"
@@ -183,10 +187,10 @@ def resolve_config(T: int, H: int, K: int, smem: int = -1, config: str = "", blo
     dsv4-ops tune); the first CONFIG_WINDOWS row holding (T, H, K) whose config fits ``smem`` bytes a
     block (-1: the current device's), else paged_chunk128's 16-key config for one token at H <= 16 and
     its 32-key config elsewhere; for ``sms`` > 0 another V3_COST config where the model on that many
-    SMs says so (_sm_config). Then a paged_f16dot config runs paged_chunk128's config for the shape
-    instead where the caches are not 16-byte aligned (``aligned`` False: paged_f16dot reads 16-byte
-    vectors and 8-byte scale rows, paged_chunk128 any 2-byte aligned record) or ``block_sizes`` are
-    not all powers of two (paged_f16dot takes them as shifts)."""
+    SMs says so (_sm_config). Over caches that are not 16-byte aligned (``aligned`` False) every plan
+    runs paged_chunk128's unaligned config (V3_UNALIGNED: 2-byte reads, spill-free with ALIGN off);
+    a paged_f16dot config over ``block_sizes`` that are not all powers of two (it takes them as
+    shifts) runs paged_chunk128's config for the shape."""
     smem = smem if smem >= 0 else _device.smem_per_block(-1)
     if config:
         name, why = config, "the caller's config"
@@ -207,12 +211,12 @@ def resolve_config(T: int, H: int, K: int, smem: int = -1, config: str = "", blo
             if sms > 0:
                 name, more = _sm_config(T, H, K, sms, smem, name)
                 why += more
-    if is_f16dot(v3_config(name)):
-        if not aligned:
-            return _chunk128_config(T, H), f"{name} ({why}) reads 16-byte aligned caches only: paged_chunk128"
-        if block_sizes and not all(_pow2(b) for b in block_sizes):
-            return _chunk128_config(T, H), (f"{name} ({why}) takes power-of-two block sizes only, got "
-                                            f"{tuple(block_sizes)}: paged_chunk128")
+    if not aligned and name != _UNALIGNED_CONFIG:
+        return _UNALIGNED_CONFIG, (f"{name} ({why}) over caches that are not 16-byte aligned: paged_chunk128's "
+                                   f"{_UNALIGNED_CONFIG} (ALIGN off)")
+    if block_sizes and not all(_pow2(b) for b in block_sizes) and is_f16dot(v3_config(name)):
+        return _chunk128_config(T, H), (f"{name} ({why}) takes power-of-two block sizes only, got "
+                                        f"{tuple(block_sizes)}: paged_chunk128")
     return name, why
 
 

@@ -13,7 +13,7 @@ variant). ``--sms N`` runs everything on N SMs of the device through a driver gr
 Candidates (``candidates``): the dispatched configs (paged_chunk128.V3_DISPATCHED, paged_f16dot
 .V4_DISPATCHED: the ones compiled and checked for sm_80/86 ahead of time) that fit the device's shared
 memory, BLOCK_H 32 only for H > 16, x every balanced split count the composite may run (at most
-dispatch.decode.composite_split_cap(T, H): the paged op's partials cap), plus the table-less plan (the
+dispatch.decode.split_cap(T, H): the paged op's partials cap), plus the table-less plan (the
 cost model's pick), so that every shape also reports how far that pick is from the best.
 
 Besides the table, ``--out`` gets ``tune_<table name>.json`` with every time (rows in
@@ -94,10 +94,10 @@ def model_pick(T: int, H: int, K: int, sms: int, smem: int) -> Tuple[str, int]:
 def candidates(T: int, H: int, K: int, smem: int, configs: Sequence[str], max_splits: int = 0) -> List[Tuple[str, int]]:
     """(config, splits) to measure at (T, H, K) on a device of ``smem`` bytes of shared memory a block:
     each config that fits (BLOCK_H > 16 only for H > 16) x its balanced split counts up to the composite's
-    cap (composite_split_cap) and ``max_splits`` (0: no further limit)."""
+    cap (split_cap) and ``max_splits`` (0: no further limit)."""
     from ..dispatch import decode as dd
 
-    cap = dd.composite_split_cap(T, H)
+    cap = dd.split_cap(T, H)
     out = []
     for name in configs:
         cfg = dd.v3_config(name)

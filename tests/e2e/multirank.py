@@ -21,6 +21,11 @@ What a rank checks, per step and layer it holds:
   columns), layer 0's mHC input from the whole embedding, the logits from the whole LM head;
 - the run's logits (and the indexer's choices) go into the report: the test compares them with
   the one-rank run's and across ranks.
+
+``--model v32`` / ``--model glm5`` (DeepSeek-V3.2 / GLM-5, vLLM's ``DeepseekV32ForCausalLM``):
+the rank runs multirank_v32.py instead (the one-rank V3.2 e2e's driver at this rank, and the
+per-rank checks written for V3.2's MLA layer names); the harness, the forks and the all-reduce
+recorder are these.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path.insert(0, os.path.join(HERE, "engine"))
 import driver  # noqa: E402
 
 SEED = 1234            # the requests' tokens: the same in every run of a layout
-PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_ids")
+PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_ids", "v32_head_offset")
 
 SITE = [None]          # (layer, "attn" | "ffn") while that sublayer runs on this rank
 ALLREDUCES: dict = {}  # site -> [(input, output)] of the TP group's all-reduces this step
@@ -101,15 +106,17 @@ def plant(kind: str, rank: int) -> str:
     """Deliberate bugs of a multi-rank layout (test_e2e_multirank.py shows each one fails)."""
     if not kind:
         return ""
-    if kind == "head_offset":
-        # rank 1 loads rank 0's query heads: wq_b's column-parallel shard taken at offset 0 (the
-        # unquantized linears load through weight_loader_v2, which slices at the parameter's tp_rank)
+    if kind in ("head_offset", "v32_head_offset"):
+        # rank 1 loads rank 0's query heads: wq_b's (V3.2 / GLM-5: q_b_proj's) column-parallel
+        # shard taken at offset 0 (the unquantized linears load through weight_loader_v2, which
+        # slices at the parameter's tp_rank)
         from vllm.model_executor.layers import linear
 
         orig = linear.ColumnParallelLinear.weight_loader_v2
+        suffix = ".self_attn.q_b_proj" if kind == "v32_head_offset" else ".attn.wq_b"
 
         def weight_loader_v2(self, param, loaded_weight, *a, **k):
-            if rank == 1 and self.prefix.endswith(".attn.wq_b"):
+            if rank == 1 and self.prefix.endswith(suffix):
                 saved = param.tp_rank
                 param.tp_rank = 0
                 try:
@@ -119,7 +126,7 @@ def plant(kind: str, rank: int) -> str:
             return orig(self, param, loaded_weight, *a, **k)
 
         linear.ColumnParallelLinear.weight_loader_v2 = weight_loader_v2
-        return "rank 1 loads wq_b rows of heads 0.. (rank 0's)"
+        return f"rank 1 loads {suffix[1:]} rows of heads 0.. (rank 0's)"
     if kind == "o_proj_twice":
         # the plugin's o_proj all-reduces its output, then vLLM's wo_b all-reduces again
         from dsv4_ops.vllm import attention as va
@@ -485,13 +492,16 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--init", default=None, help="tcp://127.0.0.1:PORT (every rank the same)")
+    ap.add_argument("--init", default=None,
+                    help="file://PATH or tcp://127.0.0.1:PORT (every rank of the group the same)")
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by --write-ckpt)")
     ap.add_argument("--write-ckpt", action="store_true", help="write the checkpoint first (a one-rank run)")
     ap.add_argument("--partition", default=None, help="VLLM_PP_LAYER_PARTITION")
     ap.add_argument("--illegal-partition", default=None,
                     help="after the run, build the model again at this VLLM_PP_LAYER_PARTITION (must be refused)")
     ap.add_argument("--plant", default=os.environ.get("DSV4_E2E_MR_PLANT", ""))
+    ap.add_argument("--cache-dtype", default=None,
+                    help="V3.2 / GLM-5: the KV cache dtype (default multirank_v32.CACHE_DTYPES)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.partition:
@@ -555,6 +565,12 @@ def prepare() -> None:
 
 def _run(a, report) -> None:
     prepare()
+    if a.model in ("v32", "glm5"):   # DeepSeek-V3.2 / GLM-5: the one-rank V3.2 e2e's driver at this rank
+        import multirank_v32
+
+        multirank_v32.run(a, report, sys.modules[__name__])   # this module (``__main__`` under --jobs)
+        driver.mark("steps")
+        return
     import build
     import counters
     import standins  # noqa: F401

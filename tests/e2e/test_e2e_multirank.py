@@ -19,6 +19,14 @@ C128A on the second) are bitwise the one-rank run's (no arithmetic changes). V4'
 check every fused mHC boundary (test_e2e.py's check) on the all-reduced streams. The plugin
 refuses an illegal V4.1 pipeline boundary at model build in a real PP process (V4 has none).
 
+DeepSeek-V3.2 and GLM-5 (vLLM's ``DeepseekV32ForCausalLM``, the plugin's sparse-MLA backend) at
+TP 2 (``multirank_v32.py``): each rank is the one-rank V3.2 e2e (driver_v32.py: its sparse-MLA,
+indexer-choice and cache-row checks on the rank's own calls, and on TP rank 0 the gathered logits
+against transformers' float64 model), plus per rank its attention partial on its own heads from
+the layer input, its MLP / MoE partial, every all-reduce of the step, and its shards; the TP 2
+logits agree with the family's one-rank run's (V4's bound; a token whose expert choice went the
+other way must be a float64 near-tie).
+
 Layouts vLLM's code cannot run on this CPU, and the planted bugs and how each fails: MULTIRANK.md.
 Planted bugs run with DSV4_E2E_PLANTS=1 (each a group of rank processes of its own, forked with
 the others).
@@ -26,7 +34,6 @@ the others).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +45,7 @@ pytest.importorskip("vllm", reason="the end-to-end test needs vLLM (pip install 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import test_e2e as one_rank  # noqa: E402  (the model e2e's bounds)
+import test_e2e_v32 as v32_e2e  # noqa: E402  (the one-rank V3.2 / GLM-5 e2e's report checks)
 
 pytestmark = [pytest.mark.vllm_release, pytest.mark.xdist_group("e2e_multirank")]
 
@@ -57,28 +65,21 @@ V4_PARTITION = "2,2"
 PP_STAGE_KINDS = {"v41": None, "v4": ({"attn(ratio=0)", "attn(ratio=4)"}, {"attn(ratio=128)", "attn(ratio=4)"})}
 
 
-def _ports(n: int) -> list:
-    """n distinct free ports (held open together, so no two are the same)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _launch(out_dir, groups, timeout=900) -> dict:
     """Run every group's ranks, one process each, forked from one ``multirank.py --jobs``
     process (vLLM imported once). ``groups``: {name: (world, args)}; returns {name: [report of
     rank r]}, a rank's report with its exit status and log tail."""
     jobs = []
-    for (name, (world, args)), port in zip(groups.items(), _ports(len(groups))):
+    for name, (world, args) in groups.items():
+        # each group's rendezvous in a file (torch's FileStore; vLLM's init_distributed_environment
+        # takes file://), not a TCP port: a port picked free here could be taken by the time rank 0
+        # binds it (gloo's connections and other processes use the same ephemeral range; seen once:
+        # EADDRINUSE with 16 ranks starting together)
+        init = "file://" + os.path.join(out_dir, f"{name}.store")
         for r in range(world):
             out = os.path.join(out_dir, f"{name}_{r}.json")
             jobs.append(dict(name=f"{name}_{r}", group=name, out=out, log=os.path.join(out_dir, f"{name}_{r}.log"),
-                             argv=["--rank", str(r), "--init", f"tcp://127.0.0.1:{port}", "--out", out, *args]))
+                             argv=["--rank", str(r), "--init", init, "--out", out, *args]))
     spec = os.path.join(out_dir, "jobs.json")
     summary = os.path.join(out_dir, "summary.json")
     with open(spec, "w") as f:
@@ -106,23 +107,65 @@ def _v4(ckpt, *extra):
     return ["--model", "v4", "--ckpt", ckpt, *extra]
 
 
+def _v32(family, ckpt, *extra):
+    return ["--model", family, "--ckpt", ckpt, *extra]
+
+
+V32_FAMILIES = ("v32", "glm5")   # DeepSeek-V3.2 (bf16 cache), GLM-5 (fp8 -> fp8_ds_mla, a shared-indexer layer)
+
+
+def _wanted(session) -> set:
+    """The models whose groups this session's selected tests of this file read (all of them when
+    none is recognised): ``-k "v32 and not glm5"`` launches only V3.2's ranks."""
+    want = set()
+    for item in session.items:
+        if os.path.abspath(str(item.fspath)) != os.path.abspath(__file__):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "model" in params:
+            want.add(params["model"])
+        elif "family" in params:
+            want.add(params["family"])
+        elif "plant" in params:
+            want.add(PLANT_MODEL.get(params["plant"], "v41"))
+        else:   # the V4.1-only tests (Engram shards, the illegal boundary)
+            want.add("v41")
+    return want or {"v41", "v4", *V32_FAMILIES}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """Every layout's ranks at once, forked from one process: V4.1 + Engram one rank (writes its
-    checkpoint), TP 2, PP 2; V4 one rank (writes its checkpoint), TP 2, PP 2; with DSV4_E2E_PLANTS=1 the
-    planted-bug groups too. The groups wait for their model's checkpoint."""
+    checkpoint), TP 2, PP 2; V4 one rank (writes its checkpoint), TP 2, PP 2; V3.2 and GLM-5 one
+    rank (each writes its checkpoint), TP 2; with DSV4_E2E_PLANTS=1 the planted-bug groups too.
+    The groups wait for their model's checkpoint. Only the models the selected tests read run."""
     d = str(tmp_path_factory.mktemp("multirank"))
     ckpt, ckpt_v4 = os.path.join(d, "ckpt"), os.path.join(d, "ckpt_v4")
-    groups = {
-        "ref": (1, _v41(ckpt, "--write-ckpt")),
-        "tp2": (2, _v41(ckpt, "--tp", "2")),
-        "pp2": (2, _v41(ckpt, "--pp", "2", "--partition", PARTITION, "--illegal-partition", ILLEGAL_PARTITION)),
-        "v4_ref": (1, _v4(ckpt_v4, "--write-ckpt")),
-        "v4_tp2": (2, _v4(ckpt_v4, "--tp", "2")),
-        "v4_pp2": (2, _v4(ckpt_v4, "--pp", "2", "--partition", V4_PARTITION)),
-    }
+    ckpts = {"v41": ckpt, "v4": ckpt_v4, **{f: os.path.join(d, f"ckpt_{f}") for f in V32_FAMILIES}}
+    want = _wanted(request.session)
+    groups = {}
+    if "v41" in want:
+        groups.update({
+            "ref": (1, _v41(ckpt, "--write-ckpt")),
+            "tp2": (2, _v41(ckpt, "--tp", "2")),
+            "pp2": (2, _v41(ckpt, "--pp", "2", "--partition", PARTITION, "--illegal-partition", ILLEGAL_PARTITION)),
+        })
+    if "v4" in want:
+        groups.update({
+            "v4_ref": (1, _v4(ckpt_v4, "--write-ckpt")),
+            "v4_tp2": (2, _v4(ckpt_v4, "--tp", "2")),
+            "v4_pp2": (2, _v4(ckpt_v4, "--pp", "2", "--partition", V4_PARTITION)),
+        })
+    for f in V32_FAMILIES:
+        if f in want:
+            groups.update({f"{f}_ref": (1, _v32(f, ckpts[f], "--write-ckpt")),
+                           f"{f}_tp2": (2, _v32(f, ckpts[f], "--tp", "2"))})
     if PLANTS_ON:
-        groups.update({f"plant_{p}": (2, _v41(ckpt, "--plant", p, *args)) for p, (_, args) in PLANTED.items()})
+        for p, (_, args) in PLANTED.items():
+            model = PLANT_MODEL.get(p, "v41")
+            if model in want:
+                groups[f"plant_{p}"] = (2, _v32(model, ckpts[model], "--plant", p, *args) if model in V32_FAMILIES
+                                        else _v41(ckpt, "--plant", p, *args))
     t = time.time()
     out = dict(_launch(d, groups), dir=d, ckpt=ckpt)
     out["wall_s"] = round(time.time() - t, 1)
@@ -312,6 +355,133 @@ def test_pp2_illegal_boundary_refused_at_model_build(runs):
         assert err.startswith("dsv4_ops.pp_partition.PPPartitionError") and "layer 2 reads" in err, err
 
 
+# ------------------------------------------------------------------------------ V3.2 / GLM-5 at TP 2
+V32_LAYERS = 2   # v32_checkpoint's tiny geometry: layer 0 dense MLP, layer 1 MoE; 8 query heads
+
+
+def v32_rank_checks(rep, world_tp: int) -> dict:
+    """One V3.2 / GLM-5 rank's checks (multirank_v32.py): the one-rank V3.2 e2e's report checks on
+    the rank's own calls, then the rank's share against float64; returns the worst ratio of each
+    kind (each bound 1)."""
+    _ok(rep)
+    # the one-rank e2e's checks (test_e2e_v32.py), on this rank's report: the plugin's backend and
+    # cache, every sparse-MLA call over the cache bytes (the rank's heads), every cache row, the
+    # indexer's choice (every causal key below top-k; GLM-5's shared layer its source's rows), the
+    # plugin's ops, no dead kernel; the gathered logits against transformers where the rank ran it
+    for check in v32_e2e.REPORT_CHECKS:
+        if check is v32_e2e.test_logits_match_transformers and not rep["oracle_logits"]:
+            continue
+        check(rep)
+    assert rep["oracle_logits"] == (rep["tp_rank"] == 0), rep["oracle_logits"]
+    assert rep["shards"] and all(s["ok"] for s in rep["shards"]), [s for s in rep["shards"] if not s["ok"]]
+    hl = 8 // world_tp
+    assert rep["num_local_heads"] == hl, rep["num_local_heads"]
+    rows = rep["rank_checks"]
+    every = {(s, i) for s in STEPS for i in range(V32_LAYERS)}
+    worst = dict(bound=0.0, reduce=0.0, mlp_cos=0.0, mlp_rel=0.0,
+                 mqa=max(r["bound_ratio"] for r in rep["mqa"]),
+                 writer=max(max(r["kv_writer_err"], r["index_writer_err"]) for r in rep["indexer_choice"]
+                            if r["kind"] == "writer"))
+    attn = [r for r in rows if r["kind"] == "attn"]
+    assert {(r["step"], r["layer"]) for r in attn} == every, attn
+    for r in attn:
+        # the rank's own heads, from the layer input to the partial it hands the all-reduce
+        assert r["heads"] == [rep["tp_rank"] * hl, (rep["tp_rank"] + 1) * hl], r
+        assert r["bound_ratio"] <= 1.0 and r["attended"] > 0, r
+        assert r["cos"] >= one_rank.ATTN_COS and r["max_abs"] <= one_rank.REL_MAX * r["ref_max"], r
+        worst["bound"] = max(worst["bound"], r["bound_ratio"])
+    mlp = [r for r in rows if r["kind"] in ("mlp", "moe")]
+    assert {(r["step"], r["layer"], r["kind"]) for r in mlp} == \
+        {(s, i, "mlp" if i == 0 else "moe") for s in STEPS for i in range(V32_LAYERS)}, mlp
+    for r in mlp:
+        assert r["choice_mismatch"] == 0, r
+        assert r["cos"] >= one_rank.MOE_COS and r["max_abs"] <= one_rank.REL_MAX * r["ref_max"], r
+        worst.update(mlp_cos=max(worst["mlp_cos"], (1 - r["cos"]) / (1 - one_rank.MOE_COS)),
+                     mlp_rel=max(worst["mlp_rel"], r["max_abs"] / r["ref_max"] / one_rank.REL_MAX))
+    # layer 0's input: input_layernorm of the token's row of the whole (gathered) embedding, which
+    # the rank's vocab-parallel lookup and the all-reduce assembled
+    first = [r for r in rows if r["kind"] == "first_input"]
+    assert [r["step"] for r in first] == list(STEPS), first
+    for r in first:
+        assert r["cos"] >= one_rank.LOGITS_COS and r["max_abs"] <= one_rank.REL_MAX * r["ref_max"], r
+    red = [r for r in rows if r["kind"] == "allreduce"]
+    assert {(r["step"], r["layer"], r["site"]) for r in red} == \
+        {(s, i, k) for s, i in every for k in ("attn", "mlp")}, red
+    for r in red:
+        # each sublayer's partial all-reduced once (fused with the next RMSNorm), within one bf16
+        # rounding of the float64 sum of every rank's partial
+        assert r["allreduces"] == (1 if world_tp > 1 else 0) and r["reduce_ratio"] <= 1.0, r
+        worst["reduce"] = max(worst["reduce"], r["reduce_ratio"])
+    # no other all-reduce of the TP group than those and the vocab-parallel embedding's
+    counts = {r["step"]: r["count"] for r in rows if r["kind"] == "allreduce_count"}
+    assert counts == {s: (1 + 2 * V32_LAYERS if world_tp > 1 else 0) for s in STEPS}, counts
+    return worst
+
+
+def _v32_tp_agrees(ref, r0, r1, family):
+    """TP 2's ranks agree bitwise with each other, and per token with the one-rank run within
+    RUN_COS_GAP; a token whose expert choice went the other way (the runs round the attention's
+    all-reduce differently) must be a float64 near-tie (margin <= checks.MARGIN in the rank's MoE
+    check) and is counted, not compared (its logits differ by a whole expert)."""
+    import checks
+
+    for rep in (ref, r0, r1):
+        _ok(rep)
+    for s0, s1 in zip(r0["trace"], r1["trace"]):
+        assert s0["logits"] == s1["logits"] and s0["topk"] == s1["topk"] and s0["experts"] == s1["experts"], s0["step"]
+    margins = {(r["step"], r["layer"]): r["margins"] for r in r0["rank_checks"] if r["kind"] == "moe"}
+    rows = []
+    for sa, sb in zip(ref["trace"], r0["trace"]):
+        # index_topk (128) exceeds every sequence: both runs attend to every causal key
+        assert sa["topk"] == sb["topk"], sa["step"]
+        for t, (cos_gap, flipped) in enumerate(_per_token(sa, sb)):
+            if flipped:
+                m = min(margins[(sa["step"], int(k))][t] for k in sb["experts"]
+                        if sorted(sa["experts"][k][t]) != sorted(sb["experts"][k][t]))
+                assert m <= checks.MARGIN, (sa["step"], t, m, cos_gap)
+            rows.append((cos_gap, flipped, sa["step"], t))
+    assert len(rows) == sum(len(s["logits"]) for s in ref["trace"])
+    clean = [r for r in rows if not r[1]]
+    assert len(clean) >= len(rows) // 2, f"{len(rows) - len(clean)} of {len(rows)} tokens with another expert"
+    worst = max(r[0] for r in clean)
+    assert worst <= RUN_COS_GAP, [r for r in clean if r[0] > RUN_COS_GAP]
+    print(f"{family} tp2 vs one rank: clean tokens 1-cos {worst:.2e} (ratio {worst / RUN_COS_GAP:.2f}), "
+          f"{len(rows) - len(clean)} of {len(rows)} tokens with a near-tie expert taken otherwise "
+          f"(1-cos {max((r[0] for r in rows if r[1]), default=0.0):.3f})")
+
+
+def _per_token(sa, sb):
+    """Per token of a step: (1 - cos of the two runs' logits, whether an MoE layer chose other experts)."""
+    import torch
+
+    a, b = (torch.tensor(s["logits"], dtype=torch.float64) for s in (sa, sb))
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    for t in range(a.shape[0]):
+        yield 1 - float(cos[t]), any(sorted(sa["experts"][k][t]) != sorted(sb["experts"][k][t]) for k in sb["experts"])
+
+
+@pytest.mark.parametrize("family", V32_FAMILIES)
+def test_v32_one_rank_reference(runs, family):
+    (ref,) = runs[f"{family}_ref"]
+    assert ref["model"] == family and ref["tp"] == 1
+    print(f"{family} one rank worst", v32_rank_checks(ref, 1))
+
+
+@pytest.mark.parametrize("family", V32_FAMILIES)
+def test_v32_tp2_every_rank_matches_the_oracle_on_its_own_share(runs, family):
+    reps = runs[f"{family}_tp2"]
+    worst = [v32_rank_checks(rep, 2) for rep in reps]
+    assert [r["tp_rank"] for r in reps] == [0, 1] and all(r["model"] == family for r in reps)
+    print(f"{family} tp2 worst", worst)
+
+
+@pytest.mark.parametrize("family", V32_FAMILIES)
+def test_v32_tp2_ranks_agree_and_match_the_one_rank_run(runs, family):
+    (ref,) = runs[f"{family}_ref"]
+    r0, r1 = runs[f"{family}_tp2"]
+    _v32_tp_agrees(ref, r0, r1, family)
+
+
 # ---------------------------------------------------------------------------------- planted bugs
 PLANTS_ON = os.environ.get("DSV4_E2E_PLANTS") == "1"
 PLANTED = {
@@ -320,17 +490,23 @@ PLANTED = {
     "o_proj_twice": ("tp2", ["--tp", "2"]),
     "engram_vocab_start": ("tp2", ["--tp", "2"]),
     "stage2_no_input_ids": ("pp2", ["--pp", "2", "--partition", PARTITION]),
+    "v32_head_offset": ("v32_tp2", ["--tp", "2"]),
 }
+PLANT_MODEL = {"v32_head_offset": "v32"}   # the others: V4.1 + Engram
 
 
 def _fails(runs, name, reps) -> list:
     """The checks above that the planted run fails (each as 'check: message')."""
     failed = []
-    probes = [("rank", lambda: [rank_checks(r, 2 if name == "tp2" else 1) for r in reps])]
-    if name == "tp2":
-        probes.append(("vs one rank", lambda: _tp_agrees(runs["ref"][0], reps[0], reps[1], "v41")))
+    if name == "v32_tp2":   # each rank on its own: the first failing check of each
+        probes = [(f"rank {i}", lambda r=r: v32_rank_checks(r, 2)) for i, r in enumerate(reps)]
+        probes.append(("vs one rank", lambda: _v32_tp_agrees(runs["v32_ref"][0], reps[0], reps[1], "v32")))
     else:
-        probes.append(("vs one rank", lambda: _pp_stages(runs["ref"][0], reps[0], reps[1], "v41", PARTITION)))
+        probes = [("rank", lambda: [rank_checks(r, 2 if name == "tp2" else 1) for r in reps])]
+        if name == "tp2":
+            probes.append(("vs one rank", lambda: _tp_agrees(runs["ref"][0], reps[0], reps[1], "v41")))
+        else:
+            probes.append(("vs one rank", lambda: _pp_stages(runs["ref"][0], reps[0], reps[1], "v41", PARTITION)))
     for what, probe in probes:
         try:
             probe()

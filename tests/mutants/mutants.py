@@ -99,8 +99,8 @@ MUTANTS = (
            "Engram kernel: the id one past the shard's range is owned (reads the next shard's row)"),
     # ---- dispatch ----
     Mutant("dispatch-v3-one-block-size", "dsv4_ops/dispatch/decode.py",
-           "if block_sizes and not all(_pow2(b) for b in block_sizes):",
-           "if block_sizes and not _pow2(block_sizes[-1]):",
+           "if block_sizes and not all(_pow2(b) for b in block_sizes) and is_f16dot(v3_config(name)):",
+           "if block_sizes and not _pow2(block_sizes[-1]) and is_f16dot(v3_config(name)):",
            ("tests/test_decode_plan.py", "-k", "odd_block_sizes"),
            "the shift-kernel fallback reads the window cache's block size only"),
     Mutant("paged-aligned-one-cache", "dsv4_ops/paged_plan.py",
