@@ -170,7 +170,7 @@ INVARIANT_COLUMNS = ["T", "H", "floor_us", "predicted_invariant_us", "default_pl
 INVARIANT_NOTES = ("dsv4_decode_attention in a CUDA graph (20 calls, median), K = 512 top-k + 128 window, portable, "
                    "same process; invariant: DSV4_AMPERE_BATCH_INVARIANT=1 (heads kernel, splits fixed by H and K). "
                    "floor_us: the invariant step's bytes at 4 TB/s + 3 launches; predicted_invariant_us: written "
-                   "before the run, dispatch.decode.heads_time_us + the gather at the floor (bench_startup.py).")
+                   "before the run, dispatch.workspace.heads_time_us + the gather at the floor (bench_startup.py).")
 
 
 def write_all(out_dir, startup, invariant):

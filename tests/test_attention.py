@@ -377,11 +377,11 @@ def test_gpu_every_num_splits(variant, T, H, K):
     q, kv, idx, tl = make_case(T, H, K, device="cuda", seed=11)
     sink = make_sink("finite", H, "cuda")
     want = _ref(q, kv, idx, tl, sink)
-    for S in range(1, dispatch.decode.tile_max_splits(K) + 1):
+    for S in range(1, dispatch.workspace.tile_max_splits(K) + 1):
         out, lse = attention.sparse_mla_decode(q, kv, idx, tl, sink, SM_SCALE, num_splits=S)
         check_close(out, lse, *want)
     # the partials themselves, against the reference's partition
-    for S in (1, 2, dispatch.decode.tile_max_splits(K)):
+    for S in (1, 2, dispatch.workspace.tile_max_splits(K)):
         o_part, lse_part = attention.sparse_mla_split(q, kv, idx, tl, SM_SCALE, S)
         want_o, want_lse = reference.ref_sparse_mla_split(q, kv, idx, tl, SM_SCALE, S)
         assert_attention_close(o_part, lse_part, want_o, want_lse, what=f"o_part S={S}")

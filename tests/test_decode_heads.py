@@ -113,7 +113,7 @@ def test_heads_mode_launches_the_heads_kernel_and_tiles_does_not(interpret, monk
     T, H, K = 2, 8, 40
     q, kv, idx, tl = [t.to(interpret) for t in make_case(T, H, K, seed=4)]
     stats = attention._heads_kernel.stats
-    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if T < dispatch.decode.AUTO_HEADS_MIN_T else 1)):
+    for env, want in (("heads", 1), ("tiles", 0), ("auto", 0 if T < dispatch.workspace.AUTO_HEADS_MIN_T else 1)):
         monkeypatch.setenv(dispatch.decode.ENV_VAR, env)
         before = dict(stats)
         out, lse = attention.sparse_mla_decode(q, kv, idx, tl, None, SM_SCALE)
@@ -151,28 +151,28 @@ def test_mode_reads_the_env_and_rejects_unknown_values(monkeypatch):
 @pytest.mark.parametrize("H", [1, 8, 16, 24, 64, 128])
 def test_plan_is_consistent(T, H, sms):
     K = 640
-    p = dispatch.decode.plan(T, H, K, sms, "heads")
+    p = dispatch.workspace.plan(T, H, K, sms, "heads")
     assert p.kernel == "heads" and p.block_h == hk.block_h_for(H) and p.groups * p.block_h >= H
     assert p.block_h <= hk.MAX_BLOCK_H and p.block_h in hk.HEADS_CONFIG and p.block_h >= min(16, p.block_h)
     assert 1 <= p.splits <= attention.MAX_SPLITS and p.direct == (p.splits == 1)
     assert p.splits in dispatch.decode.balanced_splits(-(-K // p.block_n))
     # the chosen count is the model's minimum
-    best = min(dispatch.decode.heads_time_us(T, H, K, sms, s) for s in dispatch.decode.balanced_splits(-(-K // p.block_n)))
-    assert dispatch.decode.heads_time_us(T, H, K, sms, p.splits) == best
-    assert dispatch.decode.plan(T, H, K, sms, "tiles").kernel == "tiles"
-    auto = dispatch.decode.plan(T, H, K, sms, "auto")
-    if T < dispatch.decode.AUTO_HEADS_MIN_T:
-        assert auto == dispatch.decode.plan(T, H, K, sms, "tiles")
+    best = min(dispatch.workspace.heads_time_us(T, H, K, sms, s) for s in dispatch.decode.balanced_splits(-(-K // p.block_n)))
+    assert dispatch.workspace.heads_time_us(T, H, K, sms, p.splits) == best
+    assert dispatch.workspace.plan(T, H, K, sms, "tiles").kernel == "tiles"
+    auto = dispatch.workspace.plan(T, H, K, sms, "auto")
+    if T < dispatch.workspace.AUTO_HEADS_MIN_T:
+        assert auto == dispatch.workspace.plan(T, H, K, sms, "tiles")
     else:
-        assert auto.kernel == "heads" and auto.splits == min(dispatch.decode.auto_heads_splits(T, H, sms), -(-K // auto.block_n))
-    assert dispatch.decode.plan(T, H, K, sms, "heads", 5).splits == 5
+        assert auto.kernel == "heads" and auto.splits == min(dispatch.workspace.auto_heads_splits(T, H, sms), -(-K // auto.block_n))
+    assert dispatch.workspace.plan(T, H, K, sms, "heads", 5).splits == 5
 
 
 def test_plan_skips_the_merge_once_the_programs_fill_the_gpu():
     """Many tokens: more splits only add partial bytes and a merge; few tokens: split."""
     for sms in (108, 132):
-        assert dispatch.decode.plan(4 * sms, 8, 640, sms, "heads").splits == 1
-        assert dispatch.decode.plan(1, 8, 640, sms, "heads").splits > 1
+        assert dispatch.workspace.plan(4 * sms, 8, 640, sms, "heads").splits == 1
+        assert dispatch.workspace.plan(1, 8, 640, sms, "heads").splits > 1
 
 
 @pytest.mark.parametrize("T,H,want", [(64, 8, 4), (64, 16, 4), (128, 8, 3), (64, 64, 2), (128, 128, 2),
@@ -183,9 +183,9 @@ def test_auto_uses_the_measured_heads_plan_from_t64(T, H, want):
     from T = 64 the heads kernel with these split counts beat the tiles; below T = 64 auto
     keeps the tiles."""
     for sms in (108, 132):
-        p = dispatch.decode.plan(T, H, 640, sms, "auto")
+        p = dispatch.workspace.plan(T, H, 640, sms, "auto")
         assert (p.kernel, p.splits) == ("heads", want)
-        assert dispatch.decode.plan(8, H, 640, sms, "auto").kernel == "tiles"
+        assert dispatch.workspace.plan(8, H, 640, sms, "auto").kernel == "tiles"
 
 
 def test_balanced_splits():

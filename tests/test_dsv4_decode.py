@@ -128,7 +128,7 @@ def gather_path(request, monkeypatch):
     """Both gather paths of the composite's workspace step (mode tiles: auto runs the paged op):
     one launch (small T) and two gathers + indices."""
     monkeypatch.setenv(dispatch.decode.ENV_VAR, "tiles")
-    monkeypatch.setattr(dispatch.decode, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
+    monkeypatch.setattr(dispatch.workspace, "FUSED_GATHER_MAX_ROWS", 1 << 30 if request.param == "fused_gather" else 0)
     return request.param
 
 
