@@ -74,7 +74,8 @@ def write_config(cfg: dict) -> str:
     return d
 
 
-def make_vllm_config(model_dir: str, device: str, block_size=None, cache_dtype=None, tp: int = 1, pp: int = 1):
+def make_vllm_config(model_dir: str, device: str, block_size=None, cache_dtype=None, tp: int = 1, pp: int = 1,
+                     dp: int = 1, dp_rank: int = 0, ep: bool = False):
     """The real ``VllmConfig``; ``block_size`` / ``cache_dtype`` None = what vLLM resolves;
     ``tp`` / ``pp``: the tensor / pipeline parallel sizes (tests/e2e/multirank.py)."""
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
@@ -90,23 +91,31 @@ def make_vllm_config(model_dir: str, device: str, block_size=None, cache_dtype=N
     sc = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=1024,
                          is_encoder_decoder=False)
     extra = {}
-    if tp > 1 or pp > 1:
+    if tp > 1 or pp > 1 or dp > 1:
         # every rank its own process, started by the test: no executor of vLLM's runs. Named, so
         # vLLM does not pick one by counting GPUs (none here); "external_launcher" (torchrun-style)
         # is refused with PP by the GPU runner's feature check, which this test does not use
         backend = "external_launcher" if pp == 1 else "mp"
+        dp_kw = {}
+        if dp > 1:
+            # external_launcher takes the DP rank from torchrun's RANK (config/parallel.py)
+            os.environ["RANK"] = str(dp_rank * tp * pp)
+            dp_kw = dict(data_parallel_size=dp, data_parallel_rank=dp_rank, enable_expert_parallel=ep)
         extra["parallel_config"] = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                                  distributed_executor_backend=backend)
+                                                  distributed_executor_backend=backend, **dp_kw)
     return VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, device_config=DeviceConfig(device),
                       **extra)
 
 
 def build(cfg: dict, device: str, num_blocks: int = 128, model_dir: str = None, cache_dtype: str = None,
-          tp: int = 1, pp: int = 1, rank: int = 0, init_method: str = None, adjust=None) -> Built:
+          tp: int = 1, pp: int = 1, rank: int = 0, init_method: str = None, adjust=None,
+          dp: int = 1, ep: bool = False) -> Built:
     """cfg: config.json values (random weights, ``init_weights``), or model_dir: a checkpoint
     directory read by vLLM's own loader (cfg then only names the architecture).
     tp / pp / rank / init_method: this process is rank ``rank`` of ``tp * pp`` (gloo at
-    ``init_method``, e.g. tcp://127.0.0.1:PORT); adjust(vllm_config): a last change to the
+    ``init_method``, e.g. tcp://127.0.0.1:PORT); dp / ep: vLLM's data_parallel_size and
+    enable_expert_parallel (the world is tp * pp * dp, rank r's DP rank r // (tp * pp));
+    adjust(vllm_config): a last change to the
     config before the distributed set-up (e.g. the Engram table in ordinary memory)."""
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
@@ -128,7 +137,8 @@ def build(cfg: dict, device: str, num_blocks: int = 128, model_dir: str = None, 
         ModelRegistry.register_model(cfg["architectures"][0], TEXT_MODELS[cfg["architectures"][0]])
     load = model_dir is not None
     model_dir = model_dir or write_config(cfg)
-    vc = make_vllm_config(model_dir, device, cache_dtype=cache_dtype, tp=tp, pp=pp)
+    vc = make_vllm_config(model_dir, device, cache_dtype=cache_dtype, tp=tp, pp=pp, dp=dp,
+                          dp_rank=rank // (tp * pp), ep=ep)
     if adjust is not None:
         adjust(vc)
     ctx = set_current_vllm_config(vc)
@@ -137,7 +147,7 @@ def build(cfg: dict, device: str, num_blocks: int = 128, model_dir: str = None, 
 
     # a process that already set up its one rank (the checkpoint writer, engine/checkpoints.py) keeps it
     if parallel_state._WORLD is None:
-        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
+        init_distributed_environment(world_size=tp * pp * dp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=init_method or f"file://{tempfile.mktemp()}")
     if not parallel_state.model_parallel_is_initialized():
         initialize_model_parallel(tp, pp)

@@ -22,6 +22,13 @@ What a rank checks, per step and layer it holds:
 - the run's logits (and the indexer's choices) go into the report: the test compares them with
   the one-rank run's and across ranks.
 
+``--dp 2 --ep`` (V4): data parallel 2 with expert parallelism: each rank its own requests
+(``prompts``: prompt set = the DP rank) on all heads, the experts split over the EP group; vLLM's
+``CpuCommunicator`` for the groups and torch.distributed stand-ins for the ``all_gatherv`` /
+``reduce_scatterv`` it lacks (``install_cpu_communicator``; MULTIRANK.md says why); the MoE
+checked on every EP rank's experts, the rank's experts against its half of the checkpoint
+(``expert_shard_checks``).
+
 ``--model v32`` / ``--model glm5`` (DeepSeek-V3.2 / GLM-5, vLLM's ``DeepseekV32ForCausalLM``):
 the rank runs multirank_v32.py instead (the one-rank V3.2 e2e's driver at this rank, and the
 per-rank checks written for V3.2's MLA layer names); the harness, the forks and the all-reduce
@@ -44,7 +51,8 @@ sys.path.insert(0, os.path.join(HERE, "engine"))
 import driver  # noqa: E402
 
 SEED = 1234            # the requests' tokens: the same in every run of a layout
-PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_ids", "v32_head_offset")
+PLANTS = ("head_offset", "o_proj_twice", "engram_vocab_start", "stage2_no_input_ids", "v32_head_offset",
+          "ep_expert_offset")
 
 SITE = [None]          # (layer, "attn" | "ffn") while that sublayer runs on this rank
 ALLREDUCES: dict = {}  # site -> [(input, output)] of the TP group's all-reduces this step
@@ -85,6 +93,69 @@ def install_tp_standins() -> None:
                      vocab_parallel_embedding)
 
 
+def install_cpu_communicator(standins: bool = True) -> None:
+    """The device communicator vLLM's CPU platform gives every group (``CpuCommunicator``, gloo /
+    torch.distributed, with the ``allgather_reducescatter`` all2all manager FusedMoE's EP dispatch
+    and combine go through); the harness's platform (``UnspecifiedPlatform``) gives the base class,
+    which has no all2all manager. For the DP + EP rank only (the TP / PP ranks keep theirs)."""
+    from vllm.platforms import current_platform
+
+    qual = "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+    type(current_platform).get_device_communicator_cls = classmethod(lambda cls: qual)
+    if standins:
+        install_gatherv_standins()
+
+
+GATHERV_CALLS: dict = {}   # stand-in name -> calls (the report's gatherv_calls)
+GATHERV_SIZES: list = []   # the per-rank row counts all_gatherv saw (the DP ranks' batch sizes)
+
+
+def install_gatherv_standins() -> None:
+    """vLLM's ``CpuCommunicator`` has no ``all_gatherv`` / ``reduce_scatterv`` (the base class's
+    raise NotImplementedError, base_device_communicator.py), which the allgather_reducescatter
+    all2all manager calls for FusedMoE's DP dispatch (all2all.py ``dispatch`` /
+    ``dispatch_router_logits``) and combine: stand-ins over torch.distributed (gloo) with the
+    semantics of the CUDA communicator's (pynccl ``all_gatherv`` / ``reduce_scatterv``: rank r's
+    ``sizes[r]`` rows, concatenated in rank order; the sum's rows of this rank)."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def one(self, x, sizes):
+        n = self.world_size
+        sizes = list(sizes or [x.shape[0]] * n)
+        GATHERV_SIZES.append(sizes)
+        assert x.shape[0] == sizes[self.rank_in_group], (x.shape, sizes)
+        pad = torch.zeros((max(sizes),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        pad[: x.shape[0]] = x
+        outs = [torch.empty_like(pad) for _ in range(n)]
+        dist.all_gather(outs, pad, group=self.device_group)
+        return torch.cat([o[:k] for o, k in zip(outs, sizes)], 0)
+
+    def all_gatherv(self, input_, dim=0, sizes=None):
+        assert dim == 0, dim
+        GATHERV_CALLS["all_gatherv"] = GATHERV_CALLS.get("all_gatherv", 0) + 1
+        if isinstance(input_, torch.Tensor):
+            return one(self, input_, sizes)
+        return [one(self, x, sizes) for x in input_]
+
+    def reduce_scatterv(self, input_, dim=-1, sizes=None):
+        GATHERV_CALLS["reduce_scatterv"] = GATHERV_CALLS.get("reduce_scatterv", 0) + 1
+        dim = dim % input_.dim()
+        x = input_.movedim(dim, 0).contiguous()
+        n = self.world_size
+        sizes = sizes or [x.shape[0] // n] * n
+        assert sum(sizes) == x.shape[0], (x.shape, sizes)
+        x = x.clone()
+        dist.all_reduce(x, group=self.device_group)   # 2 ranks: one rounding of the sum, as a reduce-scatter
+        r = self.rank_in_group
+        lo = sum(sizes[:r])
+        return x[lo: lo + sizes[r]].movedim(0, dim).contiguous()
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
 def install_allreduce_recorder() -> None:
     """Record every tensor-parallel all-reduce (vLLM's ``GroupCoordinator.all_reduce``, which
     ``tensor_model_parallel_all_reduce`` calls) with the sublayer that ran it."""
@@ -95,7 +166,7 @@ def install_allreduce_recorder() -> None:
     def all_reduce(self, input_):
         before = input_.detach().clone()   # before the call: a communicator may reduce in place
         out = orig(self, input_)
-        if self is ps._TP:
+        if self is ps._TP and self.world_size > 1:   # at TP 1 vLLM's all_reduce returns its input
             ALLREDUCES.setdefault(SITE[0] or ("other",), []).append((before, out.detach().clone()))
         return out
 
@@ -155,6 +226,21 @@ def plant(kind: str, rank: int) -> str:
         return "rank 1's Engram vocab start = 0"
     if kind == "stage2_no_input_ids":
         return "the second stage runs without input_ids"
+    if kind == "ep_expert_offset":
+        # rank 1 (EP) loads rank 0's experts: global expert e < n_local into local slot e, its own
+        # experts nowhere (vLLM's weight loader asks RoutedExperts where a global expert lives)
+        from vllm.model_executor.layers.fused_moe import routed_experts
+
+        cls = routed_experts.RoutedExperts
+        orig = cls._map_global_expert_id_to_local_expert_id
+
+        def mapped(self, expert_id):
+            if rank != 1:
+                return orig(self, expert_id)
+            return expert_id if expert_id < self.local_num_experts else -1
+
+        cls._map_global_expert_id_to_local_expert_id = mapped
+        return "rank 1 loads rank 0's experts (global 0.. into its local slots)"
     raise ValueError(f"unknown plant {kind!r}")
 
 
@@ -236,7 +322,24 @@ def make_checker(model, cfg, tp_group):
 
         def check_moe(self, step, rec):
             partial, red = self._reduce(step, (rec.layer, "ffn"), rec.ffn_out)
-            res = super().check_moe(step, dataclasses.replace(rec, ffn_out=partial))
+            ex = self.m.model.layers[rec.layer].ffn.experts.routed_experts
+            if ex.w13_weight.shape[0] == self.cfg["n_routed_experts"]:
+                res = super().check_moe(step, dataclasses.replace(rec, ffn_out=partial))
+            else:
+                # expert parallel: vLLM's combine hands this rank its own tokens through every
+                # expert; the oracle runs on every rank's experts, all-gathered over the EP group
+                # (each rank's are its own checkpoint shard: expert_shard_checks)
+                from vllm.distributed import get_ep_group
+
+                saved = dict(ex._parameters)
+                for nm in ("w13_weight", "w2_weight"):
+                    ex._parameters[nm] = torch.nn.Parameter(
+                        get_ep_group().all_gather(saved[nm].detach().contiguous(), dim=0), requires_grad=False)
+                try:
+                    res = super().check_moe(step, dataclasses.replace(rec, ffn_out=partial))
+                finally:
+                    ex._parameters.update(saved)
+                res["ep_gathered"] = True
             res.update(red)
             return res
 
@@ -308,6 +411,30 @@ def make_checker(model, cfg, tp_group):
     return MRChecker()
 
 
+def expert_shard_checks(model, ckpt: str, ep_rank: int, ep: int) -> list:
+    """Expert parallel: this rank's local experts are the checkpoint's experts
+    ``ep_rank * n_local ..`` (vLLM's linear placement), whole (w1, w3, w2); [] without EP."""
+    if ep == 1:
+        return []
+    import torch
+    from safetensors.torch import load_file
+
+    ck = load_file(os.path.join(ckpt, "model.safetensors"))
+    m = model.model
+    out = []
+    for i in range(m.start_layer, m.end_layer):
+        ex = m.layers[i].ffn.experts.routed_experts
+        nl = ex.w13_weight.shape[0]
+        for j in range(nl):
+            e = ep_rank * nl + j
+            want = (torch.cat([ck[f"layers.{i}.ffn.experts.{e}.w1.weight"], ck[f"layers.{i}.ffn.experts.{e}.w3.weight"]]),
+                    ck[f"layers.{i}.ffn.experts.{e}.w2.weight"])
+            for got, w, nm in ((ex.w13_weight[j], want[0], "w13"), (ex.w2_weight[j], want[1], "w2")):
+                ok = tuple(got.shape) == tuple(w.shape) and bool(torch.equal(got.detach().cpu().to(w.dtype), w))
+                out.append(dict(param=f"layers.{i}.ffn.experts.{e}.{nm}", ok=ok, ep_local=j))
+    return out
+
+
 def shard_checks(model, cfg, ckpt: str, tp_rank: int, tp: int) -> list:
     """Each attention layer's query heads, sink, wo_a groups and wo_b columns, the experts'
     intermediate columns and the vocab slices this rank holds are the checkpoint's at this rank's
@@ -337,6 +464,8 @@ def shard_checks(model, cfg, ckpt: str, tp_rank: int, tp: int) -> list:
         same(f"layers.{i}.attn.wo_b", a.wo_b.weight, wo_b[:, tp_rank * g * r:(tp_rank + 1) * g * r])
         ex = f.experts.routed_experts
         n = ex.w2_weight.shape[-1]
+        if ex.w13_weight.shape[0] != cfg["n_routed_experts"]:   # EP: expert_shard_checks
+            continue
         same(f"layers.{i}.ffn.experts.0.w1", ex.w13_weight[0, :n], rows(ck[f"layers.{i}.ffn.experts.0.w1.weight"], n))
         same(f"layers.{i}.ffn.experts.0.w2", ex.w2_weight[0],
              ck[f"layers.{i}.ffn.experts.0.w2.weight"][:, tp_rank * n:(tp_rank + 1) * n])
@@ -432,7 +561,16 @@ def lookback(sch, bt, depth: int):
     return out.to(sch.b.device)
 
 
-def run_plan(model_name, cfg, b, no_input_ids: bool) -> dict:
+def prompts(model_name: str, prompt_set: int):
+    """The two requests' prompt lengths and token seed of a prompt set: set 0 every layout's; set 1
+    DP rank 1's (other tokens, other lengths: the DP ranks' batches differ in size)."""
+    P0, P1 = (40, 24) if model_name == "v41" else (136, 24)
+    if prompt_set:
+        P0, P1 = P0 - 8, P1 - 4
+    return P0, P1, SEED + prompt_set
+
+
+def run_plan(model_name, cfg, b, no_input_ids: bool, prompt_set=None) -> dict:
     import torch
     import standins
     import steps
@@ -442,8 +580,12 @@ def run_plan(model_name, cfg, b, no_input_ids: bool) -> dict:
     sch = steps.Scheduler(b)
     chk = make_checker(b.model, cfg, get_tp_group())
     chk.fwd_ctx = b.vllm_config.compilation_config.static_forward_context
-    g = torch.Generator().manual_seed(SEED)
-    P0, P1 = (40, 24) if model_name == "v41" else (136, 24)
+    from vllm.distributed import get_dp_group
+
+    if prompt_set is None:   # DP attention: each DP rank its own requests
+        prompt_set = get_dp_group().rank_in_group
+    P0, P1, seed = prompts(model_name, prompt_set)
+    g = torch.Generator().manual_seed(seed)
     vocab = cfg["vocab_size"]
     sch.add(0, torch.randint(2, vocab, (P0 + 12,), generator=g).tolist())
     sch.add(1, torch.randint(2, vocab, (P1 + 12,), generator=g).tolist())
@@ -491,6 +633,10 @@ def main(argv=None) -> None:
     ap.add_argument("--engram", action="store_true")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1, help="data parallel size (DP attention: each rank its own requests)")
+    ap.add_argument("--ep", action="store_true", help="expert parallel (vLLM's enable_expert_parallel)")
+    ap.add_argument("--prompt-set", type=int, default=None,
+                    help="the requests of this prompt set (default: the DP rank's; prompts())")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--init", default=None,
                     help="file://PATH or tcp://127.0.0.1:PORT (every rank of the group the same)")
@@ -610,12 +756,17 @@ def _run(a, report) -> None:
     import checkpoints
     from vllm.model_executor.models.registry import ModelRegistry
 
+    if a.dp > 1 and os.environ.get("DSV4_E2E_DP_VLLM_AS_IS") != "1":
+        # DSV4_E2E_DP_VLLM_AS_IS=1: the harness's communicator (no all2all manager: the first
+        # failure, MULTIRANK.md); =2: vLLM's CpuCommunicator without the gatherv stand-ins (the second)
+        install_cpu_communicator(standins=os.environ.get("DSV4_E2E_DP_VLLM_AS_IS") != "2")
+
     if cfg["architectures"][0] == "DeepseekV41ForCausalLM":
         # vLLM's name for the VL wrapper; the text class, as the engine's platform entry point maps it
         ModelRegistry.register_model(cfg["architectures"][0], build.TEXT_MODELS["DeepseekV41LLMForCausalLM"])
     with checkpoints._cpu_device_queries():
         b = build.build(cfg, "cpu", model_dir=a.ckpt, tp=a.tp, pp=a.pp, rank=a.rank, init_method=a.init,
-                        adjust=adjust)
+                        adjust=adjust, dp=a.dp, ep=a.ep)
     driver.mark("build")
     from vllm.distributed import get_pp_group, get_tp_group
 
@@ -623,7 +774,15 @@ def _run(a, report) -> None:
     report["layers"] = [m.start_layer, m.end_layer]
     report["tp_rank"], report["pp_rank"] = get_tp_group().rank_in_group, get_pp_group().rank_in_group
     report["shards"] = shard_checks(b.model, cfg, a.ckpt, get_tp_group().rank_in_group, a.tp)
-    report.update(run_plan(a.model, cfg, b, a.plant == "stage2_no_input_ids"))
+    from vllm.distributed import get_dp_group, get_ep_group
+
+    ep = get_ep_group() if a.ep else None
+    report["dp_rank"] = get_dp_group().rank_in_group
+    report["ep_rank"], report["ep_size"] = (ep.rank_in_group, ep.world_size) if ep else (0, 1)
+    report["shards"] += expert_shard_checks(b.model, a.ckpt, report["ep_rank"], report["ep_size"])
+    report.update(run_plan(a.model, cfg, b, a.plant == "stage2_no_input_ids", a.prompt_set))
+    report["gatherv_calls"] = dict(GATHERV_CALLS)
+    report["gatherv_sizes"] = sorted({str(v) for v in GATHERV_SIZES})
     if a.illegal_partition:
         report["illegal_partition"] = build_at(type(m), b.vllm_config, a.illegal_partition)
     driver.mark("steps")

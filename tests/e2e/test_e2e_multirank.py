@@ -19,6 +19,11 @@ C128A on the second) are bitwise the one-rank run's (no arithmetic changes). V4'
 check every fused mHC boundary (test_e2e.py's check) on the all-reduced streams. The plugin
 refuses an illegal V4.1 pipeline boundary at model build in a real PP process (V4 has none).
 
+V4 at data parallel 2 with expert parallelism (``dp_ep_rank_checks``): each DP rank its own
+requests on all heads, experts 0-3 / 4-7, vLLM's FusedMoE dispatch and combine over gloo; every
+layer per rank against the float64 oracle, each rank's experts its half of the checkpoint, and
+each rank's logits bitwise the one-rank run of its own requests.
+
 DeepSeek-V3.2 and GLM-5 (vLLM's ``DeepseekV32ForCausalLM``, the plugin's sparse-MLA backend) at
 TP 2 (``multirank_v32.py``): each rank is the one-rank V3.2 e2e (driver_v32.py: its sparse-MLA,
 indexer-choice and cache-row checks on the rank's own calls, and on TP rank 0 the gathered logits
@@ -62,6 +67,7 @@ PARTITION, ILLEGAL_PARTITION = "1,4", "2,3"   # stage 2 = layers 1-4: the Engram
 # (SWA, hash-routed MoE) and 1 (C4A), stage 2 = layers 2 (C128A) and 3 (C4A), compressed
 # attention and an indexer on both stages
 V4_PARTITION = "2,2"
+DP_EP_ARGS = ["--dp", "2", "--ep"]   # V4 at data parallel 2 with expert parallelism (see dp_ep_rank_checks)
 PP_STAGE_KINDS = {"v41": None, "v4": ({"attn(ratio=0)", "attn(ratio=4)"}, {"attn(ratio=128)", "attn(ratio=4)"})}
 
 
@@ -155,6 +161,9 @@ def runs(request, tmp_path_factory):
             "v4_ref": (1, _v4(ckpt_v4, "--write-ckpt")),
             "v4_tp2": (2, _v4(ckpt_v4, "--tp", "2")),
             "v4_pp2": (2, _v4(ckpt_v4, "--pp", "2", "--partition", V4_PARTITION)),
+            # DP 2 + EP: DP rank 1's requests (prompt set 1) at one rank, the reference of that rank
+            "v4_ref_b": (1, _v4(ckpt_v4, "--prompt-set", "1")),
+            "v4_dp2ep": (2, _v4(ckpt_v4, *DP_EP_ARGS)),
         })
     for f in V32_FAMILIES:
         if f in want:
@@ -165,6 +174,7 @@ def runs(request, tmp_path_factory):
             model = PLANT_MODEL.get(p, "v41")
             if model in want:
                 groups[f"plant_{p}"] = (2, _v32(model, ckpts[model], "--plant", p, *args) if model in V32_FAMILIES
+                                        else _v4(ckpt_v4, "--plant", p, *args) if model == "v4"
                                         else _v41(ckpt, "--plant", p, *args))
     t = time.time()
     out = dict(_launch(d, groups), dir=d, ckpt=ckpt)
@@ -482,6 +492,68 @@ def test_v32_tp2_ranks_agree_and_match_the_one_rank_run(runs, family):
     _v32_tp_agrees(ref, r0, r1, family)
 
 
+# ------------------------------------------------------------------------- DP 2 + expert parallel
+# V4 at data parallel 2 with expert parallelism (vLLM's DP attention: each rank its own requests,
+# all 8 heads; the 8 experts of every MoE layer split 4 / 4 over the EP group = the DP group).
+# vLLM's FusedMoE dispatches every DP rank's tokens to every rank and combines each rank's partial
+# back (the naive DP/EP prepare-finalize through the allgather_reducescatter all2all manager of
+# vLLM's CpuCommunicator; its missing all_gatherv / reduce_scatterv are torch.distributed
+# stand-ins, multirank.install_gatherv_standins). The DP ranks' batches differ in size (prompt
+# sets 0 and 1: 136 / 128 and 25 / 21 tokens); vLLM's set_forward_context exchanges the counts
+# (coordinate_batch_across_dp) and the stand-ins gather the ragged rows.
+
+
+def dp_ep_rank_checks(rep) -> dict:
+    """One DP 2 + EP rank: every layer against the float64 oracle on its own requests and all
+    heads (rank_checks at TP 1; the MoE oracle on every EP rank's experts, all-gathered), its
+    experts exactly the checkpoint's experts of its half, the MoE dispatch and combine ran through
+    the EP group with the other rank's (different) batch sizes."""
+    worst = rank_checks(rep, 1)
+    assert (rep["dp_rank"], rep["ep_rank"], rep["ep_size"]) == (rep["rank"], rep["rank"], 2), rep.get("dp_rank")
+    moe = [c for c in rep["checks"] if c["kind"] == "moe"]
+    assert moe and all(c.get("ep_gathered") for c in moe), "an MoE check ran on the rank's local experts only"
+    experts = {(int(s["param"].split(".")[1]), int(s["param"].split(".")[4]))
+               for s in rep["shards"] if ".ffn.experts." in s["param"]}
+    assert experts == {(i, e) for i in range(one_rank.LAYERS["v4"]["n"]) for e in range(4 * rep["rank"], 4 * rep["rank"] + 4)}, \
+        sorted(experts)
+    # every MoE layer, every step: one dispatch (all_gatherv of hidden states, weights, ids) and
+    # one combine (reduce_scatterv); prefill and mixed with ragged sizes
+    n = len(STEPS) * one_rank.LAYERS["v4"]["n"]
+    assert rep["gatherv_calls"] == {"all_gatherv": n, "reduce_scatterv": n}, rep["gatherv_calls"]
+    assert {"[136, 128]", "[25, 21]", "[2, 2]"} <= set(rep["gatherv_sizes"]), rep["gatherv_sizes"]
+    return worst
+
+
+def _dp_ep_vs_one_rank(runs, reps):
+    """Each DP rank's logits and indexer choices bitwise the one-rank run of its own requests: the
+    two EP ranks' partials are each one expert's bf16 output (top-2 of 8, one expert a rank or
+    both on one), summed once by the combine, as the one-rank moe_sum sums the same two bf16
+    values once."""
+    refs = (runs["v4_ref"][0], runs["v4_ref_b"][0])
+    for ref, rep in zip(refs, reps):
+        _ok(ref)
+        _ok(rep)
+        assert [len(s["logits"]) for s in ref["trace"]] == [len(s["logits"]) for s in rep["trace"]]
+        for sa, sb in zip(ref["trace"], rep["trace"]):
+            bad = sum(a != b for a, b in zip(sa["logits"], sb["logits"]))
+            assert bad == 0, f"DP rank {rep['rank']} {sb['step']}: {bad} tokens' logits differ from the one-rank run's"
+            assert sa["topk"] == sb["topk"], (rep["rank"], sb["step"])
+
+
+@pytest.mark.parametrize("model", ("v4",))
+def test_dp2_ep_every_rank_matches_the_oracle_on_its_own_requests(runs, model):
+    reps = _group(runs, model, "dp2ep")
+    worst = [dp_ep_rank_checks(r) for r in reps]
+    print(f"{model} dp2 ep worst", worst)
+
+
+@pytest.mark.parametrize("model", ("v4",))
+def test_dp2_ep_ranks_bitwise_the_one_rank_runs_of_their_requests(runs, model):
+    ref_b = _group(runs, model, "ref_b")[0]
+    rank_checks(ref_b, 1)
+    _dp_ep_vs_one_rank(runs, _group(runs, model, "dp2ep"))
+
+
 # ---------------------------------------------------------------------------------- planted bugs
 PLANTS_ON = os.environ.get("DSV4_E2E_PLANTS") == "1"
 PLANTED = {
@@ -491,14 +563,18 @@ PLANTED = {
     "engram_vocab_start": ("tp2", ["--tp", "2"]),
     "stage2_no_input_ids": ("pp2", ["--pp", "2", "--partition", PARTITION]),
     "v32_head_offset": ("v32_tp2", ["--tp", "2"]),
+    "ep_expert_offset": ("v4_dp2ep", DP_EP_ARGS),
 }
-PLANT_MODEL = {"v32_head_offset": "v32"}   # the others: V4.1 + Engram
+PLANT_MODEL = {"v32_head_offset": "v32", "ep_expert_offset": "v4"}   # the others: V4.1 + Engram
 
 
 def _fails(runs, name, reps) -> list:
     """The checks above that the planted run fails (each as 'check: message')."""
     failed = []
-    if name == "v32_tp2":   # each rank on its own: the first failing check of each
+    if name == "v4_dp2ep":
+        probes = [(f"rank {i}", lambda r=r: dp_ep_rank_checks(r)) for i, r in enumerate(reps)]
+        probes.append(("vs one rank", lambda: _dp_ep_vs_one_rank(runs, reps)))
+    elif name == "v32_tp2":   # each rank on its own: the first failing check of each
         probes = [(f"rank {i}", lambda r=r: v32_rank_checks(r, 2)) for i, r in enumerate(reps)]
         probes.append(("vs one rank", lambda: _v32_tp_agrees(runs["v32_ref"][0], reps[0], reps[1], "v32")))
     else:
