@@ -245,17 +245,22 @@ def test_v3_no_sink_and_no_keys(interpret):
     run_and_check(dict(args, sink=None), 4, interpret)
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
-def test_v3_adversarial_slots(interpret, slot_dtype):
-    """Out-of-range, negative, dtype extremes and repeated slots: masked or counted each time."""
-    args = case(2, 8, 24, 8, slot_dtype, seed=21, lens=(False, False), device=interpret)
+def plant_adversarial_slots(args, slot_dtype, device):
+    """Out-of-range, negative, dtype-extreme and repeated slots into a case of T = 2, K1 = 24, K2 = 8."""
     info = torch.iinfo(slot_dtype)
     ext = torch.tensor([info.min, info.max, -1, 2 ** 31 - 1, -(2 ** 31), 24, 23, 0], dtype=torch.int64)
     if slot_dtype == torch.int64:
         ext[3] = 2 ** 40
-    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(interpret)
+    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(device)
     args["topk_slots"][1] = 5  # one slot repeated 24 times
-    args["swa_slots"][0, :4] = torch.tensor([info.max, info.min, 16, 15], dtype=torch.int64).to(slot_dtype).to(interpret)
+    args["swa_slots"][0, :4] = torch.tensor([info.max, info.min, 16, 15], dtype=torch.int64).to(slot_dtype).to(device)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=short_id)
+def test_v3_adversarial_slots(interpret, slot_dtype):
+    """Out-of-range, negative, dtype extremes and repeated slots: masked or counted each time."""
+    args = case(2, 8, 24, 8, slot_dtype, seed=21, lens=(False, False), device=interpret)
+    plant_adversarial_slots(args, slot_dtype, interpret)
     run_and_check(args, 1, interpret)
     run_and_check(args, 5, interpret)
 
@@ -400,13 +405,7 @@ def test_unaligned_adversarial_slots(interpret, monkeypatch, slot_dtype):
     """Out-of-range, negative, dtype extremes and repeated slots over unaligned caches: masked or counted
     each time (a slot one past the capacity would read the junk between pages)."""
     args = unaligned_case(2, 8, 24, 8, slot_dtype, seed=21, lens=(False, False), device=interpret)
-    info = torch.iinfo(slot_dtype)
-    ext = torch.tensor([info.min, info.max, -1, 2 ** 31 - 1, -(2 ** 31), 24, 23, 0], dtype=torch.int64)
-    if slot_dtype == torch.int64:
-        ext[3] = 2 ** 40
-    args["topk_slots"][0, :8] = ext.to(slot_dtype).to(interpret)
-    args["topk_slots"][1] = 5  # one slot repeated 24 times
-    args["swa_slots"][0, :4] = torch.tensor([info.max, info.min, 16, 15], dtype=torch.int64).to(slot_dtype).to(interpret)
+    plant_adversarial_slots(args, slot_dtype, interpret)
     made = spy_plans(monkeypatch)
     run_and_check(args, 1, interpret)
     run_and_check(args, 5, interpret)
